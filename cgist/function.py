@@ -1,0 +1,203 @@
+"""``gist_loss``: the GIST loss over embeddings, as a ``torch.autograd.Function``.
+
+The forward computes the loss and, when any student embedding needs a gradient, the embedding
+gradients in the same pass (GradCache needs them at once anyway). The backward only scales those
+stored gradients by ``grad_output``. Validation happens here, once, before any backend runs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import streaming
+
+MARGIN_STRATEGIES = ("absolute", "relative")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def column_name(index: int) -> str:
+    """Human name of column ``index`` of ``[anchor, positive, *negatives]``."""
+    return ("anchor", "positive")[index] if index < 2 else f"negative {index - 1}"
+
+
+def check_options(
+    *, temperature: object, margin: object, margin_strategy: object, contrast_anchors: object, contrast_positives: object
+) -> None:
+    """Raise ValueError/TypeError naming the first bad loss option."""
+    for name, value in (("temperature", temperature), ("margin", margin)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature!r}")
+    if margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {margin_strategy!r}")
+    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_group(tensors: object, arg: str, who: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{arg} must be a list of 2-D tensors [anchor, positive, *negatives], got {type(tensors).__name__}")
+    tensors = list(tensors)
+    if len(tensors) < 2:
+        raise ValueError(f"{arg} needs at least two columns (anchor, positive), got {len(tensors)}")
+    for i, t in enumerate(tensors):
+        where = f"{arg}[{i}] ({who} {column_name(i)})"
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{where} must have a floating dtype, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{where} must be 2-D (rows x dim), got shape {tuple(t.shape)}")
+        if t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{where} must be non-empty, got shape {tuple(t.shape)}")
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(f"{where} has dtype {t.dtype}, but {arg}[0] has {tensors[0].dtype}")
+        if t.shape[1] != tensors[0].shape[1]:
+            raise ValueError(f"{where} has dim {t.shape[1]}, but {arg}[0] has dim {tensors[0].shape[1]}")
+        if i >= 2 and t.shape[0] != tensors[1].shape[0]:
+            raise ValueError(f"{where} has {t.shape[0]} rows, but the positives have {tensors[1].shape[0]}")
+    return tensors
+
+
+def check_embeddings(embeddings: object, guide_embeddings: object, offset: object) -> tuple[list[Tensor], list[Tensor]]:
+    """Validate shapes, dtypes, devices, finiteness and the offset; return both groups as lists."""
+    student = _check_group(embeddings, "embeddings", "student")
+    guide = _check_group(guide_embeddings, "guide_embeddings", "guide")
+    if len(guide) != len(student):
+        raise ValueError(
+            f"guide_embeddings has {len(guide)} columns but embeddings has {len(student)}; they must hold the same columns"
+        )
+    for i, (s, g) in enumerate(zip(student, guide)):
+        if g.shape[0] != s.shape[0]:
+            raise ValueError(
+                f"guide_embeddings[{i}] (guide {column_name(i)}) has {g.shape[0]} rows, "
+                f"but embeddings[{i}] has {s.shape[0]}"
+            )
+    devices = {t.device for t in student + guide}
+    if len(devices) > 1:
+        raise ValueError(f"all embeddings must be on one device, got {sorted(map(str, devices))}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    batch, n_cand = student[0].shape[0], student[1].shape[0]
+    if not 0 <= offset <= n_cand - batch:
+        raise ValueError(
+            f"offset must be in [0, N - B] = [0, {n_cand - batch}] so that labels offset..offset+B-1 are candidates "
+            f"(B={batch} anchors, N={n_cand} candidates), got {offset}"
+        )
+    # One host sync for all columns; look for the culprit only when something is wrong.
+    finite = torch.stack([t.isfinite().all() for t in student + guide])
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0])
+        arg, who, i = (("embeddings", "student", first) if first < len(student)
+                       else ("guide_embeddings", "guide", first - len(student)))
+        raise ValueError(f"{arg}[{i}] ({who} {column_name(i)}) contains NaN or infinite values")
+    return student, guide
+
+
+def triton_backend() -> Callable[..., tuple[Tensor, list[Tensor] | None]]:
+    """The Triton launcher, or a RuntimeError saying why it cannot run here."""
+    try:
+        from .kernels import gist_loss_and_grads
+    except ImportError as err:
+        raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
+    return gist_loss_and_grads
+
+
+def select_backend(backend: object, device: torch.device) -> Callable[..., tuple[Tensor, list[Tensor] | None]]:
+    """'auto' picks Triton for CUDA tensors and the PyTorch streaming path elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return streaming.gist_loss_and_grads
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before importing "
+            "cgist, or use backend='torch'"
+        )
+    if backend == "auto":
+        try:
+            return triton_backend()
+        except RuntimeError:
+            return streaming.gist_loss_and_grads
+    return triton_backend()
+
+
+class GistLossFunction(torch.autograd.Function):
+    """Autograd node: forward returns the loss and keeps the gradients; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, kernel, options: dict, n_cols: int, need_grads: bool, *tensors: Tensor) -> Tensor:
+        loss, grads = kernel(tensors[:n_cols], tensors[n_cols:], need_grads=need_grads, **options)
+        ctx.n_guides = len(tensors) - n_cols
+        if grads is not None:
+            ctx.save_for_backward(*grads)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        grads = [g * grad_output.to(g.dtype) for g in ctx.saved_tensors]
+        return (None, None, None, None, *grads, *([None] * ctx.n_guides))
+
+
+def gist_loss(
+    embeddings: Sequence[Tensor],
+    guide_embeddings: Sequence[Tensor],
+    *,
+    temperature: float = 0.01,
+    margin: float = 0.0,
+    margin_strategy: str = "absolute",
+    contrast_anchors: bool = True,
+    contrast_positives: bool = True,
+    offset: int = 0,
+    backend: str = "auto",
+) -> Tensor:
+    """GIST loss of sentence-transformers' ``CachedGISTEmbedLoss``, over embeddings.
+
+    Args:
+        embeddings: ``[anchor (B x D), positive (N x D), *negatives (N x D)]`` from the student.
+        guide_embeddings: the same columns embedded by the guide, in any dimension Dg. Never differentiated.
+        temperature: divides the cosine similarities before the softmax.
+        margin, margin_strategy: candidate j of anchor i is masked when its guide score is strictly greater
+            than ``theta_i - margin`` ("absolute") or ``theta_i - |theta_i| * margin`` ("relative"), where
+            ``theta_i`` is the guide score of anchor i with its positive.
+        contrast_anchors, contrast_positives: add the anchor-anchor and positive-positive blocks.
+        offset: global row of this rank's first anchor among the candidates; anchor i's positive is
+            candidate ``offset + i`` (``rank * B`` when candidates are gathered across ranks).
+        backend: "auto" (Triton on CUDA, PyTorch streaming elsewhere), "torch" or "triton".
+
+    Returns:
+        The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
+        differentiable with respect to ``embeddings``.
+    """
+    check_options(
+        temperature=temperature,
+        margin=margin,
+        margin_strategy=margin_strategy,
+        contrast_anchors=contrast_anchors,
+        contrast_positives=contrast_positives,
+    )
+    student, guide = check_embeddings(embeddings, guide_embeddings, offset)
+    kernel = select_backend(backend, student[0].device)
+    need_grads = torch.is_grad_enabled() and any(t.requires_grad for t in student)
+    options = dict(
+        temperature=float(temperature),
+        margin=float(margin),
+        margin_strategy=margin_strategy,
+        contrast_anchors=contrast_anchors,
+        contrast_positives=contrast_positives,
+        offset=int(offset),
+    )
+    guide = [g.detach() for g in guide]
+    return GistLossFunction.apply(kernel, options, len(student), need_grads, *student, *guide)

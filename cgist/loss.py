@@ -1,0 +1,147 @@
+"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with a fused loss stage."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+from sentence_transformers.util import all_gather_with_grad, get_rank
+from torch import Tensor
+
+from .function import BACKENDS, check_options, gist_loss
+
+
+def check_equal_batches(batch_size: int) -> None:
+    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor(batch_size, device=device))
+    sizes = [int(s) for s in sizes]
+    if len(set(sizes)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+        raise ValueError(
+            f"gather_across_devices=True needs the same local batch size on every rank, got {listing} rows; "
+            "use a sampler that gives every rank full batches (e.g. drop_last / dataloader_drop_last=True)"
+        )
+
+
+class FusedCachedGISTLoss(CachedGISTEmbedLoss):
+    """Drop-in replacement for ``CachedGISTEmbedLoss`` with the same arguments, loss and gradients.
+
+    The embedding stage (GradCache with RandContext replay, guide retokenisation, mini-batching) is
+    sentence-transformers' own; only ``calculate_loss`` is replaced, by a streaming computation that
+    never materialises the B x N similarity matrix (fused Triton kernels on CUDA, a blockwise PyTorch
+    path elsewhere). ``backend`` ("auto", "torch", "triton") selects the implementation.
+    """
+
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        guide: SentenceTransformer,
+        temperature: float = 0.01,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        show_progress_bar: bool = False,
+        margin_strategy: Literal["absolute", "relative"] = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        gather_across_devices: bool = False,
+        backend: Literal["auto", "torch", "triton"] = "auto",
+    ) -> None:
+        check_options(
+            temperature=temperature,
+            margin=margin,
+            margin_strategy=margin_strategy,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+        )
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, numbers.Integral):
+            raise TypeError(f"mini_batch_size must be an int, got {type(mini_batch_size).__name__}")
+        if mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
+        if not isinstance(gather_across_devices, bool):
+            raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(guide, SentenceTransformer):
+            raise TypeError(f"guide must be a SentenceTransformer, got {type(guide).__name__}")
+        super().__init__(
+            model,
+            guide,
+            temperature=temperature,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            show_progress_bar=show_progress_bar,
+            margin_strategy=margin_strategy,
+            margin=margin,
+            contrast_anchors=contrast_anchors,
+            contrast_positives=contrast_positives,
+            gather_across_devices=gather_across_devices,
+        )
+        self.backend = backend
+
+    def calculate_loss(
+        self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
+    ) -> Tensor:
+        """Loss over the cached mini-batch embeddings.
+
+        With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in
+        ``reps`` and a detached scalar is returned; under ``torch.no_grad`` only the loss is computed.
+        """
+        if len(reps) != len(reps_guided):
+            raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
+        anchors, *candidates = (torch.cat(r) for r in reps)
+        anchors_guide, *candidates_guide = (torch.cat(r) for r in reps_guided)
+        offset = 0
+        if self.gather_across_devices:
+            check_equal_batches(anchors.shape[0])
+            candidates = [all_gather_with_grad(c) for c in candidates]
+            candidates_guide = [all_gather_with_grad(c) for c in candidates_guide]
+            offset = get_rank() * anchors.shape[0]
+        loss = gist_loss(
+            [anchors, *candidates],
+            [anchors_guide, *candidates_guide],
+            temperature=self.temperature,
+            margin=self.margin,
+            margin_strategy=self.margin_strategy,
+            contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives,
+            offset=offset,
+            backend=self.backend,
+        )
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
+
+    def get_config_dict(self):
+        return {**super().get_config_dict(), "backend": self.backend}
+
+    @property
+    def citation(self) -> str:
+        return """
+@misc{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Aivin V. Solatorio},
+    year={2024},
+    eprint={2402.16829},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+
+@misc{gao2021scaling,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""

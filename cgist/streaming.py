@@ -1,0 +1,138 @@
+"""Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
+
+Anchor rows are processed in blocks sized by a memory budget. Each block is scored against every
+candidate column with matrix products, masked against the guide threshold, reduced to a log-sum-exp,
+and turned into gradients at once, so the loss and the embedding gradients come out of one pass and
+nothing of size B x N is ever allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .reference import EPS, threshold
+
+#: Default bytes of score buffers held at once per row block.
+BLOCK_BYTES = 16 * 2**20
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating type accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def normalize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Return ``(x / max(||x||, eps), ||x||)`` computed in ``dtype``."""
+    x = x.to(dtype)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x / norm.clamp_min(EPS), norm
+
+
+def normalize_backward(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
+    """Gradient through ``x / max(||x||, eps)``: ``(g - x_hat (x_hat . g)) / ||x||``, or ``g / eps`` when clamped."""
+    radial = (x_hat * grad_hat).sum(dim=-1, keepdim=True)
+    radial = radial.masked_fill(norm < EPS, 0.0)
+    return (grad_hat - x_hat * radial) / norm.clamp_min(EPS)
+
+
+def rows_per_block(n_rows: int, n_score_cols: int, widest_block: int, itemsize: int, budget: int) -> int:
+    """Rows per block so that the block's scores plus one guide tile and mask fit in ``budget`` bytes."""
+    per_row = n_score_cols * itemsize + widest_block * (itemsize + 1)
+    return max(1, min(n_rows, budget // per_row))
+
+
+@torch.no_grad()
+def gist_loss_and_grads(
+    embeddings: Sequence[Tensor],
+    guide_embeddings: Sequence[Tensor],
+    *,
+    temperature: float,
+    margin: float,
+    margin_strategy: str,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    offset: int,
+    need_grads: bool,
+    block_bytes: int = BLOCK_BYTES,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Loss and, if ``need_grads``, d(loss)/d(embeddings) for ``embeddings = [anchor, positive, *negatives]``.
+
+    Shapes: anchor B x D, positive and negatives N x D, guide columns likewise in Dg; anchor i's label
+    is candidate ``offset + i``. The loss is float64 for float64 inputs and float32 otherwise; the
+    gradients have the dtype of their embedding.
+    """
+    dtype = compute_dtype(embeddings[0].dtype)
+    normed = [normalize(e, dtype) for e in embeddings]
+    a, p, *negs = (x for x, _ in normed)
+    ga, gp, *gnegs = (normalize(g, dtype)[0] for g in guide_embeddings)
+    batch, n_cand = a.shape[0], p.shape[0]
+    grad_scale = 1.0 / (temperature * batch)
+
+    # Column vectors of each block, student and guide: AP, [AA], [PP], AN_1..AN_k.
+    blocks: list[tuple[Tensor, Tensor]] = [(p, gp)]
+    if contrast_anchors:
+        blocks.append((a, ga))
+    if contrast_positives:
+        blocks.append((p, gp))
+    blocks.extend(zip(negs, gnegs))
+    pp_index = 1 + contrast_anchors if contrast_positives else None
+
+    grads_hat = [torch.zeros_like(x) for x, _ in normed] if need_grads else None
+    loss = torch.zeros((), dtype=dtype, device=a.device)
+    step = rows_per_block(
+        batch, sum(s.shape[0] for s, _ in blocks), max(batch, n_cand), torch.finfo(dtype).bits // 8, block_bytes
+    )
+    for start in range(0, batch, step):
+        stop = min(start + step, batch)
+        lo, hi = offset + start, offset + stop
+        rows = torch.arange(stop - start, device=a.device)
+        labels = rows + lo
+        # Row vectors of each block: anchors, except PP whose rows are this block's own positives.
+        row_vecs = [(a[start:stop], ga[start:stop])] * len(blocks)
+        if pp_index is not None:
+            row_vecs[pp_index] = (p[lo:hi], gp[lo:hi])
+
+        guide_ap = row_vecs[0][1] @ gp.T
+        limit = threshold(guide_ap[rows, labels].unsqueeze(1), margin, margin_strategy)
+        logits = []
+        for i, ((cols, guide_cols), (row_s, row_g)) in enumerate(zip(blocks, row_vecs)):
+            guide = guide_ap if i == 0 else row_g @ guide_cols.T
+            mask = guide > limit
+            if i == 0:
+                mask[rows, labels] = False
+            del guide
+            logits.append((row_s @ cols.T).div_(temperature).masked_fill_(mask, float("-inf")))
+            del mask
+        positive = logits[0][rows, labels]
+        # The positive logit is always present and finite, so the running max is finite and no
+        # fully masked block can produce exp(-inf - -inf).
+        row_max = torch.stack([block.amax(dim=1) for block in logits]).amax(dim=0).unsqueeze(1)
+        total = sum(block.sub_(row_max).exp_().sum(dim=1, keepdim=True) for block in logits)
+        loss += (row_max + total.log()).sum() - positive.sum()
+        if not need_grads:
+            continue
+
+        # logits now hold exp(s / tau - max); turn them into dL/ds = (softmax - onehot) / (tau * B).
+        scale = grad_scale / total
+        for block in logits:
+            block.mul_(scale)
+        logits[0][rows, labels] -= grad_scale
+        grad_a, grad_p, *grad_negs = grads_hat
+        grad_cols = [grad_p] + [grad_a] * contrast_anchors + [grad_p] * contrast_positives + grad_negs
+        grad_rows = [grad_a[start:stop]] * len(blocks)
+        if pp_index is not None:
+            grad_rows[pp_index] = grad_p[lo:hi]
+        for d_scores, (cols, _), grad_col, (row_s, _), grad_row in zip(logits, blocks, grad_cols, row_vecs, grad_rows):
+            grad_row.addmm_(d_scores, cols)
+            grad_col.addmm_(d_scores.T, row_s)
+
+    loss = (loss / batch).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    if not need_grads:
+        return loss, None
+    grads = [
+        normalize_backward(x_hat, norm, g).to(e.dtype) for (x_hat, norm), g, e in zip(normed, grads_hat, embeddings)
+    ]
+    return loss, grads

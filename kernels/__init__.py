@@ -1,0 +1,1 @@
+"""Triton kernels for the GIST loss (installed as ``cgist.kernels``)."""
