@@ -1,0 +1,293 @@
+"""Triton kernels for the GIST loss: a forward row pass and a backward row and column pass.
+
+Every kernel works on one score block at a time: rows ``q`` (anchors, or the local positives for PP)
+against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
+alongside. The launcher calls the same kernels once per block (AP, AA, PP, AN_1..AN_k); the running
+log-sum-exp state of each row lives in global memory between launches (O(B) floats).
+
+Normalisation is folded into the tiles: a score is ``(q . k) * rq * rk`` with ``r = 1 / max(||x||, eps)``
+precomputed per row, so no normalised copy of any embedding is made and bf16 inputs go to the tensor
+cores unchanged. All logits are in base-2 units, ``z = s * log2(e) / tau``, so the softmax uses exp2.
+
+Bit-identical masks: the guide tile of every block, and the threshold ``theta_i`` (read off the AP
+guide tile at the label column in the same forward), come from one helper with one tile config, and
+the backward recomputes the same tiles with the same code and the same config.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+#: Scalars shared by every kernel, stored in one small tensor of the accumulation dtype so that
+#: float64 runs keep full precision (Python floats would reach a kernel as float32).
+SCALE, MARGIN, GRAD_SCALE = 0, 1, 2
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tile_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
+    """Tile configs the forward autotunes over; the backward reuses the forward's pick.
+
+    Under the interpreter there is exactly one, small enough that tests with odd sizes cross
+    several row, column and K tiles.
+    """
+    if interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (64, 64, 64, 4, 3),
+            (64, 128, 32, 4, 3),
+            (128, 64, 32, 8, 3),
+            (128, 128, 32, 8, 2),
+            (32, 64, 64, 4, 3),
+        )
+    ]
+
+
+@triton.jit
+def _tile_dot(
+    a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, dim,
+    stride_am, stride_ad, stride_bn, stride_bd,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Raw dot products ``a[offs_m] . b[offs_n]`` (BLOCK_M x BLOCK_N), K-looped over ``dim``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ad
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bd
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, dim, BLOCK_K):
+        mask_k = offs_k < dim - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        a_ptrs += BLOCK_K * stride_ad
+        b_ptrs += BLOCK_K * stride_bd
+    return acc
+
+
+@triton.jit
+def _tile_scores(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+    offs_m, offs_n, mask_m, mask_n, dim, dim_g,
+    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+):
+    """Student logits ``z = cos(q, k) * scale`` and guide cosines ``cos(qg, kg)`` of one tile."""
+    s = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_qm, stride_qd, stride_kn, stride_kd,
+                  BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION)
+    g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qgm, stride_qgd, stride_kgn,
+                  stride_kgd, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+    z = s * (rq * scale)[:, None] * rk[None, :]
+    g = g * rqg[:, None] * rkg[None, :]
+    return z, g
+
+
+@triton.jit
+def _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL: tl.constexpr):
+    """``z`` with -inf where the guide score is strictly above the row threshold or out of range.
+
+    With HAS_LABEL (the AP block) column ``offset + i`` of row i is never masked.
+    """
+    keep = g <= thr[:, None]
+    if HAS_LABEL:
+        keep = keep | (offs_n[None, :] == offs_m[:, None] + offset)
+    keep = keep & mask_m[:, None] & mask_n[None, :]
+    return tl.where(keep, z, float("-inf"))
+
+
+@triton.jit
+def _online_lse(m_i, l_i, z):
+    """Fold a tile of base-2 logits into the running max ``m_i`` and sum ``l_i`` (``m_i`` finite)."""
+    m_new = tl.maximum(m_i, tl.max(z, axis=1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), axis=1)
+    return m_new, l_i
+
+
+@triton.jit
+def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL: tl.constexpr):
+    """dL/ds of one tile: ``(softmax - onehot(label)) * grad_scale``; 0 where masked (z = -inf)."""
+    p = tl.exp2(z - lse[:, None])
+    if HAS_LABEL:
+        is_label = (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None]
+        p = tl.where(is_label, p - 1.0, p)
+    return p * grad_scale
+
+
+@triton.jit
+def _add_product(
+    out_ptr, offs_o, mask_o, stride_om, stride_od, read_old,
+    ds, v_ptr, offs_v, mask_v, stride_vm, stride_vd, dim,
+    BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``out[offs_o, :] (+)= ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
+
+    ``ds`` is (len(offs_o) x len(offs_v)) in v's dtype; the old rows are read only when ``read_old``.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+    v_ptrs = v_ptr + offs_v[:, None].to(tl.int64) * stride_vm + offs_d[None, :] * stride_vd
+    for d0 in range(0, dim, BLOCK_D):
+        mask_d = offs_d < dim - d0
+        v = tl.load(v_ptrs, mask=mask_v[:, None] & mask_d[None, :], other=0.0)
+        out_mask = mask_o[:, None] & mask_d[None, :]
+        old = tl.load(out_ptrs, mask=out_mask & read_old, other=0.0)
+        tl.store(out_ptrs, tl.dot(ds, v, old, input_precision=PRECISION, out_dtype=ACC), mask=out_mask)
+        out_ptrs += BLOCK_D * stride_od
+        v_ptrs += BLOCK_D * stride_vd
+
+
+@triton.autotune(configs=tile_configs(), key=["b_bucket", "n_bucket", "dim", "dim_g"], restore_value=["m_ptr", "l_ptr"])
+@triton.jit
+def gist_fwd_kernel(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
+    thr_ptr, pos_ptr, m_ptr, l_ptr, scal_ptr,
+    n_rows, n_cols, dim, dim_g, offset,
+    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    b_bucket, n_bucket,
+    HAS_LABEL: tl.constexpr, RELATIVE: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
+
+    Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits. The AP
+    launch (HAS_LABEL) comes first: it computes ``theta_i`` and the positive logit from the label
+    tiles, stores the threshold ``T_i`` and the positive, and seeds ``m_i`` with the positive logit.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    scale = tl.load(scal_ptr + SCALE)
+    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+    if HAS_LABEL:
+        # theta and the positive logit, read off the same tiles (same code, same column alignment)
+        # as the main loop below, so a duplicate of the positive's guide vector ties with theta.
+        theta = tl.zeros((BLOCK_M,), dtype=ACC)
+        m_i = tl.zeros((BLOCK_M,), dtype=ACC)
+        first_label = offset + tl.program_id(0) * BLOCK_M
+        last_label = offset + tl.minimum(tl.program_id(0) * BLOCK_M + BLOCK_M, n_rows)
+        for start_n in range((first_label // BLOCK_N) * BLOCK_N, last_label, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_cols
+            rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
+            rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+            z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+                                offs_m, offs_n, mask_m, mask_n, dim, dim_g,
+                                stride_qm, stride_qd, stride_qgm, stride_qgd,
+                                stride_kn, stride_kd, stride_kgn, stride_kgd,
+                                BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+            is_label = offs_n[None, :] == offs_m[:, None] + offset
+            theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
+            m_i += tl.sum(tl.where(is_label, z, 0.0), axis=1)
+        margin = tl.load(scal_ptr + MARGIN)
+        if RELATIVE:
+            thr = theta - tl.abs(theta) * margin
+        else:
+            thr = theta - margin
+        tl.store(thr_ptr + offs_m, thr, mask=mask_m)
+        tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
+        l_i = tl.zeros((BLOCK_M,), dtype=ACC)
+    else:
+        thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+        m_i = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
+        l_i = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
+
+    for start_n in range(0, n_cols, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_cols
+        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
+        rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
+                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
+        m_i, l_i = _online_lse(m_i, l_i, z)
+    tl.store(m_ptr + offs_m, m_i, mask=mask_m)
+    tl.store(l_ptr + offs_m, l_i, mask=mask_m)
+
+
+@triton.jit
+def gist_bwd_rows_kernel(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
+    thr_ptr, lse_ptr, scal_ptr, dq_ptr,
+    n_rows, n_cols, dim, dim_g, offset,
+    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    stride_dqm, stride_dqd,
+    HAS_LABEL: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Backward row pass of one block: ``dq_hat[i] (+)= sum_j dS[i, j] * k_hat[j]`` (n_rows x dim).
+
+    Recomputes each tile and its mask exactly as the forward; ``lse`` is the base-2 row LSE.
+    Without ACCUMULATE the first column tile overwrites ``dq`` instead of adding to it.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    scale = tl.load(scal_ptr + SCALE)
+    grad_scale = tl.load(scal_ptr + GRAD_SCALE)
+    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+    thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+    lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
+    for start_n in range(0, n_cols, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_cols
+        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
+        rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
+                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
+        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL) * rk[None, :]
+        _add_product(dq_ptr, offs_m, mask_m, stride_dqm, stride_dqd, ACCUMULATE or start_n > 0,
+                     ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_kn, stride_kd, dim,
+                     BLOCK_K, ACC, PRECISION)
+
+
+@triton.jit
+def gist_bwd_cols_kernel(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
+    thr_ptr, lse_ptr, scal_ptr, dk_ptr,
+    n_rows, n_cols, dim, dim_g, offset,
+    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    stride_dkn, stride_dkd,
+    HAS_LABEL: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Backward column pass of one block: ``dk_hat[j] (+)= sum_i dS[i, j] * q_hat[i]`` (n_cols x dim).
+
+    One program per BLOCK_N columns loops over the row tiles; each tile is computed in the same
+    orientation and with the same code as the forward, so the masks are bit-identical.
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    scale = tl.load(scal_ptr + SCALE)
+    grad_scale = tl.load(scal_ptr + GRAD_SCALE)
+    rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
+    rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+    for start_m in range(0, n_rows, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < n_rows
+        rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+        rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+        thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+        lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
+        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
+                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
+        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL) * rq[:, None]
+        _add_product(dk_ptr, offs_n, mask_n, stride_dkn, stride_dkd, ACCUMULATE or start_m > 0,
+                     tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_qm, stride_qd, dim,
+                     BLOCK_K, ACC, PRECISION)
