@@ -27,32 +27,42 @@ def column_name(index: int) -> str:
     return ("anchor", "positive")[index] if index < 2 else f"negative {index - 1}"
 
 
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+
+
 def check_options(
     *, temperature: object, margin: object, margin_strategy: object, contrast_anchors: object, contrast_positives: object
 ) -> None:
     """Raise ValueError/TypeError naming the first bad loss option."""
-    for name, value in (("temperature", temperature), ("margin", margin)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value!r}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature!r}")
-    if margin_strategy not in MARGIN_STRATEGIES:
+    _check_real("temperature", temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    _check_real("margin", margin)
+    if not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    if not isinstance(margin_strategy, str) or margin_strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {margin_strategy!r}")
     for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_group(tensors: object, arg: str, who: str) -> list[Tensor]:
-    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
+def _where(arg: str, i: int) -> str:
+    """``embeddings[2] (student negative 1)``: how messages name a column."""
+    return f"{arg}[{i}] ({'student' if arg == 'embeddings' else 'guide'} {column_name(i)})"
+
+
+def _check_group(tensors: object, arg: str) -> list[Tensor]:
+    """One side's columns: 2-D, non-empty, floating, one dtype, one dim, negatives as tall as the positives."""
+    if isinstance(tensors, (Tensor, str, bytes)) or not isinstance(tensors, Sequence):
         raise TypeError(f"{arg} must be a list of 2-D tensors [anchor, positive, *negatives], got {type(tensors).__name__}")
     tensors = list(tensors)
     if len(tensors) < 2:
         raise ValueError(f"{arg} needs at least two columns (anchor, positive), got {len(tensors)}")
     for i, t in enumerate(tensors):
-        where = f"{arg}[{i}] ({who} {column_name(i)})"
+        where = _where(arg, i)
         if not isinstance(t, Tensor):
             raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -71,37 +81,44 @@ def _check_group(tensors: object, arg: str, who: str) -> list[Tensor]:
 
 
 def check_embeddings(embeddings: object, guide_embeddings: object, offset: object) -> tuple[list[Tensor], list[Tensor]]:
-    """Validate shapes, dtypes, devices, finiteness and the offset; return both groups as lists."""
-    student = _check_group(embeddings, "embeddings", "student")
-    guide = _check_group(guide_embeddings, "guide_embeddings", "guide")
+    """Validate shapes, dtypes, devices, finiteness and the offset; return both groups as lists.
+
+    Costs one host sync (the finiteness test), however many columns there are.
+    """
+    student = _check_group(embeddings, "embeddings")
+    guide = _check_group(guide_embeddings, "guide_embeddings")
     if len(guide) != len(student):
         raise ValueError(
             f"guide_embeddings has {len(guide)} columns but embeddings has {len(student)}; they must hold the same columns"
         )
     for i, (s, g) in enumerate(zip(student, guide)):
         if g.shape[0] != s.shape[0]:
+            raise ValueError(f"{_where('guide_embeddings', i)} has {g.shape[0]} rows, but embeddings[{i}] has {s.shape[0]}")
+    named = [(_where("embeddings", i), t) for i, t in enumerate(student)]
+    named += [(_where("guide_embeddings", i), t) for i, t in enumerate(guide)]
+    for where, t in named:
+        if t.device != student[0].device:
             raise ValueError(
-                f"guide_embeddings[{i}] (guide {column_name(i)}) has {g.shape[0]} rows, "
-                f"but embeddings[{i}] has {s.shape[0]}"
+                f"{where} is on {t.device}, but embeddings[0] (student anchor) is on {student[0].device}; "
+                "all embeddings must be on one device"
             )
-    devices = {t.device for t in student + guide}
-    if len(devices) > 1:
-        raise ValueError(f"all embeddings must be on one device, got {sorted(map(str, devices))}")
+    batch, n_cand = student[0].shape[0], student[1].shape[0]
+    if n_cand < batch:
+        raise ValueError(
+            f"embeddings[1] (student positive) has {n_cand} rows, fewer than the {batch} anchors; "
+            "anchor i's positive is candidate offset + i, so there must be N >= B candidates"
+        )
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    batch, n_cand = student[0].shape[0], student[1].shape[0]
     if not 0 <= offset <= n_cand - batch:
         raise ValueError(
             f"offset must be in [0, N - B] = [0, {n_cand - batch}] so that labels offset..offset+B-1 are candidates "
             f"(B={batch} anchors, N={n_cand} candidates), got {offset}"
         )
     # One host sync for all columns; look for the culprit only when something is wrong.
-    finite = torch.stack([t.isfinite().all() for t in student + guide])
+    finite = torch.stack([t.isfinite().all() for _, t in named])
     if not bool(finite.all()):
-        first = int((~finite).nonzero()[0])
-        arg, who, i = (("embeddings", "student", first) if first < len(student)
-                       else ("guide_embeddings", "guide", first - len(student)))
-        raise ValueError(f"{arg}[{i}] ({who} {column_name(i)}) contains NaN or infinite values")
+        raise ValueError(f"{named[int((~finite).nonzero()[0])][0]} contains NaN or infinite values")
     return student, guide
 
 

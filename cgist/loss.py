@@ -62,16 +62,23 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             contrast_anchors=contrast_anchors,
             contrast_positives=contrast_positives,
         )
-        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, numbers.Integral):
-            raise TypeError(f"mini_batch_size must be an int, got {type(mini_batch_size).__name__}")
-        if mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
+        for name, value, expected in (
+            ("mini_batch_size", mini_batch_size, "an int"),
+            ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
+        ):
+            if value is None and name == "mini_batch_num_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if not isinstance(gather_across_devices, bool):
             raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if not isinstance(guide, SentenceTransformer):
-            raise TypeError(f"guide must be a SentenceTransformer, got {type(guide).__name__}")
+        for name, value in (("model", model), ("guide", guide)):
+            if not isinstance(value, SentenceTransformer):
+                raise TypeError(f"{name} must be a SentenceTransformer, got {type(value).__name__}")
         super().__init__(
             model,
             guide,
