@@ -1,0 +1,205 @@
+"""The dense oracle, the streaming path and ``FusedCachedGISTLoss.calculate_loss`` against
+sentence-transformers' own ``CachedGISTEmbedLoss.calculate_loss``, in float64.
+
+Embeddings are random, with positives and negatives drawn near their anchors so that the guide masks
+some candidates and keeps others. They are passed as uneven mini-batches of leaf tensors, as the
+GradCache loop does, and the loss and the gradient of every leaf are compared. Other ranks of a
+``gather_across_devices`` run are simulated by patching ``all_gather_with_grad`` and ``get_rank``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers_models import single_thread, tiny_model
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
+
+import cgist.loss
+from cgist import FusedCachedGISTLoss, gist_loss, streaming
+from cgist.reference import gist_loss_reference
+
+D, DG = 24, 16
+MINI_BATCH = 5
+TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 13
+    negatives: int = 1
+    margin: float = 0.0
+    strategy: str = "absolute"
+    contrast_anchors: bool = True
+    contrast_positives: bool = True
+    temperature: float = 0.01
+    rank: int = 0
+    world: int = 1
+    gather: bool = False
+    duplicates: bool = False
+
+    @property
+    def id(self) -> str:
+        flags = f"aa{int(self.contrast_anchors)}-pp{int(self.contrast_positives)}"
+        where = f"r{self.rank}of{self.world}" if self.gather else "local"
+        dup = "-dup" if self.duplicates else ""
+        return (
+            f"B{self.batch}-N{self.batch * self.world}-D{D}-k{self.negatives}-m{self.margin:+g}-{self.strategy[:3]}"
+            f"-{flags}-t{self.temperature:g}-{where}{dup}-fp64"
+        )
+
+    @property
+    def options(self) -> dict:
+        return dict(
+            temperature=self.temperature,
+            margin=self.margin,
+            margin_strategy=self.strategy,
+            contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives,
+        )
+
+
+# (rank, world, gather): single device, rank 0 of 2, and two ranks > 0 of 3.
+PLACEMENTS = [(0, 1, False), (0, 2, True), (1, 3, True), (2, 3, True)]
+TEMPERATURES = [0.01, 0.05, 1.0]
+
+
+def _cases() -> list[Case]:
+    """Every margin x strategy x contrast combination; k, placement and temperature cycle through theirs."""
+    grid = itertools.product([0.0, 0.1, -0.1], ["absolute", "relative"], [True, False], [True, False])
+    cases = []
+    for n, (margin, strategy, aa, pp) in enumerate(grid):
+        rank, world, gather = PLACEMENTS[n % len(PLACEMENTS)]
+        cases.append(
+            Case(
+                negatives=n % 4, margin=margin, strategy=strategy, contrast_anchors=aa, contrast_positives=pp,
+                temperature=TEMPERATURES[n % len(TEMPERATURES)], rank=rank, world=world, gather=gather,
+            )
+        )
+    for rank, world, gather in PLACEMENTS:
+        for margin in (0.0, 0.1):
+            cases.append(Case(negatives=2, margin=margin, rank=rank, world=world, gather=gather, duplicates=True))
+    cases += [Case(batch=1, negatives=3, margin=0.1, rank=1, world=2, gather=True), Case(batch=7, negatives=0)]
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(student, guide): tiny models, needed only to construct the loss objects."""
+    root = tmp_path_factory.mktemp("models")
+    return tiny_model(root / "student"), tiny_model(root / "guide", seed=1)
+
+
+def _near(base: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Rows of ``base`` plus noise of a random per-row scale, so guide scores spread around the thresholds."""
+    scale = torch.empty(base.shape[0], 1, dtype=base.dtype).uniform_(0.2, 2.0, generator=gen)
+    return base + scale * torch.randn(base.shape, dtype=base.dtype, generator=gen)
+
+
+def _embeddings(case: Case, dim: int, gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Local columns [anchor, positive, *negatives] (B x dim each) and the gathered candidates (BW x dim)."""
+    anchors = torch.randn(case.batch, dim, dtype=torch.float64, generator=gen)
+    local = [anchors] + [_near(anchors, gen) for _ in range(1 + case.negatives)]
+    if case.duplicates:
+        # Duplicate texts: anchor 2 repeats anchor 0, positive 1 repeats positive 0, a negative repeats it too.
+        local[0][2 % case.batch] = local[0][0]
+        local[1][1 % case.batch] = local[1][0]
+        local[-1][3 % case.batch] = local[1][0]
+    gathered = []
+    for column in local[1:]:
+        others = [_near(torch.randn_like(column), gen) for _ in range(case.world - 1)]
+        gathered.append(torch.cat([*others[: case.rank], column, *others[case.rank :]]))
+    return local, gathered
+
+
+def _leaves(columns: list[torch.Tensor], requires_grad: bool) -> list[list[torch.Tensor]]:
+    """Each column as mini-batches of MINI_BATCH rows (the last one shorter), as fresh leaf tensors."""
+    return [[mb.clone().requires_grad_(requires_grad) for mb in c.split(MINI_BATCH)] for c in columns]
+
+
+def _patch_gather(monkeypatch, module, case: Case, gathered: list[torch.Tensor]) -> None:
+    """Make ``module``'s gather put the local rows at rank * B among the other ranks' rows, in call order."""
+    calls = iter(gathered)
+    lo, hi = case.rank * case.batch, (case.rank + 1) * case.batch
+
+    def all_gather_with_grad(local: torch.Tensor) -> torch.Tensor:
+        full = next(calls)
+        assert full.shape[1] == local.shape[1]
+        return torch.cat([full[:lo], local, full[hi:]])
+
+    monkeypatch.setattr(module, "all_gather_with_grad", all_gather_with_grad)
+    monkeypatch.setattr(module, "get_rank", lambda: case.rank)
+
+
+def _run_loss_object(loss_obj, module, monkeypatch, case, local, local_guide, gathered, gathered_guide):
+    """``loss_obj.calculate_loss(..., with_backward=True)``: (loss, gradient of every leaf, column-wise)."""
+    _patch_gather(monkeypatch, module, case, gathered + gathered_guide)
+    reps = _leaves(local, True)
+    loss = loss_obj.calculate_loss(reps, _leaves(local_guide, False), with_backward=True)
+    assert not loss.requires_grad
+    return loss, [torch.cat([leaf.grad for leaf in column]) for column in reps]
+
+
+def _check(case: Case, models, monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    local, gathered = _embeddings(case, D, gen)
+    local_guide, gathered_guide = _embeddings(case, DG, gen)
+    tol = TOL[torch.float64]
+
+    st_loss, st_grads = _run_loss_object(
+        CachedGISTEmbedLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **case.options),
+        st_module, monkeypatch, case, local, local_guide, gathered, gathered_guide,
+    )
+    assert torch.isfinite(st_loss)
+
+    # Dense oracle through autograd, on the gathered candidates.
+    student = [c.clone().requires_grad_() for c in local]
+    candidates = [torch.cat([g[: case.rank * case.batch], s, g[(case.rank + 1) * case.batch :]])
+                  for g, s in zip(gathered, student[1:])] if case.gather else student[1:]
+    guide = [local_guide[0], *(gathered_guide if case.gather else local_guide[1:])]
+    offset = case.rank * case.batch if case.gather else 0
+    ref_loss = gist_loss_reference([student[0], *candidates], guide, offset=offset, **case.options)
+    ref_loss.backward()
+    torch.testing.assert_close(ref_loss, st_loss, **tol)
+    for name, ref, st in zip(["anchor", "positive", *["negative"] * case.negatives], student, st_grads):
+        torch.testing.assert_close(ref.grad, st, **tol, msg=lambda m: f"{name} gradient, oracle vs ST: {m}")
+
+    fused_loss, fused_grads = _run_loss_object(
+        FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **case.options),
+        cgist.loss, monkeypatch, case, local, local_guide, gathered, gathered_guide,
+    )
+    torch.testing.assert_close(fused_loss, st_loss, **tol)
+    for name, fused, st in zip(["anchor", "positive", *["negative"] * case.negatives], fused_grads, st_grads):
+        assert torch.isfinite(fused).all()
+        torch.testing.assert_close(fused, st, **tol, msg=lambda m: f"{name} gradient, fused vs ST: {m}")
+
+    # The functional form and the streaming path with one-row blocks, on the already gathered inputs.
+    candidates = [c.detach() for c in candidates]
+    functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", **case.options)
+    torch.testing.assert_close(functional, st_loss, **tol)
+    stream_loss, stream_grads = streaming.gist_loss_and_grads(
+        [local[0], *candidates], guide, offset=offset, need_grads=True, block_bytes=1, **case.options
+    )
+    torch.testing.assert_close(stream_loss, st_loss, **tol)
+    lo, hi = offset, offset + case.batch
+    for name, stream, st in zip(["anchor", "positive", *["negative"] * case.negatives], stream_grads, st_grads):
+        local_rows = stream if name == "anchor" else stream[lo:hi]
+        torch.testing.assert_close(local_rows, st, **tol, msg=lambda m: f"{name} gradient, streaming vs ST: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_sentence_transformers(case, models, monkeypatch):
+    _check(case, models, monkeypatch)
