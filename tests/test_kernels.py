@@ -1,0 +1,155 @@
+"""The Triton backend against the dense float64 oracle.
+
+Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
+TRITON_INTERPRET=1), in float32 and float64. bf16/fp16/tf32 only run on a GPU: the interpreter's
+bf16 ``tl.dot`` is broken and it has no tf32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgist
+from cgist.kernels import gist_loss_and_grads
+from cgist.reference import gist_loss_reference, gist_scores
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16/fp16/tf32 tl.dot only run on a GPU")
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+#: (rtol, atol as a fraction of the largest reference value) per precision.
+TOL = {"fp64": (1e-9, 1e-10), "fp32": (1e-4, 1e-5), "tf32": (3e-2, 3e-2), "bf16": (3e-2, 3e-2), "fp16": (1e-2, 1e-2)}
+
+
+def _inputs(batch, n_cand, dim, dim_g, k, dtype, seed):
+    """Random student and guide columns [anchor, positive, *negatives], drawn in float64 then cast."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [batch] + [n_cand] * (1 + k)
+    student = [torch.randn(r, dim, generator=gen, dtype=torch.float64) for r in rows]
+    guide = [torch.randn(r, dim_g, generator=gen, dtype=torch.float64) for r in rows]
+    student = [x.to(dtype) for x in student]
+    guide = [g.to(dtype) for g in guide]
+    return student, guide
+
+
+def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, strategy="absolute",
+           anchors=True, positives=True, temperature=0.05, ties=(), seed=0):
+    """Loss and gradients (two runs, bitwise equal) match the float64 oracle.
+
+    ``ties`` lists (column, row, anchor): that guide row becomes a bitwise copy of the guide vector of
+    anchor ``anchor``'s positive.
+    """
+    dtype = DTYPES[precision]
+    student, guide = _inputs(batch, n_cand, dim, dim_g, k, dtype, seed)
+    for column, row, anchor in ties:
+        guide[column][row] = guide[1][offset + anchor]
+    options = dict(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
+                   contrast_positives=positives, offset=offset)
+
+    leaves = [x.double().requires_grad_() for x in student]
+    guide64 = [g.double() for g in guide]
+    want = gist_loss_reference(leaves, guide64, **options)
+    want.backward()
+    if ties:  # the oracle keeps each duplicate of the positive at margin 0, so the test exercises the tie
+        scores = gist_scores(leaves, guide64, **{key: v for key, v in options.items() if key != "temperature"})
+        negatives_start = n_cand + batch * anchors + n_cand * positives
+        for column, row, anchor in ties:
+            start = 0 if column == 1 else negatives_start + (column - 2) * n_cand
+            assert torch.isfinite(scores[anchor, start + row]), "the oracle masked a tie"
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide],
+                                    need_grads=True, **options) for _ in range(2)]
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+    (loss, grads), (loss2, grads2) = runs
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and loss.dim() == 0
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
+    rtol, atol = TOL[precision]
+    torch.testing.assert_close(loss.cpu().double(), want.detach(), rtol=rtol, atol=atol)
+    for got, leaf in zip(grads, leaves):
+        assert got.dtype == dtype and got.shape == leaf.shape
+        torch.testing.assert_close(got.cpu().double(), leaf.grad, rtol=rtol, atol=atol * float(leaf.grad.abs().max()))
+
+
+def _id(batch, n_cand, dim, dim_g, k, precision, **kw):
+    extra = "".join(f"-{key}{value}" for key, value in kw.items())
+    return f"B{batch}-N{n_cand}-D{dim}-Dg{dim_g}-k{k}-{precision}{extra}"
+
+
+def _params(cases):
+    return [pytest.param(*args, kw, id=_id(*args, **kw)) for *args, kw in cases]
+
+
+SHAPES = _params([
+    (13, 13, 40, 24, 0, "fp64", {}),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=13)),
+    (13, 39, 40, 24, 2, "fp64", dict(offset=20)),
+    (37, 37, 70, 33, 1, "fp64", {}),
+    (5, 41, 17, 50, 2, "fp64", dict(offset=36)),
+    (13, 26, 40, 24, 1, "fp32", dict(offset=13)),
+    (37, 37, 70, 33, 2, "fp32", {}),
+])
+
+OPTIONS = _params([
+    (13, 26, 40, 24, 1, "fp64", dict(offset=5, anchors=False, positives=False)),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=5, anchors=True, positives=False)),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=5, anchors=False, positives=True)),
+    (13, 26, 40, 24, 2, "fp64", dict(offset=9, strategy="relative", margin=0.3)),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=13, temperature=0.01)),
+    (13, 26, 40, 24, 1, "fp32", dict(offset=13, strategy="relative", margin=0.2, anchors=False)),
+    # everything but the positive is masked: all-masked tiles must not produce NaN
+    (21, 42, 40, 24, 2, "fp64", dict(offset=17, margin=3.0)),
+    (21, 42, 40, 24, 1, "fp32", dict(offset=17, margin=3.0)),
+    # nothing is masked, self-pairs AA[i, i] and PP[i, o + i] included
+    (13, 26, 40, 24, 1, "fp64", dict(offset=11, margin=-2.5)),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=11, margin=-4.0, strategy="relative")),
+])
+
+
+@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "precision", "kw"), SHAPES + OPTIONS)
+def test_matches_reference(batch, n_cand, dim, dim_g, k, precision, kw):
+    _check(batch, n_cand, dim, dim_g, k, precision, **kw)
+
+
+# (column, row, anchor): column 1 = positives, 2.. = negative sets. Copies of the positive of anchor
+# 3 sit in other column tiles and at other positions within a tile than the label itself.
+TIES = ((1, 2, 3), (1, 25, 3), (2, 19, 3), (3, 0, 7), (1, 30, 7))
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_ties_with_positive_are_kept_at_zero_margin(precision):
+    _check(13, 37, 40, 24, 2, precision, offset=9, margin=0.0, ties=TIES)
+
+
+@pytest.mark.parametrize(
+    ("batch", "n_cand", "k", "offset", "strategy"),
+    [pytest.param(3, 5, 1, 2, "absolute", id="B3-N5-D6-k1-o2"), pytest.param(4, 4, 0, 0, "relative", id="B4-N4-D6-k0")],
+)
+def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
+    student, guide = _inputs(batch, n_cand, 6, 5, k, torch.float64, seed=1)
+    leaves = [x.to(DEVICE).requires_grad_() for x in student]
+    guide = [g.to(DEVICE) for g in guide]
+
+    def loss(*xs):
+        return cgist.gist_loss(list(xs), guide, temperature=0.5, margin=0.05, margin_strategy=strategy, offset=offset,
+                               backend="triton")
+
+    assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])
+@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "offset"), [
+    pytest.param(13, 26, 40, 24, 1, 13, id="B13-N26-D40-Dg24-k1"),
+    pytest.param(300, 600, 384, 384, 1, 300, id="B300-N600-D384-Dg384-k1"),
+    pytest.param(130, 130, 1024, 768, 2, 0, id="B130-N130-D1024-Dg768-k2"),
+])
+def test_gpu_precisions(batch, n_cand, dim, dim_g, k, offset, precision):
+    _check(batch, n_cand, dim, dim_g, k, precision, offset=offset)
