@@ -130,15 +130,20 @@ def _leaves(columns: list[torch.Tensor], requires_grad: bool) -> list[list[torch
     return [[mb.clone().requires_grad_(requires_grad) for mb in c.split(MINI_BATCH)] for c in columns]
 
 
+def _insert(full: torch.Tensor, local: torch.Tensor, case: Case) -> torch.Tensor:
+    """``full`` (BW rows) with rows rank * B ... (rank + 1) * B replaced by ``local``, keeping its autograd graph."""
+    lo, hi = case.rank * case.batch, (case.rank + 1) * case.batch
+    return torch.cat([full[:lo], local, full[hi:]])
+
+
 def _patch_gather(monkeypatch, module, case: Case, gathered: list[torch.Tensor]) -> None:
     """Make ``module``'s gather put the local rows at rank * B among the other ranks' rows, in call order."""
     calls = iter(gathered)
-    lo, hi = case.rank * case.batch, (case.rank + 1) * case.batch
 
     def all_gather_with_grad(local: torch.Tensor) -> torch.Tensor:
         full = next(calls)
         assert full.shape[1] == local.shape[1]
-        return torch.cat([full[:lo], local, full[hi:]])
+        return _insert(full, local, case)
 
     monkeypatch.setattr(module, "all_gather_with_grad", all_gather_with_grad)
     monkeypatch.setattr(module, "get_rank", lambda: case.rank)
@@ -158,6 +163,7 @@ def _check(case: Case, models, monkeypatch) -> None:
     local, gathered = _embeddings(case, D, gen)
     local_guide, gathered_guide = _embeddings(case, DG, gen)
     tol = TOL[torch.float64]
+    names = ["anchor", "positive", *[f"negative {n + 1}" for n in range(case.negatives)]]
 
     st_loss, st_grads = _run_loss_object(
         CachedGISTEmbedLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **case.options),
@@ -167,14 +173,13 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     # Dense oracle through autograd, on the gathered candidates.
     student = [c.clone().requires_grad_() for c in local]
-    candidates = [torch.cat([g[: case.rank * case.batch], s, g[(case.rank + 1) * case.batch :]])
-                  for g, s in zip(gathered, student[1:])] if case.gather else student[1:]
+    candidates = [_insert(g, s, case) for g, s in zip(gathered, student[1:])] if case.gather else student[1:]
     guide = [local_guide[0], *(gathered_guide if case.gather else local_guide[1:])]
     offset = case.rank * case.batch if case.gather else 0
     ref_loss = gist_loss_reference([student[0], *candidates], guide, offset=offset, **case.options)
     ref_loss.backward()
     torch.testing.assert_close(ref_loss, st_loss, **tol)
-    for name, ref, st in zip(["anchor", "positive", *["negative"] * case.negatives], student, st_grads):
+    for name, ref, st in zip(names, student, st_grads):
         torch.testing.assert_close(ref.grad, st, **tol, msg=lambda m: f"{name} gradient, oracle vs ST: {m}")
 
     fused_loss, fused_grads = _run_loss_object(
@@ -182,7 +187,7 @@ def _check(case: Case, models, monkeypatch) -> None:
         cgist.loss, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     torch.testing.assert_close(fused_loss, st_loss, **tol)
-    for name, fused, st in zip(["anchor", "positive", *["negative"] * case.negatives], fused_grads, st_grads):
+    for name, fused, st in zip(names, fused_grads, st_grads):
         assert torch.isfinite(fused).all()
         torch.testing.assert_close(fused, st, **tol, msg=lambda m: f"{name} gradient, fused vs ST: {m}")
 
@@ -195,7 +200,7 @@ def _check(case: Case, models, monkeypatch) -> None:
     )
     torch.testing.assert_close(stream_loss, st_loss, **tol)
     lo, hi = offset, offset + case.batch
-    for name, stream, st in zip(["anchor", "positive", *["negative"] * case.negatives], stream_grads, st_grads):
+    for name, stream, st in zip(names, stream_grads, st_grads):
         local_rows = stream if name == "anchor" else stream[lo:hi]
         torch.testing.assert_close(local_rows, st, **tol, msg=lambda m: f"{name} gradient, streaming vs ST: {m}")
 
