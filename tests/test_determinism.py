@@ -1,0 +1,94 @@
+"""Determinism: two identical runs give bitwise identical losses and gradients.
+
+Covers ``gist_loss`` on both backends (Triton under the interpreter without CUDA) and a full
+``FusedCachedGISTLoss`` forward and backward on a tiny student with dropout on, guided by another tiny model
+(a small guide dimension keeps the Triton interpreter quick).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import cgist
+import cgist.kernels
+from test_properties import one_thread  # noqa: F401  (autouse: tiny tensors, so one OpenMP thread)
+
+TRITON_PENDING = not hasattr(cgist.kernels, "gist_loss_and_grads")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            TRITON_PENDING, reason="pending: cgist.kernels has no gist_loss_and_grads yet, so backend='triton' cannot run"
+        ),
+    ),
+]
+
+
+def _check(run: Callable[[int], list[torch.Tensor]]) -> None:
+    """``run(seed)`` twice with one seed returns bitwise equal tensors; another seed changes them (not vacuous)."""
+    first, second, other = run(0), run(0), run(1)
+    assert len(first) == len(second) and first, "nothing to compare"
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), f"output {i} differs between two identical runs: max |diff| {(a - b).abs().max()}"
+    assert any(not torch.equal(a, c) for a, c in zip(first, other)), "a different seed gave the same outputs"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "batch, world, dim, guide_dim, k, dtype",
+    [(13, 2, 40, 24, 2, torch.float32), (13, 2, 40, 24, 2, torch.float64), (5, 3, 7, 11, 0, torch.float32)],
+    ids=["B13-N26-D40-Dg24-k2-fp32", "B13-N26-D40-Dg24-k2-fp64", "B5-N15-D7-Dg11-k0-fp32"],
+)
+def test_gist_loss_is_bitwise_deterministic(backend, batch, world, dim, guide_dim, k, dtype):
+    rows = [batch] + [batch * world] * (k + 1)
+
+    def run(seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        student = [torch.randn(r, dim, generator=gen, dtype=dtype).to(DEVICE).requires_grad_() for r in rows]
+        guide = [torch.randn(r, guide_dim, generator=gen, dtype=dtype).to(DEVICE) for r in rows]
+        loss = cgist.gist_loss(student, guide, margin=0.05, offset=batch, backend=backend)
+        return [loss.detach(), *torch.autograd.grad(loss, student)]
+
+    _check(run)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from helpers_models import tiny_model
+
+    student = tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float32, dropout=0.1).train()
+    guide = tiny_model(tmp_path_factory.mktemp("guide"), dtype=torch.float32, hidden_size=48, seed=1)
+    return student, guide
+
+
+TEXTS = [
+    ["a cat sits on the mat", "the stock market fell", "rain is expected tomorrow", "a cat sits on the mat",
+     "he plays the violin", "bread needs yeast", "the train was late"],
+    ["a kitten rests on a rug", "shares dropped sharply", "showers are forecast", "a kitten rests on a rug",
+     "she plays the cello", "dough rises with yeast", "the bus was delayed"],
+    ["a dog runs in the park", "bonds rallied", "it will be sunny", "fish swim in the sea",
+     "he sings in a choir", "cakes need sugar", "the plane was early"],
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_loss_forward_backward_is_bitwise_deterministic(models, backend):
+    """Dropout on, uneven mini-batches (7 rows in 3s), a duplicated pair: same seed, same bits."""
+    student, guide = models
+    loss_fn = cgist.FusedCachedGISTLoss(student, guide, mini_batch_size=3, margin=0.05, backend=backend)
+
+    def run(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        student.zero_grad(set_to_none=True)
+        features = [student.tokenize(column) for column in TEXTS]
+        loss = loss_fn(features, labels=None)
+        loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in student.parameters() if p.grad is not None)]
+
+    _check(run)
