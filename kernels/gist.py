@@ -16,14 +16,15 @@ the backward recomputes the same tiles with the same code and the same config.
 
 from __future__ import annotations
 
+import math
 import os
 
+import torch
 import triton
 import triton.language as tl
 
-#: Scalars shared by every kernel, stored in one small tensor of the accumulation dtype so that
-#: float64 runs keep full precision (Python floats would reach a kernel as float32).
-SCALE, MARGIN, GRAD_SCALE = 0, 1, 2
+#: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
+SCALE, MARGIN, GRAD_SCALE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -40,12 +41,20 @@ def tile_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in (
             (64, 64, 64, 4, 3),
-            (64, 128, 32, 4, 3),
             (128, 64, 32, 8, 3),
-            (128, 128, 32, 8, 2),
-            (32, 64, 64, 4, 3),
+            (32, 64, 64, 4, 3),  # small batches: more programs per SM
         )
     ]
+
+
+def pack_scalars(temperature: float, margin: float, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[log2(e) / tau, margin, 1 / (tau * B)]`` as a tensor of the accumulation dtype.
+
+    A tensor rather than kernel arguments, so that float64 runs keep full precision (Python floats
+    reach a kernel as float32).
+    """
+    return torch.tensor([math.log2(math.e) / temperature, margin, 1.0 / (temperature * batch)], dtype=dtype,
+                        device=device)
 
 
 @triton.jit

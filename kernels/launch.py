@@ -1,7 +1,7 @@
 """Launchers for the GIST kernels: tensors in, tensors out (no autograd, no nn).
 
-``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``.
-It launches the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
+``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
+``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart). It launches the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
 
 * forward: the AP launch stores the threshold, the positive logit and the first running max/sum of
   each row; the other blocks fold into that state. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
@@ -25,7 +25,7 @@ from torch import Tensor
 from cgist.reference import EPS
 from cgist.streaming import compute_dtype, normalize_backward
 
-from .gist import GRAD_SCALE, MARGIN, SCALE, gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel
+from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -52,17 +52,109 @@ class _Side:
         return _Side(self.x[start:stop], self.g[start:stop], self.rx[start:stop], self.rg[start:stop], self.grad, start)
 
 
-def _common_args(rows: _Side, cols: _Side, thr: Tensor, dim: int, dim_g: int, offset: int) -> tuple:
+def _common_args(rows: _Side, cols: _Side, thr: Tensor, offset: int) -> tuple[tuple, tuple]:
+    """Leading (tensor, size and stride) arguments shared by the three kernels, for one block."""
     return (
         rows.x, rows.g, cols.x, cols.g, rows.rx, rows.rg, cols.rx, cols.rg, thr,
     ), (
-        rows.x.shape[0], cols.x.shape[0], dim, dim_g, offset,
+        rows.x.shape[0], cols.x.shape[0], rows.x.shape[1], rows.g.shape[1], offset,
         rows.x.stride(0), rows.x.stride(1), rows.g.stride(0), rows.g.stride(1),
         cols.x.stride(0), cols.x.stride(1), cols.g.stride(0), cols.g.stride(1),
     )
 
 
+@dataclass
+class ForwardState:
+    """What the backward needs from the forward: the blocks, the per-row state and the tile config."""
+
+    embeddings: list[Tensor]
+    sides: list[_Side]
+    norms: list[Tensor]
+    blocks: list[tuple[_Side, _Side, bool]]
+    thr: Tensor
+    lse: Tensor
+    scalars: Tensor
+    flags: dict
+    tiles: dict
+    offset: int
+
+
 @torch.no_grad()
+def gist_forward(
+    embeddings: Sequence[Tensor],
+    guide_embeddings: Sequence[Tensor],
+    *,
+    temperature: float,
+    margin: float,
+    margin_strategy: str,
+    contrast_anchors: bool,
+    contrast_positives: bool,
+    offset: int,
+) -> tuple[Tensor, ForwardState]:
+    """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs."""
+    acc = compute_dtype(embeddings[0].dtype)
+    guide_dtype = guide_embeddings[0].dtype
+    if acc == torch.float64 or guide_dtype == torch.float64:
+        guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
+    guide_embeddings = [g.to(guide_dtype) for g in guide_embeddings]
+    device = embeddings[0].device
+    batch, n_cand = embeddings[0].shape[0], embeddings[1].shape[0]
+
+    norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
+    guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
+    sides = [
+        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.clamp_min(EPS), i)
+        for i, (x, g, n, gn) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms))
+    ]
+    anchor, positive, *negatives = sides
+    # (rows, columns, has_label) of each block, in the order of the loss: AP, AA, PP, AN_1..AN_k.
+    blocks = [(anchor, positive, True)]
+    if contrast_anchors:
+        blocks.append((anchor, anchor, False))
+    if contrast_positives:
+        blocks.append((positive.rows(offset, offset + batch), positive, False))
+    blocks.extend((anchor, negative, False) for negative in negatives)
+
+    scalars = pack_scalars(temperature, margin, batch, acc, device)
+    thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
+    flags = dict(
+        ACC=_TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
+    )
+    buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
+    for rows, cols, has_label in blocks:
+        ptrs, sizes = _common_args(rows, cols, thr, offset)
+        gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
+            *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
+            HAS_LABEL=has_label, RELATIVE=margin_strategy == "relative", **flags,
+        )
+    config = gist_fwd_kernel.best_config
+    tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    lse = run_max + torch.log2(run_sum)
+    loss = ((lse - pos).sum() * math.log(2.0) / batch).to(acc)
+    return loss, ForwardState(list(embeddings), sides, norms, blocks, thr, lse, scalars, flags, tiles, offset)
+
+
+@torch.no_grad()
+def gist_backward(state: ForwardState) -> list[Tensor]:
+    """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state."""
+    acc = state.lse.dtype
+    grads_hat = [torch.empty(x.shape, dtype=acc, device=x.device) for x in state.embeddings]
+    written: set[int] = set()
+    for rows, cols, has_label in state.blocks:
+        ptrs, sizes = _common_args(rows, cols, state.thr, state.offset)
+        for kernel, side, block in ((gist_bwd_rows_kernel, rows, "BLOCK_M"), (gist_bwd_cols_kernel, cols, "BLOCK_N")):
+            out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
+            kernel[(triton.cdiv(side.x.shape[0], state.tiles[block]),)](
+                *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
+                HAS_LABEL=has_label, ACCUMULATE=side.grad in written, **state.flags, **state.tiles,
+            )
+            written.add(side.grad)
+    return [
+        normalize_backward(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
+        for x, side, norm, g in zip(state.embeddings, state.sides, state.norms, grads_hat)
+    ]
+
+
 def gist_loss_and_grads(
     embeddings: Sequence[Tensor],
     guide_embeddings: Sequence[Tensor],
@@ -81,69 +173,14 @@ def gist_loss_and_grads(
     is candidate ``offset + i``. Inputs are assumed validated by ``cgist.gist_loss``. The loss is
     float64 for float64 inputs and float32 otherwise; the gradients have the dtype of their embedding.
     """
-    acc = compute_dtype(embeddings[0].dtype)
-    guide_dtype = guide_embeddings[0].dtype
-    if acc == torch.float64 or guide_dtype == torch.float64:
-        guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
-    guide_embeddings = [g.to(guide_dtype) for g in guide_embeddings]
-    device = embeddings[0].device
-    batch, n_cand = embeddings[0].shape[0], embeddings[1].shape[0]
-    dim, dim_g = embeddings[0].shape[1], guide_embeddings[0].shape[1]
-
-    norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
-    guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
-    sides = [
-        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.clamp_min(EPS), i)
-        for i, (x, g, n, gn) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms))
-    ]
-    anchor, positive, *negatives = sides
-    # (rows, columns, has_label) of each block, in the order of the loss: AP, AA, PP, AN_1..AN_k.
-    blocks = [(anchor, positive, True)]
-    if contrast_anchors:
-        blocks.append((anchor, anchor, False))
-    if contrast_positives:
-        blocks.append((positive.rows(offset, offset + batch), positive, False))
-    blocks.extend((anchor, negative, False) for negative in negatives)
-
-    scalars = torch.zeros(3, dtype=acc, device=device)
-    scalars[SCALE] = math.log2(math.e) / temperature
-    scalars[MARGIN] = margin
-    scalars[GRAD_SCALE] = 1.0 / (temperature * batch)
-    thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
-    flags = dict(
-        ACC=_TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
+    loss, state = gist_forward(
+        embeddings,
+        guide_embeddings,
+        temperature=temperature,
+        margin=margin,
+        margin_strategy=margin_strategy,
+        contrast_anchors=contrast_anchors,
+        contrast_positives=contrast_positives,
+        offset=offset,
     )
-    buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
-    for rows, cols, has_label in blocks:
-        ptrs, sizes = _common_args(rows, cols, thr, dim, dim_g, offset)
-        gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
-            *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
-            HAS_LABEL=has_label, RELATIVE=margin_strategy == "relative", **flags,
-        )
-    config = gist_fwd_kernel.best_config
-    lse = run_max + torch.log2(run_sum)
-    loss = ((lse - pos).sum() * math.log(2.0) / batch).to(acc)
-    if not need_grads:
-        return loss, None
-
-    tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    grads_hat = [torch.empty(x.shape, dtype=acc, device=device) for x in embeddings]
-    written: set[int] = set()
-    for rows, cols, has_label in blocks:
-        ptrs, sizes = _common_args(rows, cols, thr, dim, dim_g, offset)
-        for kernel, side, n_prog, block in (
-            (gist_bwd_rows_kernel, rows, rows.x.shape[0], "BLOCK_M"),
-            (gist_bwd_cols_kernel, cols, cols.x.shape[0], "BLOCK_N"),
-        ):
-            out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
-            kernel[(triton.cdiv(n_prog, tiles[block]),)](
-                *ptrs, lse, scalars, out, *sizes, out.stride(0), out.stride(1),
-                HAS_LABEL=has_label, ACCUMULATE=side.grad in written, **flags, **tiles,
-            )
-            written.add(side.grad)
-    grads = [
-        normalize_backward(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
-        for x, side, norm, g in zip(embeddings, sides, norms, grads_hat)
-    ]
-    return loss, grads
-
+    return loss, (gist_backward(state) if need_grads else None)
