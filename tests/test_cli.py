@@ -1,0 +1,335 @@
+"""``cgist train``: argument parsing, bad inputs (exit 2, nothing written), data loading, the standard-library
+pair builder, and a tiny end-to-end run (tiny BERT student, real MiniLM guide, a small JSONL file)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers_models import tiny_model
+from safetensors.torch import load_file
+
+from cgist import cli
+from cgist.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[dict[str, str]]:
+    """Real pairs from the standard library (anchor = docstring summary, positive = code)."""
+    return stdlib_pairs(40, seed=1)
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory) -> Path:
+    """A saved tiny BERT SentenceTransformer sharing the guide's tokenizer."""
+    root = tmp_path_factory.mktemp("student")
+    model = tiny_model(root / "bert", dtype=torch.float32)
+    model.save(str(root / "st"))
+    return root / "st"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> Path:
+    with path.open("w", encoding="utf-8", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    return path
+
+
+def _check(argv: list[str], capsys, *, code: int, out_dir: Path, message: str = "") -> str:
+    """Run ``cgist train argv``; check the exit code, the message on stderr and that ``out_dir`` holds no run."""
+    try:
+        status = cli.main(["train", *argv, "--output-dir", str(out_dir)])
+    except SystemExit as exit_:  # argparse errors
+        status = exit_.code
+    captured = capsys.readouterr()
+    assert status == code, captured.err
+    if code:
+        assert message.lower() in captured.err.lower(), captured.err
+        assert "Traceback" not in captured.err
+        assert not out_dir.exists() or not (out_dir / "modules.json").exists()
+        assert not [p for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}-")]
+    return captured.out
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def test_parser_defaults():
+    args = cli.build_parser().parse_args(["train"])
+    assert (args.model, args.guide, args.data) == (None, None, None)
+    assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (64, 16, 128)
+    assert (args.temperature, args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
+    assert args.contrast_anchors and args.contrast_positives
+    assert args.output_dir == cli.DEFAULT_OUTPUT_DIR
+    assert cli.max_steps(args) == cli.DEFAULT_STDLIB_STEPS
+
+
+def test_parser_options():
+    args = cli.build_parser().parse_args(
+        ["train", "--data", "x.jsonl", "--batch-size", "8", "--mini-batch-size", "3", "--epochs", "2", "--lr",
+         "1e-4", "--temperature", "0.05", "--margin", "0.1", "--margin-strategy", "relative",
+         "--no-contrast-anchors", "--no-contrast-positives", "--seed", "7", "--device", "cpu"]
+    )
+    assert (args.data, args.batch_size, args.mini_batch_size, args.epochs, args.lr) == ("x.jsonl", 8, 3, 2.0, 1e-4)
+    assert (args.temperature, args.margin, args.margin_strategy, args.seed) == (0.05, 0.1, "relative", 7)
+    assert not args.contrast_anchors and not args.contrast_positives
+    assert cli.max_steps(args) == -1  # a file trains for --epochs
+    assert cli.max_steps(cli.build_parser().parse_args(["train", "--epochs", "1"])) == -1
+    assert cli.max_steps(cli.build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "many"], "--batch-size"),
+        (["--lr", "0"], "--lr"),
+        (["--epochs", "-1"], "--epochs"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--eval-fraction", "1"], "--eval-fraction"),
+        (["--temperature", "warm"], "--temperature"),
+    ],
+    ids=lambda v: "-".join(v).strip("-") if isinstance(v, list) else None,
+)
+def test_parser_rejects(argv, message, tmp_path, capsys):
+    _check(argv, capsys, code=2, out_dir=tmp_path / "out", message=message)
+
+
+def test_module_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "cgist", "train", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    for option in ("--data", "--batch-size", "--max-steps", "--margin-strategy", "--no-contrast-positives"):
+        assert option in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- bad inputs
+
+
+BAD_DATA = {
+    "missing-file": (None, "does not exist"),
+    "unknown-column": ([{"anchor": "a b", "positive": "c d", "label": "x"}], "unknown column(s) ['label']"),
+    "missing-column": ([{"anchor": "a b", "negative": "c d"}], "missing column(s) ['positive']"),
+    "empty-jsonl": ([], "empty"),
+    "blank-cell": ([{"anchor": "a b", "positive": "c d"}, {"anchor": "e f", "positive": " "}], "row 2, column 'positive'"),
+    "one-row": ([{"anchor": "a b", "positive": "c d"}], "at least 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data(case, tmp_path, capsys):
+    rows, message = BAD_DATA[case]
+    path = tmp_path / "pairs.jsonl"
+    if rows is not None:
+        write_jsonl(path, rows)
+    _check(["--data", str(path)], capsys, code=2, out_dir=tmp_path / "out", message=message)
+
+
+@pytest.mark.parametrize("header, message", [(["anchor", "text"], "unknown column"), (["anchor", "positive"], "empty")],
+                         ids=["csv-unknown-column", "csv-empty"])
+def test_bad_csv(header, message, tmp_path, capsys):
+    path = write_csv(tmp_path / "pairs.csv", header, [])
+    _check(["--data", str(path)], capsys, code=2, out_dir=tmp_path / "out", message=message)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "1"], "--batch-size must be at least 2"),
+        (["--mini-batch-size", "0"], "--mini-batch-size"),
+        (["--temperature", "0"], "temperature"),
+        (["--margin", "nan"], "margin"),
+        (["--margin-strategy", "squared"], "margin_strategy"),
+        (["--backend", "cuda"], "--backend"),
+        (["--device", "toaster"], "--device"),
+        (["--model", "{tmp}/no-such-model"], "--model"),
+        (["--guide", "{tmp}/no-such-guide"], "--guide"),
+        (["--model", "{tmp}"], "--model: cannot load"),
+    ],
+    ids=["batch-1", "mini-batch-0", "temperature-0", "margin-nan", "strategy-squared", "backend-cuda", "device",
+         "model-missing", "guide-missing", "model-not-a-model"],
+)
+def test_bad_options(argv, message, pairs, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
+    argv = [a.replace("{tmp}", str(empty if a == "{tmp}" else tmp_path)) for a in argv]
+    _check(["--data", str(data), *argv], capsys, code=2, out_dir=tmp_path / "out", message=message)
+
+
+def test_existing_output_dir_kept(pairs, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier run")
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
+    _check(["--data", str(data)], capsys, code=2, out_dir=out, message="--overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_load_pairs_formats(pairs, tmp_path):
+    rows = [{"anchor": p["anchor"], "positive": p["positive"], "negative": q["positive"]}
+            for p, q in zip(pairs[:5], pairs[5:10])]
+    reordered = [{"negative": r["negative"], "anchor": r["anchor"], "positive": r["positive"]} for r in rows]
+    jsonl = load_pairs(write_jsonl(tmp_path / "pairs.jsonl", reordered))
+    table = load_pairs(write_csv(tmp_path / "pairs.csv", list(reordered[0]), [list(r.values()) for r in reordered]))
+    Dataset.from_list(reordered).save_to_disk(str(tmp_path / "saved"))
+    saved = load_pairs(tmp_path / "saved")
+    for dataset in (jsonl, table, saved):
+        assert dataset.column_names == ["anchor", "positive", "negative"]
+        assert dataset.to_list() == rows
+
+
+def test_load_pairs_rejects_unknown_suffix(tmp_path):
+    path = tmp_path / "pairs.parquet"
+    path.write_text("x")
+    with pytest.raises(DataError, match="must be a .jsonl"):
+        load_pairs(path)
+
+
+def test_split_and_retrieval_task(pairs):
+    dataset = Dataset.from_list(pairs[:30])
+    train, held_out = split_pairs(dataset, 0.1, seed=3)
+    assert (len(train), len(held_out)) == (27, 3)
+    anchors, positives = list(held_out["anchor"]), list(held_out["positive"])
+    assert sorted(list(train["anchor"]) + anchors) == sorted(dataset["anchor"])
+    queries, corpus, relevant = retrieval_task(held_out)
+    assert sorted(queries.values()) == sorted(anchors)
+    assert sorted(corpus.values()) == sorted(positives)
+    for qid, query in queries.items():
+        (doc,) = relevant[qid]
+        assert corpus[doc] == positives[anchors.index(query)]
+
+
+# ---------------------------------------------------------------------------------------------- stdlib builder
+
+
+def test_stdlib_pairs_real_and_deterministic():
+    first = stdlib_pairs(300, seed=0)
+    assert first == stdlib_pairs(300, seed=0)
+    assert first != stdlib_pairs(300, seed=1)
+    assert len(first) == 300
+    assert len({p["anchor"].casefold() for p in first}) == len(first)
+    for pair in first:
+        assert len(pair["anchor"].split()) >= 3 and "\n" not in pair["anchor"]
+        head = pair["positive"].split("(", 1)[0].split(":", 1)[0].split()
+        assert head[0] in ("def", "class", "async") and not head[-1].startswith("_"), pair["positive"][:80]
+        assert pair["anchor"] not in pair["positive"]  # the docstring is cut out of the code
+
+
+def test_stdlib_files_skip_private_and_tests():
+    files = list(stdlib_files())
+    assert len(files) > 100
+    for name, path in files:
+        parts = name.split(".")
+        assert not any(p.startswith("_") for p in parts), name
+        assert not {"test", "tests", "idlelib", "tkinter"} & set(parts), name
+        assert path.suffix == ".py"
+
+
+def test_stdlib_pairs_on_a_fake_library(tmp_path):
+    """Only public top-level functions and classes with a docstring, from non-test, non-private modules;
+    a summary seen before (zipapp.other repeats textwrap.public's) is dropped."""
+    module = '''
+import os
+
+def public(x):
+    """Add one to the given number.
+
+    More detail that is not part of the summary.
+    """
+    return x + 1
+
+def _private(x):
+    """Private helper that must be skipped."""
+    return x
+
+def undocumented(x):
+    return x
+
+@functools.total_ordering
+class Widget:
+    """A small widget with a name
+    that spans two lines."""
+
+    def method(self):
+        """Methods are not top-level."""
+        return 1
+'''
+    (tmp_path / "textwrap.py").write_text(module)
+    (tmp_path / "_collections_abc.py").write_text(module.replace("Add one", "Private module"))
+    (tmp_path / "email").mkdir()
+    (tmp_path / "email" / "__init__.py").write_text(
+        module.replace("Add one", "Add two").replace("x + 1", "x + 2").replace("Widget", "Gadget").replace("widget", "gadget")
+    )
+    (tmp_path / "zipapp.py").write_text("def other(y):\n    \"\"\"Add one to the given number.\"\"\"\n    return y - 1\n")
+    (tmp_path / "email" / "_parseaddr.py").write_text(module.replace("Add one", "Add three"))
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "__init__.py").write_text(module.replace("Add one", "Test package"))
+    found = sorted(stdlib_pairs(stdlib=tmp_path), key=lambda p: p["anchor"])
+    assert [p["anchor"] for p in found] == [
+        "A small gadget with a name that spans two lines.",
+        "A small widget with a name that spans two lines.",
+        "Add one to the given number.",
+        "Add two to the given number.",
+    ]
+    assert found[2]["positive"] == "def public(x):\n    return x + 1"
+    assert found[1]["positive"].startswith("class Widget:\n\n    def method(self):")
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    loaded = {}
+
+    def recording_load_model(option, path, *args):
+        loaded[option] = cli_load_model(option, path, *args)
+        return loaded[option]
+
+    cli_load_model = cli.load_model
+    monkeypatch.setattr(cli, "load_model", recording_load_model)
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:24])
+    out = tmp_path / "runs" / "tiny"
+    out.mkdir(parents=True)
+    (out / "stale.txt").write_text("from an earlier run")
+    argv = ["--data", str(data), "--model", str(student_dir), "--max-steps", "2", "--batch-size", "6",
+            "--mini-batch-size", "4", "--max-seq-length", "32", "--eval-fraction", "0.25", "--lr", "1e-3",
+            "--overwrite", "--device", "cpu"]
+    stdout = _check(argv, capsys, code=0, out_dir=out)
+
+    assert "MRR@10" in stdout and "->" in stdout and "loss stage" in stdout
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]  # no staging or trash directory left
+    assert not (out / "stale.txt").exists() and not (out / "trainer").exists()
+    summary = json.loads((out / "cgist_train.json").read_text())
+    assert (summary["train_pairs"], summary["eval_pairs"], summary["timing"]["steps"]) == (18, 6, 2)
+    for when in ("before", "after"):
+        assert set(summary[when]) == set(cli.METRICS.values())
+        assert all(0 <= v <= 1 for v in summary[when].values())
+    assert 0 < summary["timing"]["loss_s"] < summary["timing"]["step_s"]
+    assert summary["memory"]["peak_rss_mib"] > 0
+    assert "FusedCachedGISTLoss" in (out / "README.md").read_text()
+
+    before = load_file(str(next(student_dir.glob("**/model.safetensors"))))
+    after = load_file(str(next(out.glob("**/model.safetensors"))))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "training did not change the student"
+    guide = loaded["--guide"]
+    assert not guide.training and all(not p.requires_grad and p.grad is None for p in guide.parameters())
+    assert loaded["--model"].max_seq_length == 32
