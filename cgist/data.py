@@ -180,7 +180,7 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise DataError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}: line {number} must be a JSON object, got {type(row).__name__}")
-            if rows and list(row) != list(rows[0]):
+            if rows and set(row) != set(rows[0]):
                 raise DataError(f"{path}: line {number} has keys {list(row)}, but the first row has {list(rows[0])}")
             check_columns(list(row), f"{path}: line {number}")
             rows.append(row)
