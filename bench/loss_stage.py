@@ -398,7 +398,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         defaults = dict(sizes=[256, 1024], dims=[384], negatives=[1], budget=45.0, repeats=5, point_seconds=5.0)
     elif cpu:
-        defaults = dict(sizes=[2**i for i in range(8, 13)], dims=[384, 768], negatives=[0, 1], budget=60.0,
+        defaults = dict(sizes=[2**i for i in range(8, 13)], dims=[384, 768], negatives=[0, 1], budget=120.0,
                         repeats=10, point_seconds=10.0)
     else:
         defaults = dict(sizes=[2**i for i in range(12, 21)], dims=[384, 768], negatives=[0, 1], budget=30.0,
