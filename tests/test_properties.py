@@ -74,6 +74,9 @@ BAND = {dtype: 256 * torch.finfo(dtype).eps for dtype in DTYPES.values()}
 SPECIAL_MARGINS = (0.0, 2.0, -2.0, 2.5, 1e4, -1e4)
 KINDS = ("copy", "negate", "zero", "rescale", "perturb")
 TRITON_PENDING = not hasattr(cgist.kernels, "gist_loss_and_grads")
+SKIP_PENDING_TRITON = pytest.mark.skipif(
+    TRITON_PENDING, reason="pending: cgist.kernels has no gist_loss_and_grads yet, so backend='triton' cannot run"
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -286,10 +289,7 @@ def _fuzz(backend: str, profile: settings, **sizes) -> object:
     def test(spec: Spec) -> None:
         _check(spec, backend)
 
-    if backend == "triton":
-        reason = "pending: cgist.kernels has no gist_loss_and_grads yet, so backend='triton' cannot run"
-        test = pytest.mark.skipif(TRITON_PENDING, reason=reason)(test)
-    return test
+    return SKIP_PENDING_TRITON(test) if backend == "triton" else test
 
 
 TRITON_SIZES = dict(max_batch=6, max_dim=24, max_edits=6)
@@ -298,3 +298,55 @@ test_torch_matches_oracle = _fuzz("torch", CI)
 test_triton_matches_oracle = _fuzz("triton", CI, **TRITON_SIZES)
 test_torch_matches_oracle_long = pytest.mark.slow(_fuzz("torch", LONG))
 test_triton_matches_oracle_long = pytest.mark.slow(_fuzz("triton", LONG, **TRITON_SIZES))
+
+
+def _tie_case(where: str, dtype: torch.dtype, seed: int) -> tuple[Spec, list[torch.Tensor], list[torch.Tensor]]:
+    """Real-valued rows where, for anchor i, one candidate is a bitwise copy of its positive (student and guide).
+
+    ``where`` puts the copy among the other positives (AP), the anchors (AA, as anchor i + 1, for even i) or the
+    first negatives (AN); the candidate rows 0..B-1 used are never labels, since the offset is B.
+    """
+    spec = Spec(
+        dtype="fp32" if dtype == torch.float32 else "fp64", batch=6, world=2, offset=6, dim=12, guide_dim=10, k=1,
+        temperature=0.05, margin=0.0, margin_strategy="absolute", contrast_anchors=True, contrast_positives=True,
+        lattice=False, seed=seed, edits=(),
+    )
+    student, guide = build(spec)
+    labels = slice(spec.offset, spec.offset + spec.batch)
+    student[0] = student[1][labels] + 0.3 * student[0]  # anchors near their positives, so that ties weigh
+    column = {"positive": 1, "anchor": 0, "negative": 2}[where]
+    # Anchor i + 1 becomes the copy for even i only, so that every anchor i with a tie keeps its own vectors.
+    for i in range(0, spec.batch, 2) if where == "anchor" else range(spec.batch):
+        row = i + 1 if where == "anchor" else i
+        for side in (student, guide):  # a duplicated text: same student and guide vectors
+            side[column][row] = side[1][spec.offset + i]
+    return spec, student, guide
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=SKIP_PENDING_TRITON)])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("where", ["positive", "anchor", "negative"])
+def test_real_valued_duplicate_of_positive_is_a_tie(where, dtype, backend):
+    """At margin 0, a guide candidate bitwise equal to the positive's has guide score == theta_i: kept, not masked.
+
+    The expected loss is the oracle's with the margin moved by -eps, which keeps the ties whatever their
+    rounding, with eps below every other entry's distance to its threshold (checked), so nothing else moves.
+    Moving it by +eps masks them instead, which must change the loss (the case is not vacuous).
+    """
+    checked = 0
+    for seed in range(12):
+        spec, student, guide = _tie_case(where, dtype, seed)
+        gaps, _ = guide_gaps(spec, guide)
+        ties = gaps.abs() < BAND[torch.float64]
+        eps = gaps[~ties].abs().nan_to_num(math.inf).min().item() / 2
+        if eps < 2 * BAND[dtype]:
+            continue  # another entry lies within rounding of its threshold: not a clean tie case
+        leaves = [s.double() for s in student]
+        expected = gist_loss_reference(leaves, [g.double() for g in guide], **{**spec.options, "margin": -eps})
+        masked = gist_loss_reference(leaves, [g.double() for g in guide], **{**spec.options, "margin": eps})
+        loss = cgist.gist_loss([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], backend=backend, **spec.options)
+        atol = TOL[dtype] * (1 + 1 / spec.temperature)
+        assert abs(float(masked) - float(expected)) > 100 * atol
+        torch.testing.assert_close(loss.double().cpu(), expected, rtol=0, atol=atol, msg=lambda m: f"seed {seed}: {m}")
+        checked += 1
+    assert checked >= 4, f"only {checked} clean tie cases"
