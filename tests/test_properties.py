@@ -17,6 +17,7 @@ a bitwise duplicate of the positive must compare equal to theta_i. Two guide mod
   * "lattice": every guide row has 1, 4 or 16 entries of +-2^e and zeros elsewhere, so its norm is a power
     of two and every normalised dot product is exact in any dtype and any summation order. Exact ties
     (gap == 0) are then kept, and the tie rule, self-pairs and fully masked rows are checked exactly.
+The tie rule on real-valued rows is pinned separately (``test_real_valued_duplicate_of_positive_is_a_tie``).
 Student rows are never constrained: they only move values, not mask decisions.
 
 Tolerances: a student score is known to ~D units of rounding, and a logit to that over tau, so the loss
@@ -54,7 +55,6 @@ settings.register_profile(
 )
 CI = settings.get_profile("ci")
 LONG = settings.get_profile(os.environ.get("CGIST_HYPOTHESIS_PROFILE", "long"))
-
 
 
 @pytest.fixture(autouse=True, scope="module")
