@@ -15,11 +15,13 @@ from torch import Tensor
 from .function import BACKENDS, check_options, gist_loss
 
 
-def check_equal_batches(batch_size: int) -> None:
-    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong."""
+def check_equal_batches(batch_size: int, device: torch.device) -> None:
+    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong.
+
+    The sizes travel on ``device``, the embeddings' own, which the process group can reach.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor(batch_size, device=device))
     sizes = [int(s) for s in sizes]
@@ -108,7 +110,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         anchors_guide, *candidates_guide = (torch.cat(r) for r in reps_guided)
         offset = 0
         if self.gather_across_devices:
-            check_equal_batches(anchors.shape[0])
+            check_equal_batches(anchors.shape[0], anchors.device)
             candidates = [all_gather_with_grad(c) for c in candidates]
             candidates_guide = [all_gather_with_grad(c) for c in candidates_guide]
             offset = get_rank() * anchors.shape[0]
