@@ -1,8 +1,9 @@
 """Compile every GIST kernel ahead of time for sm_80 and sm_90, on a machine without a GPU.
 
-For each tile config the forward autotunes over (the backward reuses the forward's pick), each kernel
-variant the launcher uses, fp32 and bf16 inputs and every (D, Dg) below, this builds the real cubin with
-``triton.compile`` and reads its resource usage back with the ``cuobjdump`` shipped in the triton wheel.
+For each of the three kernels, each tile config the forward autotunes over for the input precision
+(the backward reuses the forward's pick), fp32 (IEEE, FMA units), tf32 and bf16 inputs and every
+(D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the JIT's own rules,
+and reads its resource usage back with the ``cuobjdump`` shipped in the triton wheel.
 D and Dg are runtime arguments: sizes that the launcher specialises alike (all multiples of 16 here)
 share one binary, which is compiled once and listed with every size it serves.
 
@@ -10,7 +11,8 @@ Prints one row per binary: kernel, arch, dtype, config, D, Dg, registers, spills
 on sm_90, whether the cubin's SASS uses warpgroup MMA (HGMMA). Exits non-zero on a compile error, any
 spill, or shared memory over the arch limit.
 
-    python bench/aot_compile.py [--arch 80 90] [--dims 384 768 1024 4096] [--guide-dims 384 1024]
+    python bench/aot_compile.py [--arch 80 90] [--dtypes fp32 tf32 bf16] [--dims 384 768 1024 4096]
+                                [--guide-dims 384 1024]
 """
 
 from __future__ import annotations
@@ -29,36 +31,36 @@ os.environ.pop("TRITON_INTERPRET", None)  # the interpreter replaces @triton.jit
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
 from cgist.kernels.gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, tile_configs  # noqa: E402
-from cgist.kernels.launch import input_precision  # noqa: E402
+from cgist.kernels.launch import TL_DTYPES  # noqa: E402
+from cgist.streaming import compute_dtype  # noqa: E402
 
 #: Largest dynamic shared memory per block, bytes.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-#: (kernel, HAS_LABEL, ACCUMULATE, launched for): every variant the launcher issues. The AN column pass
-#: (no label, first writer of its negative's gradient) only runs when there are negatives.
-VARIANTS = [
-    (gist_fwd_kernel.fn, True, None, "AP"),
-    (gist_fwd_kernel.fn, False, None, "AA/PP/AN"),
-    (gist_bwd_rows_kernel, True, False, "AP"),
-    (gist_bwd_rows_kernel, False, True, "AA/PP/AN"),
-    (gist_bwd_cols_kernel, True, False, "AP"),
-    (gist_bwd_cols_kernel, False, True, "AA/PP"),
-    (gist_bwd_cols_kernel, False, False, "AN (negatives)"),
-]
+#: Input precisions: the torch dtype and the ``tl.dot`` input precision the launcher picks for it
+#: ("fp32" is ``torch.get_float32_matmul_precision() == "highest"``, "tf32" is "high"/"medium").
+PRECISIONS = {
+    "fp32": (torch.float32, "ieee"),
+    "tf32": (torch.float32, "tf32"),
+    "bf16": (torch.bfloat16, "ieee"),
+    "fp16": (torch.float16, "ieee"),
+    "fp64": (torch.float64, "ieee"),
+}
+#: The block kind (label, first writer) is a runtime argument, so each kernel is one binary per config.
+KERNELS = [gist_fwd_kernel.fn, gist_bwd_rows_kernel, gist_bwd_cols_kernel]
 
 
-def launch_values(kernel, dtype: torch.dtype, dim: int, dim_g: int, has_label: bool, accumulate: bool | None,
-                  config: triton.Config, rows: int = 4096, cols: int = 4096) -> dict:
+def launch_values(kernel, precision: str, dim: int, dim_g: int, config: triton.Config,
+                  rows: int = 4096, cols: int = 4096) -> dict:
     """Argument values as the launcher passes them for a B = N = 4096 batch (tensors stand in for pointers)."""
-    acc = torch.float32
+    dtype, dot_precision = PRECISIONS[precision]
+    acc = compute_dtype(dtype)
     emb = torch.empty(1, dtype=dtype)
     vec = torch.empty(1, dtype=acc)
     values = dict(
@@ -67,8 +69,8 @@ def launch_values(kernel, dtype: torch.dtype, dim: int, dim_g: int, has_label: b
         n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, b_bucket=rows, n_bucket=cols,
         stride_qm=dim, stride_qd=1, stride_qgm=dim_g, stride_qgd=1, stride_kn=dim, stride_kd=1,
         stride_kgn=dim_g, stride_kgd=1, stride_dqm=dim, stride_dqd=1, stride_dkn=dim, stride_dkd=1,
-        HAS_LABEL=has_label, RELATIVE=False, ACCUMULATE=accumulate, ACC=tl.float32,
-        PRECISION=input_precision(dtype), PRECISION_G=input_precision(dtype), **config.kwargs,
+        has_label=1, relative=0, accumulate=1, ACC=TL_DTYPES[acc], PRECISION=dot_precision,
+        PRECISION_G=dot_precision, **config.kwargs,
     )
     return {name: values[name] for name in kernel.arg_names}
 
@@ -82,11 +84,12 @@ def specialise(kernel, values: dict, backend) -> ASTSource:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
             continue
-        kind, attr = native_specialize_impl(type(backend), value, False, True, True)
+        kind, attr = native_specialize_impl(type(backend), value, False, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
         signature[param.name] = kind
         if kind == "constexpr":
             constexprs[(i,)] = attr
-        else:
+        elif isinstance(attr, str):  # None: not specialised (do_not_specialize)
             attrs[(i,)] = backend.parse_attr(attr)
     return ASTSource(kernel, signature, constexprs, attrs)
 
@@ -129,26 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 768, 1024, 4096])
     parser.add_argument("--guide-dims", type=int, nargs="+", default=[384, 1024])
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "tf32", "bf16"], choices=list(PRECISIONS))
     args = parser.parse_args(argv)
 
     jobs = []
     for arch in args.arch:
         target = GPUTarget("cuda", arch, 32)
         backend = make_backend(target)
-        for dtype_name in args.dtypes:
-            for config in tile_configs(interpret=False):
-                for kernel, has_label, accumulate, used_for in VARIANTS:
+        for precision in args.dtypes:
+            dtype, dot_precision = PRECISIONS[precision]
+            for config in tile_configs(dtype, dot_precision, dtype, dot_precision, interpret=False):
+                tiles = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**config.kwargs)
+                for kernel in KERNELS:
                     binaries: dict[str, tuple[ASTSource, list]] = {}
                     for dim in args.dims:
                         for dim_g in args.guide_dims:
-                            values = launch_values(kernel, DTYPES[dtype_name], dim, dim_g, has_label, accumulate,
-                                                   config)
-                            src = specialise(kernel, values, backend)
+                            src = specialise(kernel, launch_values(kernel, precision, dim, dim_g, config), backend)
                             binaries.setdefault(src.hash(), (src, []))[1].append((dim, dim_g))
                     for src, sizes in binaries.values():
-                        tiles = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**config.kwargs)
-                        row = dict(kernel=f"{kernel.__name__}[{used_for}]", arch=f"sm_{arch}", dtype=dtype_name,
+                        row = dict(kernel=kernel.__name__, arch=f"sm_{arch}", dtype=precision,
                                    tiles=f"{tiles}-w{config.num_warps}-s{config.num_stages}",
                                    D=",".join(sorted({str(d) for d, _ in sizes}, key=int)),
                                    Dg=",".join(sorted({str(g) for _, g in sizes}, key=int)))

@@ -29,22 +29,43 @@ SCALE, MARGIN, GRAD_SCALE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def tile_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
-    """Tile configs the forward autotunes over; the backward reuses the forward's pick.
-
-    Under the interpreter there is exactly one, small enough that tests with odd sizes cross
-    several row, column and K tiles.
-    """
-    if interpret:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+def _configs(tiles) -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in (
-            (64, 64, 64, 4, 3),
-            (128, 64, 32, 8, 3),
-            (32, 64, 64, 4, 3),  # small batches: more programs per SM
-        )
+        for bm, bn, bk, w, s in tiles
     ]
+
+
+#: Tensor-core tiles (bf16, fp16, tf32).
+MMA_CONFIGS = _configs([
+    (64, 64, 64, 4, 3),
+    (128, 64, 32, 8, 3),
+    (32, 64, 64, 4, 3),  # small batches: more programs per SM
+])
+#: IEEE fp32 / fp64 dots run on the FMA units; their operands live in registers, so smaller tiles.
+FMA_CONFIGS = _configs([
+    (32, 32, 16, 4, 2),
+    (64, 32, 16, 4, 2),
+])
+INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
+
+
+def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str,
+                 interpret: bool = INTERPRET) -> list[triton.Config]:
+    """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
+
+    Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
+    row, column and K tiles. On a GPU, IEEE fp32/fp64 dots run on the FMA units and get their own set.
+    """
+    if interpret:
+        return INTERPRET_CONFIGS
+    fma = any(p == "ieee" and d in (torch.float32, torch.float64)
+              for d, p in ((dtype, precision), (guide_dtype, guide_precision)))
+    return FMA_CONFIGS if fma else MMA_CONFIGS
+
+
+def _prune_configs(configs, named_args, **meta) -> list[triton.Config]:
+    return tile_configs(named_args["q_ptr"].dtype, meta["PRECISION"], named_args["qg_ptr"].dtype, meta["PRECISION_G"])
 
 
 def pack_scalars(temperature: float, margin: float, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -98,14 +119,12 @@ def _tile_scores(
 
 
 @triton.jit
-def _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL: tl.constexpr):
+def _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label):
     """``z`` with -inf where the guide score is strictly above the row threshold or out of range.
 
-    With HAS_LABEL (the AP block) column ``offset + i`` of row i is never masked.
+    With ``has_label`` (the AP block) column ``offset + i`` of row i is never masked.
     """
-    keep = g <= thr[:, None]
-    if HAS_LABEL:
-        keep = keep | (offs_n[None, :] == offs_m[:, None] + offset)
+    keep = (g <= thr[:, None]) | ((offs_n[None, :] == offs_m[:, None] + offset) & (has_label != 0))
     keep = keep & mask_m[:, None] & mask_n[None, :]
     return tl.where(keep, z, float("-inf"))
 
@@ -119,13 +138,11 @@ def _online_lse(m_i, l_i, z):
 
 
 @triton.jit
-def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL: tl.constexpr):
+def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label):
     """dL/ds of one tile: ``(softmax - onehot(label)) * grad_scale``; 0 where masked (z = -inf)."""
     p = tl.exp2(z - lse[:, None])
-    if HAS_LABEL:
-        is_label = (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None]
-        p = tl.where(is_label, p - 1.0, p)
-    return p * grad_scale
+    is_label = (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None] & (has_label != 0)
+    return tl.where(is_label, p - 1.0, p) * grad_scale
 
 
 @triton.jit
@@ -136,7 +153,7 @@ def _add_product(
 ):
     """``out[offs_o, :] (+)= ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
 
-    ``ds`` is (len(offs_o) x len(offs_v)) in v's dtype; the old rows are read only when ``read_old``.
+    ``ds`` is (len(offs_o) x len(offs_v)) in v's dtype; the old rows count only when ``read_old``.
     """
     offs_d = tl.arange(0, BLOCK_D)
     out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
@@ -145,28 +162,32 @@ def _add_product(
         mask_d = offs_d < dim - d0
         v = tl.load(v_ptrs, mask=mask_v[:, None] & mask_d[None, :], other=0.0)
         out_mask = mask_o[:, None] & mask_d[None, :]
-        old = tl.load(out_ptrs, mask=out_mask & read_old, other=0.0)
+        old = tl.where(read_old, tl.load(out_ptrs, mask=out_mask, other=0.0), 0.0)
         tl.store(out_ptrs, tl.dot(ds, v, old, input_precision=PRECISION, out_dtype=ACC), mask=out_mask)
         out_ptrs += BLOCK_D * stride_od
         v_ptrs += BLOCK_D * stride_vd
 
 
-@triton.autotune(configs=tile_configs(), key=["b_bucket", "n_bucket", "dim", "dim_g"], restore_value=["m_ptr", "l_ptr"])
-@triton.jit
+@triton.autotune(
+    configs=INTERPRET_CONFIGS if INTERPRET else MMA_CONFIGS + FMA_CONFIGS,
+    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    restore_value=["m_ptr", "l_ptr"],
+)
+@triton.jit(do_not_specialize=["has_label", "relative"])
 def gist_fwd_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
     thr_ptr, pos_ptr, m_ptr, l_ptr, scal_ptr,
     n_rows, n_cols, dim, dim_g, offset,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
-    b_bucket, n_bucket,
-    HAS_LABEL: tl.constexpr, RELATIVE: tl.constexpr,
+    b_bucket, n_bucket, has_label, relative,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
 
     Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits. The AP
-    launch (HAS_LABEL) comes first: it computes ``theta_i`` and the positive logit from the label
+    launch (``has_label``) comes first: it computes ``theta_i`` and the positive logit from the label
     tiles, stores the threshold ``T_i`` and the positive, and seeds ``m_i`` with the positive logit.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -174,7 +195,7 @@ def gist_fwd_kernel(
     scale = tl.load(scal_ptr + SCALE)
     rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
     rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-    if HAS_LABEL:
+    if has_label:
         # theta and the positive logit, read off the same tiles (same code, same column alignment)
         # as the main loop below, so a duplicate of the positive's guide vector ties with theta.
         theta = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -195,10 +216,7 @@ def gist_fwd_kernel(
             theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
             m_i += tl.sum(tl.where(is_label, z, 0.0), axis=1)
         margin = tl.load(scal_ptr + MARGIN)
-        if RELATIVE:
-            thr = theta - tl.abs(theta) * margin
-        else:
-            thr = theta - margin
+        thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
         tl.store(thr_ptr + offs_m, thr, mask=mask_m)
         tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -216,27 +234,26 @@ def gist_fwd_kernel(
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
         m_i, l_i = _online_lse(m_i, l_i, z)
     tl.store(m_ptr + offs_m, m_i, mask=mask_m)
     tl.store(l_ptr + offs_m, l_i, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["has_label", "accumulate"])
 def gist_bwd_rows_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
     thr_ptr, lse_ptr, scal_ptr, dq_ptr,
     n_rows, n_cols, dim, dim_g, offset,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
-    stride_dqm, stride_dqd,
-    HAS_LABEL: tl.constexpr, ACCUMULATE: tl.constexpr,
+    stride_dqm, stride_dqd, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Backward row pass of one block: ``dq_hat[i] (+)= sum_j dS[i, j] * k_hat[j]`` (n_rows x dim).
 
     Recomputes each tile and its mask exactly as the forward; ``lse`` is the base-2 row LSE.
-    Without ACCUMULATE the first column tile overwrites ``dq`` instead of adding to it.
+    Unless ``accumulate``, the first column tile overwrites ``dq`` instead of adding to it.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
@@ -255,21 +272,20 @@ def gist_bwd_rows_kernel(
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
-        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL) * rk[None, :]
-        _add_product(dq_ptr, offs_m, mask_m, stride_dqm, stride_dqd, ACCUMULATE or start_n > 0,
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
+        _add_product(dq_ptr, offs_m, mask_m, stride_dqm, stride_dqd, accumulate + start_n > 0,
                      ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_kn, stride_kd, dim,
                      BLOCK_K, ACC, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["has_label", "accumulate"])
 def gist_bwd_cols_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
     thr_ptr, lse_ptr, scal_ptr, dk_ptr,
     n_rows, n_cols, dim, dim_g, offset,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
-    stride_dkn, stride_dkd,
-    HAS_LABEL: tl.constexpr, ACCUMULATE: tl.constexpr,
+    stride_dkn, stride_dkd, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -295,8 +311,8 @@ def gist_bwd_cols_kernel(
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, HAS_LABEL)
-        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, HAS_LABEL) * rq[:, None]
-        _add_product(dk_ptr, offs_n, mask_n, stride_dkn, stride_dkd, ACCUMULATE or start_m > 0,
+        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
+        _add_product(dk_ptr, offs_n, mask_n, stride_dkn, stride_dkd, accumulate + start_m > 0,
                      tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_qm, stride_qd, dim,
                      BLOCK_K, ACC, PRECISION)

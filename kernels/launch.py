@@ -27,7 +27,7 @@ from cgist.streaming import compute_dtype, normalize_backward
 
 from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def input_precision(dtype: torch.dtype) -> str:
@@ -118,14 +118,14 @@ def gist_forward(
     scalars = pack_scalars(temperature, margin, batch, acc, device)
     thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
     flags = dict(
-        ACC=_TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
+        ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
     )
     buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
     for rows, cols, has_label in blocks:
         ptrs, sizes = _common_args(rows, cols, thr, offset)
         gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
             *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
-            HAS_LABEL=has_label, RELATIVE=margin_strategy == "relative", **flags,
+            int(has_label), int(margin_strategy == "relative"), **flags,
         )
     config = gist_fwd_kernel.best_config
     tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -146,7 +146,7 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
             out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
             kernel[(triton.cdiv(side.x.shape[0], state.tiles[block]),)](
                 *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
-                HAS_LABEL=has_label, ACCUMULATE=side.grad in written, **state.flags, **state.tiles,
+                int(has_label), int(side.grad in written), **state.flags, **state.tiles,
             )
             written.add(side.grad)
     return [
