@@ -38,13 +38,13 @@ def _configs(tiles) -> list[triton.Config]:
 
 #: Tensor-core tiles (bf16, fp16, tf32).
 MMA_CONFIGS = _configs([
-    (64, 64, 64, 4, 3),
+    (64, 64, 32, 4, 3),
     (128, 64, 32, 8, 3),
-    (32, 64, 64, 4, 3),  # small batches: more programs per SM
+    (32, 64, 32, 4, 2),  # small batches: more programs per SM
 ])
 #: IEEE fp32 / fp64 dots run on the FMA units; their operands live in registers, so smaller tiles.
 FMA_CONFIGS = _configs([
-    (32, 32, 16, 4, 2),
+    (32, 32, 16, 2, 2),
     (64, 32, 16, 4, 2),
 ])
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])

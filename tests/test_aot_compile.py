@@ -1,5 +1,5 @@
 """bench/aot_compile.py builds every kernel for sm_80 and sm_90 without a GPU, spill-free and within
-shared memory, and its table covers every kernel, arch and dtype."""
+shared memory, and its table covers every kernel, arch, input precision and embedding size."""
 
 import os
 import subprocess
@@ -20,8 +20,14 @@ def test_aot_compile_all_kernels_sm80_sm90():
     assert proc.returncode == 0, f"aot_compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     header, *rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("kernel", "gist_"))]
     assert header[:3] == ["kernel", "arch", "dtype"]
-    seen = {(row[0].split("[")[0], row[1], row[2]) for row in rows}
-    assert seen == {(k, arch, dtype) for k in KERNELS for arch in ("sm_80", "sm_90") for dtype in ("fp32", "bf16")}
-    assert all(row[header.index("spill")] == "0" for row in rows)
-    sizes = {(row[header.index("D")], row[header.index("Dg")]) for row in rows}
+    col = {name: i for i, name in enumerate(header)}
+    seen = {(row[col["kernel"]], row[col["arch"]], row[col["dtype"]]) for row in rows}
+    archs, dtypes = ("sm_80", "sm_90"), ("fp32", "tf32", "bf16")
+    assert seen == {(k, arch, dtype) for k in KERNELS for arch in archs for dtype in dtypes}
+    assert all(row[col["spill"]] == "0" for row in rows)
+    sizes = {(row[col["D"]], row[col["Dg"]]) for row in rows}
     assert sizes == {("384,768,1024,4096", "384,1024")}, "every D and Dg must be covered (one binary here)"
+    # tensor-core tiles of 64+ rows must use Hopper's warpgroup MMA on sm_90
+    big_mma = [row for row in rows if row[col["arch"]] == "sm_90" and row[col["dtype"]] != "fp32"
+               and int(row[col["tiles"]].split("x")[0]) >= 64]
+    assert big_mma and all(row[col["wgmma"]] == "yes" for row in big_mma)
