@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{DEFAULT_STDLIB_STEPS} steps unless --epochs or --max-steps is given)")
     training.add_argument("--max-steps", type=positive_int(1),
                           help="stop after this many optimizer steps (overrides --epochs)")
-    training.add_argument("--lr", type=positive_float, default=1e-4, help="peak learning rate (AdamW)")
+    training.add_argument("--lr", type=positive_float, default=5e-5, help="peak learning rate (AdamW)")
     training.add_argument("--warmup-ratio", type=finite_float, default=0.0,
                           help="share of steps spent warming up from a learning rate of 0")
     training.add_argument("--seed", type=int, default=0, help="seed for the data split, shuffling and training")
