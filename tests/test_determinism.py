@@ -13,20 +13,9 @@ import pytest
 import torch
 
 import cgist
-import cgist.kernels
-from test_properties import one_thread  # noqa: F401  (autouse: tiny tensors, so one OpenMP thread)
+from test_properties import DEVICE, SKIP_PENDING_TRITON, one_thread  # noqa: F401  (one_thread: autouse, one thread)
 
-TRITON_PENDING = not hasattr(cgist.kernels, "gist_loss_and_grads")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            TRITON_PENDING, reason="pending: cgist.kernels has no gist_loss_and_grads yet, so backend='triton' cannot run"
-        ),
-    ),
-]
+BACKENDS = ["torch", pytest.param("triton", marks=SKIP_PENDING_TRITON)]
 
 
 def _check(run: Callable[[int], list[torch.Tensor]]) -> None:
