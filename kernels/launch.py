@@ -1,7 +1,8 @@
 """Launchers for the GIST kernels: tensors in, tensors out (no autograd, no nn).
 
 ``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
-``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart). It launches the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
+``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart). It launches
+the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
 
 * forward: the AP launch stores the threshold, the positive logit and the first running max/sum of
   each row; the other blocks fold into that state. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +37,11 @@ def input_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
+
+
+def _launch_device(device: torch.device):
+    """Make ``device`` current while launching: Triton launches on the current CUDA device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass
@@ -121,12 +128,13 @@ def gist_forward(
         ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
     )
     buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
-    for rows, cols, has_label in blocks:
-        ptrs, sizes = _common_args(rows, cols, thr, offset)
-        gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
-            *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
-            int(has_label), int(margin_strategy == "relative"), **flags,
-        )
+    with _launch_device(device):
+        for rows, cols, has_label in blocks:
+            ptrs, sizes = _common_args(rows, cols, thr, offset)
+            gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
+                *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
+                int(has_label), int(margin_strategy == "relative"), **flags,
+            )
     config = gist_fwd_kernel.best_config
     tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     lse = run_max + torch.log2(run_sum)
@@ -140,15 +148,17 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
     acc = state.lse.dtype
     grads_hat = [torch.empty(x.shape, dtype=acc, device=x.device) for x in state.embeddings]
     written: set[int] = set()
-    for rows, cols, has_label in state.blocks:
-        ptrs, sizes = _common_args(rows, cols, state.thr, state.offset)
-        for kernel, side, block in ((gist_bwd_rows_kernel, rows, "BLOCK_M"), (gist_bwd_cols_kernel, cols, "BLOCK_N")):
-            out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
-            kernel[(triton.cdiv(side.x.shape[0], state.tiles[block]),)](
-                *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
-                int(has_label), int(side.grad in written), **state.flags, **state.tiles,
-            )
-            written.add(side.grad)
+    with _launch_device(state.lse.device):
+        for rows, cols, has_label in state.blocks:
+            ptrs, sizes = _common_args(rows, cols, state.thr, state.offset)
+            passes = ((gist_bwd_rows_kernel, rows, "BLOCK_M"), (gist_bwd_cols_kernel, cols, "BLOCK_N"))
+            for kernel, side, tile in passes:
+                out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
+                kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
+                    *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
+                    int(has_label), int(side.grad in written), **state.flags, **state.tiles,
+                )
+                written.add(side.grad)
     return [
         normalize_backward(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
         for x, side, norm, g in zip(state.embeddings, state.sides, state.norms, grads_hat)
