@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .reference import EPS, threshold
+from .reference import EPS, guide_mask, threshold, tie_ids
 
 #: Default bytes of score buffers held at once per row block.
 BLOCK_BYTES = 16 * 2**20
@@ -68,39 +68,43 @@ def gist_loss_and_grads(
     normed = [normalize(e, dtype) for e in embeddings]
     a, p, *negs = (x for x, _ in normed)
     ga, gp, *gnegs = (normalize(g, dtype)[0] for g in guide_embeddings)
+    id_a, id_p, *id_negs = tie_ids([ga, gp, *gnegs])
     batch, n_cand = a.shape[0], p.shape[0]
     grad_scale = 1.0 / (temperature * batch)
 
-    # Column vectors of each block, student and guide: AP, [AA], [PP], AN_1..AN_k.
-    blocks: list[tuple[Tensor, Tensor]] = [(p, gp)]
+    # Column vectors of each block (student, guide, tie ids): AP, [AA], [PP], AN_1..AN_k.
+    blocks: list[tuple[Tensor, Tensor, Tensor]] = [(p, gp, id_p)]
     if contrast_anchors:
-        blocks.append((a, ga))
+        blocks.append((a, ga, id_a))
     if contrast_positives:
-        blocks.append((p, gp))
-    blocks.extend(zip(negs, gnegs))
+        blocks.append((p, gp, id_p))
+    blocks.extend(zip(negs, gnegs, id_negs))
     pp_index = 1 + contrast_anchors if contrast_positives else None
 
     grads_hat = [torch.zeros_like(x) for x, _ in normed] if need_grads else None
     loss = torch.zeros((), dtype=dtype, device=a.device)
     step = rows_per_block(
-        batch, sum(s.shape[0] for s, _ in blocks), max(batch, n_cand), torch.finfo(dtype).bits // 8, block_bytes
+        batch, sum(b[0].shape[0] for b in blocks), max(batch, n_cand), torch.finfo(dtype).bits // 8, block_bytes
     )
     for start in range(0, batch, step):
         stop = min(start + step, batch)
         lo, hi = offset + start, offset + stop
         rows = torch.arange(stop - start, device=a.device)
         labels = rows + lo
-        # Row vectors of each block: anchors, except PP whose rows are this block's own positives.
-        row_vecs = [(a[start:stop], ga[start:stop])] * len(blocks)
+        # Row vectors of each block and the partner of theta for that row vector: anchors paired
+        # with their positives, except PP, whose rows are this block's own positives paired with the anchors.
+        row_vecs = [(a[start:stop], ga[start:stop], id_p[lo:hi])] * len(blocks)
         if pp_index is not None:
-            row_vecs[pp_index] = (p[lo:hi], gp[lo:hi])
+            row_vecs[pp_index] = (p[lo:hi], gp[lo:hi], id_a[start:stop])
 
-        guide_ap = row_vecs[0][1] @ gp.T
-        limit = threshold(guide_ap[rows, labels].unsqueeze(1), margin, margin_strategy)
+        guide_ap = ga[start:stop] @ gp.T
+        theta = guide_ap[rows, labels].unsqueeze(1)
+        limit = threshold(theta, margin, margin_strategy)
+        theta_masked = theta > limit
         logits = []
-        for i, ((cols, guide_cols), (row_s, row_g)) in enumerate(zip(blocks, row_vecs)):
+        for i, ((cols, guide_cols, col_ids), (row_s, row_g, partner_ids)) in enumerate(zip(blocks, row_vecs)):
             guide = guide_ap if i == 0 else row_g @ guide_cols.T
-            mask = guide > limit
+            mask = guide_mask(guide, limit, theta_masked, col_ids, partner_ids)
             if i == 0:
                 mask[rows, labels] = False
             del guide
@@ -125,7 +129,7 @@ def gist_loss_and_grads(
         grad_rows = [grad_a[start:stop]] * len(blocks)
         if pp_index is not None:
             grad_rows[pp_index] = grad_p[lo:hi]
-        for d_scores, (cols, _), grad_col, (row_s, _), grad_row in zip(logits, blocks, grad_cols, row_vecs, grad_rows):
+        for d_scores, (cols, _, _), grad_col, (row_s, _, _), grad_row in zip(logits, blocks, grad_cols, row_vecs, grad_rows):
             grad_row.addmm_(d_scores, cols)
             grad_col.addmm_(d_scores.T, row_s)
 

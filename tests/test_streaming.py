@@ -111,7 +111,29 @@ def test_duplicate_of_positive_is_a_tie_not_masked(dtype):
     scores = gist_scores([s.double() for s in student], [g.double() for g in guide], offset=offset)
     rows = torch.arange(B)
     assert torch.isfinite(scores[rows, dup_cols]).all(), "duplicate of the positive was masked at m=0"
+    negatives = 2 * N + B  # column of AN_1[., 0], after AP, AA and PP
+    assert torch.isfinite(scores[rows, negatives + dup_cols]).all(), "duplicate among the negatives was masked"
     assert torch.isfinite(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_ties_across_blocks_of_many_shapes(dtype):
+    """Duplicates of the positive in every block, on shapes where matrix products of different shapes
+    round the same pair differently: the tie must hold regardless (it is decided by identity)."""
+    for seed, (B, W, D) in enumerate([(13, 2, 384), (64, 2, 384), (7, 3, 33), (100, 3, 1024)]):
+        N = B * W
+        student, guide = make_inputs(B, N, 8, D, 1, dtype=dtype, seed=seed)
+        offset = N - B
+        rows = torch.arange(B)
+        guide[2][rows] = guide[1][offset + rows]  # AN: negative i is a copy of positive o + i
+        guide[0][(rows + 1) % B] = guide[1][offset + rows]  # AA: anchor i + 1 is a copy of positive o + i
+        scores = gist_scores(student, guide, offset=offset)
+        kept = torch.isfinite(scores)
+        assert kept[rows, 2 * N + B + rows].all() and kept[rows, N + (rows + 1) % B].all()
+        _check(student, guide, offset=offset)
+        # Positive margins mask them again, exactly like the positive would be if it were not protected.
+        masked = gist_scores(student, guide, offset=offset, margin=1e-3)
+        assert not torch.isfinite(masked[rows, 2 * N + B + rows]).any()
 
 
 def test_negative_margin_keeps_self_pairs():
