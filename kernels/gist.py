@@ -114,7 +114,9 @@ def _tile_scores(
     g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qgm, stride_qgd, stride_kgn,
                   stride_kgd, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
     z = s * (rq * scale)[:, None] * rk[None, :]
-    g = g * rqg[:, None] * rkg[None, :]
+    # (rqg * rkg) first: the product is symmetric, so g(u, v) == g(v, u) bitwise whichever side each
+    # vector sits on (theta_i = ga_i . gp_{o+i} can reappear transposed in the PP or AA blocks).
+    g = g * (rqg[:, None] * rkg[None, :])
     return z, g
 
 

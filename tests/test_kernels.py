@@ -57,7 +57,7 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
         scores = gist_scores(leaves, guide64, **{key: v for key, v in options.items() if key != "temperature"})
         negatives_start = n_cand + batch * anchors + n_cand * positives
         for column, row, anchor in ties:
-            start = 0 if column == 1 else negatives_start + (column - 2) * n_cand
+            start = {0: n_cand, 1: 0}.get(column, negatives_start + (column - 2) * n_cand)
             assert torch.isfinite(scores[anchor, start + row]), "the oracle masked a tie"
 
     previous = torch.get_float32_matmul_precision()
@@ -118,14 +118,18 @@ def test_matches_reference(batch, n_cand, dim, dim_g, k, precision, kw):
     _check(batch, n_cand, dim, dim_g, k, precision, **kw)
 
 
-# (column, row, anchor): column 1 = positives, 2.. = negative sets. Copies of the positive of anchor
-# 3 sit in other column tiles and at other positions within a tile than the label itself.
+# (column, row, anchor): column 0 = anchors, 1 = positives, 2.. = negative sets. Copies of the positive
+# of anchor 3 sit in other column tiles and at other positions within a tile than the label itself.
 TIES = ((1, 2, 3), (1, 25, 3), (2, 19, 3), (3, 0, 7), (1, 30, 7))
+# Anchor r copying the positive of anchor i ties in AA[i, r], and puts theta_r = ga_r . gp_{o+r} transposed
+# into PP[r, o + i] = gp_{o+r} . gp_{o+i}: that tie holds only if the guide score is symmetric bitwise.
+ANCHOR_TIES = ((0, 1, 6), (0, 4, 9), (0, 7, 0), (0, 10, 3), (0, 12, 5), (0, 2, 11), (0, 8, 4))
 
 
+@pytest.mark.parametrize("ties", [TIES, ANCHOR_TIES], ids=["copies", "anchor-copies"])
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
-def test_ties_with_positive_are_kept_at_zero_margin(precision):
-    _check(13, 37, 40, 24, 2, precision, offset=9, margin=0.0, ties=TIES)
+def test_ties_with_positive_are_kept_at_zero_margin(precision, ties):
+    _check(13, 37, 40, 24, 2, precision, offset=9, margin=0.0, ties=ties)
 
 
 @pytest.mark.parametrize(
