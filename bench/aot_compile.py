@@ -35,7 +35,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
-from cgist.kernels.gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, tile_configs  # noqa: E402
+from cgist.kernels.gist import (  # noqa: E402
+    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, tile_configs,
+)
 from cgist.kernels.launch import TL_DTYPES  # noqa: E402
 from cgist.streaming import compute_dtype  # noqa: E402
 

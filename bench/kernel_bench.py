@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import types
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
