@@ -65,10 +65,12 @@ def launch_values(kernel, precision: str, dim: int, dim_g: int, config: triton.C
     acc = compute_dtype(dtype)
     emb = torch.empty(1, dtype=dtype)
     vec = torch.empty(1, dtype=acc)
+    ids = torch.empty(1, dtype=torch.int32)
     values = dict(
         q_ptr=emb, qg_ptr=emb, k_ptr=emb, kg_ptr=emb, rq_ptr=vec, rqg_ptr=vec, rk_ptr=vec, rkg_ptr=vec,
-        thr_ptr=vec, pos_ptr=vec, m_ptr=vec, l_ptr=vec, lse_ptr=vec, scal_ptr=vec, dq_ptr=vec, dk_ptr=vec,
-        n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, b_bucket=rows, n_bucket=cols,
+        kid_ptr=ids, pid_ptr=ids, thr_ptr=vec, tmask_ptr=torch.empty(1, dtype=torch.int8), pos_ptr=vec,
+        m_ptr=vec, l_ptr=vec, lse_ptr=vec, scal_ptr=vec, dq_ptr=vec, dk_ptr=vec,
+        n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, pid_start=0, b_bucket=rows, n_bucket=cols,
         stride_qm=dim, stride_qd=1, stride_qgm=dim_g, stride_qgd=1, stride_kn=dim, stride_kd=1,
         stride_kgn=dim_g, stride_kgd=1, stride_dqm=dim, stride_dqd=1, stride_dkn=dim, stride_dkd=1,
         has_label=1, relative=0, accumulate=1, ACC=TL_DTYPES[acc], PRECISION=dot_precision,

@@ -9,9 +9,15 @@ Normalisation is folded into the tiles: a score is ``(q . k) * rq * rk`` with ``
 precomputed per row, so no normalised copy of any embedding is made and bf16 inputs go to the tensor
 cores unchanged. All logits are in base-2 units, ``z = s * log2(e) / tau``, so the softmax uses exp2.
 
-Bit-identical masks: the guide tile of every block, and the threshold ``theta_i`` (read off the AP
-guide tile at the label column in the same forward), come from one helper with one tile config, and
-the backward recomputes the same tiles with the same code and the same config.
+Ties by identity: row i's guide scores pair its row vector with each column, and ``theta_i`` pairs
+the same row vector with a partner (the positive ``o + i`` for anchor rows, anchor i for PP rows). A
+column whose normalised guide vector equals the partner's scores theta_i in exact arithmetic, so it
+is masked exactly when ``theta_i > T_i``, whatever the rounding of the tile. The launcher gives equal
+normalised guide rows equal integer ids (as ``cgist.reference.tie_ids``); the kernels compare ids.
+
+Bit-identical masks: every mask comes from one helper, the backward recomputes the same tiles with
+the same code and the same tile config as the forward, and reads the flag ``theta_i > T_i`` that the
+AP forward launch stored.
 """
 
 from __future__ import annotations
@@ -114,19 +120,22 @@ def _tile_scores(
     g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qgm, stride_qgd, stride_kgn,
                   stride_kgd, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
     z = s * (rq * scale)[:, None] * rk[None, :]
-    # (rqg * rkg) first: the product is symmetric, so g(u, v) == g(v, u) bitwise whichever side each
-    # vector sits on (theta_i = ga_i . gp_{o+i} can reappear transposed in the PP or AA blocks).
     g = g * (rqg[:, None] * rkg[None, :])
     return z, g
 
 
 @triton.jit
-def _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label):
+def _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label):
     """``z`` with -inf where the guide score is strictly above the row threshold or out of range.
 
-    With ``has_label`` (the AP block) column ``offset + i`` of row i is never masked.
+    A column whose tie id (read at ``kid_ptr``) equals the row's partner id ``pid`` ties with theta_i
+    and is masked iff ``theta_masked`` (theta_i > T_i). With ``has_label`` (the AP block) column
+    ``offset + i`` of row i is never masked. The column ids are loaded here, after the tile's
+    products, so that they are not live during them.
     """
-    keep = (g <= thr[:, None]) | ((offs_n[None, :] == offs_m[:, None] + offset) & (has_label != 0))
+    kid = tl.load(kid_ptr + offs_n, mask=mask_n, other=0)
+    keep = tl.where(kid[None, :] == pid[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
+    keep = keep | ((offs_n[None, :] == offs_m[:, None] + offset) & (has_label != 0))
     keep = keep & mask_m[:, None] & mask_n[None, :]
     return tl.where(keep, z, float("-inf"))
 
@@ -176,11 +185,11 @@ def _add_product(
     prune_configs_by={"early_config_prune": _prune_configs},
     restore_value=["m_ptr", "l_ptr"],
 )
-@triton.jit(do_not_specialize=["has_label", "relative"])
+@triton.jit(do_not_specialize=["pid_start", "has_label", "relative"])
 def gist_fwd_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
-    thr_ptr, pos_ptr, m_ptr, l_ptr, scal_ptr,
-    n_rows, n_cols, dim, dim_g, offset,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
+    thr_ptr, tmask_ptr, pos_ptr, m_ptr, l_ptr, scal_ptr,
+    n_rows, n_cols, dim, dim_g, offset, pid_start,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
     b_bucket, n_bucket, has_label, relative,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -190,16 +199,18 @@ def gist_fwd_kernel(
 
     Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits. The AP
     launch (``has_label``) comes first: it computes ``theta_i`` and the positive logit from the label
-    tiles, stores the threshold ``T_i`` and the positive, and seeds ``m_i`` with the positive logit.
+    tiles, stores the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positive, and seeds
+    ``m_i`` with the positive logit. ``kid_ptr`` holds the tie ids of the columns and
+    ``pid_ptr[pid_start + i]`` the tie id of row i's partner.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     scale = tl.load(scal_ptr + SCALE)
     rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
     rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+    pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
     if has_label:
-        # theta and the positive logit, read off the same tiles (same code, same column alignment)
-        # as the main loop below, so a duplicate of the positive's guide vector ties with theta.
+        # theta and the positive logit, read off the label tiles with the same code as the main loop.
         theta = tl.zeros((BLOCK_M,), dtype=ACC)
         m_i = tl.zeros((BLOCK_M,), dtype=ACC)
         first_label = offset + tl.program_id(0) * BLOCK_M
@@ -219,11 +230,14 @@ def gist_fwd_kernel(
             m_i += tl.sum(tl.where(is_label, z, 0.0), axis=1)
         margin = tl.load(scal_ptr + MARGIN)
         thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
+        theta_masked = (theta > thr).to(tl.int8)
         tl.store(thr_ptr + offs_m, thr, mask=mask_m)
+        tl.store(tmask_ptr + offs_m, theta_masked, mask=mask_m)
         tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
     else:
         thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+        theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
         m_i = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
         l_i = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
 
@@ -236,17 +250,17 @@ def gist_fwd_kernel(
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
         m_i, l_i = _online_lse(m_i, l_i, z)
     tl.store(m_ptr + offs_m, m_i, mask=mask_m)
     tl.store(l_ptr + offs_m, l_i, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["has_label", "accumulate"])
+@triton.jit(do_not_specialize=["pid_start", "has_label", "accumulate"])
 def gist_bwd_rows_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
-    thr_ptr, lse_ptr, scal_ptr, dq_ptr,
-    n_rows, n_cols, dim, dim_g, offset,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
+    thr_ptr, tmask_ptr, lse_ptr, scal_ptr, dq_ptr,
+    n_rows, n_cols, dim, dim_g, offset, pid_start,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
     stride_dqm, stride_dqd, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -264,6 +278,8 @@ def gist_bwd_rows_kernel(
     rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
     rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
     thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+    theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
+    pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
     lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -274,18 +290,18 @@ def gist_bwd_rows_kernel(
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
         _add_product(dq_ptr, offs_m, mask_m, stride_dqm, stride_dqd, accumulate + start_n > 0,
                      ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_kn, stride_kd, dim,
                      BLOCK_K, ACC, PRECISION)
 
 
-@triton.jit(do_not_specialize=["has_label", "accumulate"])
+@triton.jit(do_not_specialize=["pid_start", "has_label", "accumulate"])
 def gist_bwd_cols_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr,
-    thr_ptr, lse_ptr, scal_ptr, dk_ptr,
-    n_rows, n_cols, dim, dim_g, offset,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
+    thr_ptr, tmask_ptr, lse_ptr, scal_ptr, dk_ptr,
+    n_rows, n_cols, dim, dim_g, offset, pid_start,
     stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
     stride_dkn, stride_dkd, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -308,12 +324,14 @@ def gist_bwd_cols_kernel(
         rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
         rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
         thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+        theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
+        pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
         z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
                             offs_m, offs_n, mask_m, mask_n, dim, dim_g,
                             stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
         _add_product(dk_ptr, offs_n, mask_n, stride_dkn, stride_dkd, accumulate + start_m > 0,
                      tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_qm, stride_qd, dim,

@@ -4,8 +4,10 @@
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart). It launches
 the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
 
-* forward: the AP launch stores the threshold, the positive logit and the first running max/sum of
-  each row; the other blocks fold into that state. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
+* forward: the AP launch stores the threshold, the flag ``theta_i > T_i``, the positive logit and the
+  first running max/sum of each row; the other blocks fold into that state. Guide ties are decided by
+  identity: equal normalised guide rows get equal int32 ids (``cgist.reference.tie_ids``), and each
+  launch reads the ids of its columns and of its rows' partners. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
 * backward: the row pass and the column pass of each block add into fp32 (fp64) buffers of
   gradients with respect to the normalised embeddings; the first pass to reach a buffer overwrites
   it. Launches run in order on one stream, so the sums are deterministic without atomics. The
@@ -24,8 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.reference import EPS
-from cgist.streaming import compute_dtype, normalize_backward
+from cgist.reference import EPS, tie_ids
+from cgist.streaming import compute_dtype, normalize, normalize_backward
 
 from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
 
@@ -46,25 +48,39 @@ def _launch_device(device: torch.device):
 
 @dataclass
 class _Side:
-    """Student and guide vectors of one side of a block, with their inverse norms."""
+    """Student and guide vectors of one side of a block, with their inverse norms and guide tie ids."""
 
     x: Tensor
     g: Tensor
     rx: Tensor
     rg: Tensor
+    ids: Tensor  # int32 tie id of each guide row
     grad: int  # index of the embedding whose gradient this side feeds
     start: int = 0  # first row of that embedding
 
     def rows(self, start: int, stop: int) -> "_Side":
-        return _Side(self.x[start:stop], self.g[start:stop], self.rx[start:stop], self.rg[start:stop], self.grad, start)
+        return _Side(self.x[start:stop], self.g[start:stop], self.rx[start:stop], self.rg[start:stop],
+                     self.ids[start:stop], self.grad, start)
 
 
-def _common_args(rows: _Side, cols: _Side, thr: Tensor, offset: int) -> tuple[tuple, tuple]:
+@dataclass
+class _Block:
+    """One score block: rows against columns; row i's partner id is ``partner[partner_start + i]``."""
+
+    rows: _Side
+    cols: _Side
+    has_label: bool
+    partner: Tensor
+    partner_start: int
+
+
+def _common_args(block: _Block, thr: Tensor, theta_masked: Tensor, offset: int) -> tuple[tuple, tuple]:
     """Leading (tensor, size and stride) arguments shared by the three kernels, for one block."""
+    rows, cols = block.rows, block.cols
     return (
-        rows.x, rows.g, cols.x, cols.g, rows.rx, rows.rg, cols.rx, cols.rg, thr,
+        rows.x, rows.g, cols.x, cols.g, rows.rx, rows.rg, cols.rx, cols.rg, cols.ids, block.partner, thr, theta_masked,
     ), (
-        rows.x.shape[0], cols.x.shape[0], rows.x.shape[1], rows.g.shape[1], offset,
+        rows.x.shape[0], cols.x.shape[0], rows.x.shape[1], rows.g.shape[1], offset, block.partner_start,
         rows.x.stride(0), rows.x.stride(1), rows.g.stride(0), rows.g.stride(1),
         cols.x.stride(0), cols.x.stride(1), cols.g.stride(0), cols.g.stride(1),
     )
@@ -77,8 +93,9 @@ class ForwardState:
     embeddings: list[Tensor]
     sides: list[_Side]
     norms: list[Tensor]
-    blocks: list[tuple[_Side, _Side, bool]]
+    blocks: list[_Block]
     thr: Tensor
+    theta_masked: Tensor
     lse: Tensor
     scalars: Tensor
     flags: dict
@@ -108,38 +125,45 @@ def gist_forward(
     batch, n_cand = embeddings[0].shape[0], embeddings[1].shape[0]
 
     norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
-    guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
+    # The normalised guide rows exactly as the oracle and the streaming path compute them, so that
+    # all paths give the same tie ids; the copy lives only until the ids are taken.
+    guide_hats, guide_norms = zip(*(normalize(g, acc) for g in guide_embeddings))
+    ids = [i.to(torch.int32) for i in tie_ids(guide_hats)]
+    del guide_hats
     sides = [
-        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.clamp_min(EPS), i)
-        for i, (x, g, n, gn) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms))
+        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.squeeze(1).clamp_min(EPS), tid, i)
+        for i, (x, g, n, gn, tid) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms, ids))
     ]
     anchor, positive, *negatives = sides
-    # (rows, columns, has_label) of each block, in the order of the loss: AP, AA, PP, AN_1..AN_k.
-    blocks = [(anchor, positive, True)]
+    # The blocks in the order of the loss: AP, AA, PP, AN_1..AN_k. The partner of an anchor row is its
+    # positive offset + i; PP's rows are the positives offset + i, whose partner is anchor i.
+    blocks = [_Block(anchor, positive, True, positive.ids, offset)]
     if contrast_anchors:
-        blocks.append((anchor, anchor, False))
+        blocks.append(_Block(anchor, anchor, False, positive.ids, offset))
     if contrast_positives:
-        blocks.append((positive.rows(offset, offset + batch), positive, False))
-    blocks.extend((anchor, negative, False) for negative in negatives)
+        blocks.append(_Block(positive.rows(offset, offset + batch), positive, False, anchor.ids, 0))
+    blocks.extend(_Block(anchor, negative, False, positive.ids, offset) for negative in negatives)
 
     scalars = pack_scalars(temperature, margin, batch, acc, device)
     thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
+    theta_masked = torch.empty(batch, dtype=torch.int8, device=device)
     flags = dict(
         ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
     )
     buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
     with _launch_device(device):
-        for rows, cols, has_label in blocks:
-            ptrs, sizes = _common_args(rows, cols, thr, offset)
+        for block in blocks:
+            ptrs, sizes = _common_args(block, thr, theta_masked, offset)
             gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
                 *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
-                int(has_label), int(margin_strategy == "relative"), **flags,
+                int(block.has_label), int(margin_strategy == "relative"), **flags,
             )
     config = gist_fwd_kernel.best_config
     tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     lse = run_max + torch.log2(run_sum)
     loss = ((lse - pos).sum() * math.log(2.0) / batch).to(acc)
-    return loss, ForwardState(list(embeddings), sides, norms, blocks, thr, lse, scalars, flags, tiles, offset)
+    return loss, ForwardState(list(embeddings), sides, norms, blocks, thr, theta_masked, lse, scalars, flags, tiles,
+                              offset)
 
 
 @torch.no_grad()
@@ -149,14 +173,14 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
     grads_hat = [torch.empty(x.shape, dtype=acc, device=x.device) for x in state.embeddings]
     written: set[int] = set()
     with _launch_device(state.lse.device):
-        for rows, cols, has_label in state.blocks:
-            ptrs, sizes = _common_args(rows, cols, state.thr, state.offset)
-            passes = ((gist_bwd_rows_kernel, rows, "BLOCK_M"), (gist_bwd_cols_kernel, cols, "BLOCK_N"))
+        for block in state.blocks:
+            ptrs, sizes = _common_args(block, state.thr, state.theta_masked, state.offset)
+            passes = ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"), (gist_bwd_cols_kernel, block.cols, "BLOCK_N"))
             for kernel, side, tile in passes:
                 out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
                 kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
                     *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
-                    int(has_label), int(side.grad in written), **state.flags, **state.tiles,
+                    int(block.has_label), int(side.grad in written), **state.flags, **state.tiles,
                 )
                 written.add(side.grad)
     return [

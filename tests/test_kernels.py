@@ -12,7 +12,7 @@ import torch
 
 import cgist
 from cgist.kernels import gist_loss_and_grads
-from cgist.reference import gist_loss_reference, gist_scores
+from cgist.reference import gist_loss_reference, gist_scores, normalize, tie_ids
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -35,17 +35,33 @@ def _inputs(batch, n_cand, dim, dim_g, k, dtype, seed):
     return student, guide
 
 
+def _exact_norm_row(dim_g, seed):
+    """A random row of +-1 and +-2 whose squared norm is a perfect square.
+
+    Its norm is exact, so a copy scaled by 3 normalises to bitwise the same vector, in float32 and float64.
+    """
+    twos = next(a for a in range(dim_g + 1) if round((dim_g + 3 * a) ** 0.5) ** 2 == dim_g + 3 * a)
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.tensor([2.0] * twos + [1.0] * (dim_g - twos), dtype=torch.float64)
+    signs = torch.randint(0, 2, (dim_g,), generator=gen) * 2 - 1
+    return values[torch.randperm(dim_g, generator=gen)] * signs
+
+
 def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, strategy="absolute",
-           anchors=True, positives=True, temperature=0.05, ties=(), seed=0):
+           anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0):
     """Loss and gradients (two runs, bitwise equal) match the float64 oracle.
 
-    ``ties`` lists (column, row, anchor): that guide row becomes a bitwise copy of the guide vector of
-    anchor ``anchor``'s positive.
+    ``ties`` lists (column, row, anchor): that guide row becomes ``scale`` times the guide vector of
+    anchor ``anchor``'s positive. With ``scale != 1`` those positives first get rows of exact norm, so
+    that the copies equal them after normalisation while their products differ in rounding.
     """
     dtype = DTYPES[precision]
     student, guide = _inputs(batch, n_cand, dim, dim_g, k, dtype, seed)
+    if scale != 1.0:
+        for anchor in sorted({anchor for *_, anchor in ties}):
+            guide[1][offset + anchor] = _exact_norm_row(dim_g, seed + anchor).to(dtype)
     for column, row, anchor in ties:
-        guide[column][row] = guide[1][offset + anchor]
+        guide[column][row] = scale * guide[1][offset + anchor]
     options = dict(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
                    contrast_positives=positives, offset=offset)
 
@@ -53,12 +69,14 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     guide64 = [g.double() for g in guide]
     want = gist_loss_reference(leaves, guide64, **options)
     want.backward()
-    if ties:  # the oracle keeps each duplicate of the positive at margin 0, so the test exercises the tie
+    if ties:  # each copy is a tie for the oracle, kept exactly at margin <= 0, so the test exercises it
+        ids = [tie_ids([normalize(g) for g in columns]) for columns in (guide, guide64)]
         scores = gist_scores(leaves, guide64, **{key: v for key, v in options.items() if key != "temperature"})
         negatives_start = n_cand + batch * anchors + n_cand * positives
         for column, row, anchor in ties:
+            assert all(i[column][row] == i[1][offset + anchor] for i in ids), "the copy is not equal once normalised"
             start = {0: n_cand, 1: 0}.get(column, negatives_start + (column - 2) * n_cand)
-            assert torch.isfinite(scores[anchor, start + row]), "the oracle masked a tie"
+            assert bool(torch.isfinite(scores[anchor, start + row])) == (margin <= 0), "the oracle mis-decided a tie"
 
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
@@ -130,6 +148,17 @@ ANCHOR_TIES = ((0, 1, 6), (0, 4, 9), (0, 7, 0), (0, 10, 3), (0, 12, 5), (0, 2, 1
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 def test_ties_with_positive_are_kept_at_zero_margin(precision, ties):
     _check(13, 37, 40, 24, 2, precision, offset=9, margin=0.0, ties=ties)
+
+
+# Copies of the positive scaled by 3 among the negatives and the anchors: equal to it once normalised
+# (ties by identity), but their guide products round differently from theta.
+SCALED_TIES = ((2, 4, 3), (3, 30, 3), (2, 19, 7), (3, 9, 6), (0, 1, 6), (0, 10, 3), (0, 12, 5))
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.1], ids=["m0", "m0.1"])
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_scaled_copies_of_positive_tie_by_identity(precision, margin):
+    _check(13, 37, 40, 24, 2, precision, offset=9, margin=margin, ties=SCALED_TIES, scale=3.0)
 
 
 @pytest.mark.parametrize(
