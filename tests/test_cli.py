@@ -69,7 +69,8 @@ def _check(argv: list[str], capsys, *, code: int, out_dir: Path, message: str = 
 def test_parser_defaults():
     args = cli.build_parser().parse_args(["train"])
     assert (args.model, args.guide, args.data) == (None, None, None)
-    assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (64, 16, 128)
+    assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (32, 16, 64)
+    assert args.lr == 1e-4 and args.max_pairs is None
     assert (args.temperature, args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
     assert args.contrast_anchors and args.contrast_positives
     assert args.output_dir == cli.DEFAULT_OUTPUT_DIR
