@@ -1,6 +1,7 @@
 """Loss-stage benchmark: sentence-transformers' CachedGISTEmbedLoss against cgist, forward + backward.
 
-    python bench/loss_stage.py --device cpu|cuda [--quick] [--out DIR] [--interpret]
+    python bench/loss_stage.py --device cpu|cuda [--quick] [--out DIR] [--interpret] [--threads T]
+    python bench/loss_stage.py --from-csv bench/results/loss_stage_cpu.csv   # redraw plot and table only
 
 Every provider gets the same cached embeddings (``common.make_embeddings``: fixed seed, float32,
 guide dim 384) cut into GradCache mini-batch leaves, and runs one loss-stage step with backward:
@@ -291,7 +292,7 @@ def ratio(base: dict[str, object] | None, row: dict[str, object]) -> str:
     """Speed-up of ``row`` over ``base`` as text, blank when either is missing."""
     if base is None or base.get("note") or row.get("note"):
         return ""
-    return f"{base['median_ms'] / row['median_ms']:.1f}x"
+    return f"{base['median_ms'] / row['median_ms']:.3g}x"
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
@@ -343,7 +344,7 @@ def plot(rows: Sequence[dict[str, object]], path: Path, title: str) -> Path:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -393,6 +394,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="CPU: give up on one point after this many s")
     parser.add_argument("--threads", type=int, help="CPU: torch threads per measuring process (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from-csv", type=Path, help="measure nothing: redraw the plot and table of this CSV")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
     if args.quick:
@@ -445,32 +447,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)  # also what the header reports
+    if args.from_csv:
+        rows = load_rows(args.from_csv)
+        report(rows, args.from_csv.parent, args.from_csv.stem, rows[0]["device"] if rows else args.device)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
     settings = Settings(
         budget_s=args.budget, max_repeats=args.repeats, point_s=args.point_seconds, threads=args.threads, seed=args.seed
     )
-    if args.threads:
-        torch.set_num_threads(args.threads)  # so that the header reports it
     rows = sweep(args, build_points(args), settings)
-
     stem = f"loss_stage_{args.device}" + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = common.write_csv(args.out / f"{stem}.csv", rows)
-    where = machine(args.device)
-    png_path = plot(rows, args.out / f"{stem}.png", f"CachedGIST loss stage, fwd+bwd, {args.device}: {where}")
+    print(f"wrote {common.write_csv(args.out / f'{stem}.csv', rows)}")
+    report(rows, args.out, stem, args.device)
+    return 0
+
+
+def load_rows(path: Path) -> list[dict[str, object]]:
+    """Rows of a CSV written by this script, with numbers parsed back."""
+    rows = common.read_csv(path)
+    for r in rows:
+        r.update({c: int(r[c]) for c in ("B", "N", "D", "Dg", "k")})
+        r.update({c: float(r[c]) if r[c] else "" for c in ("median_ms", "p20_ms", "p80_ms", "peak_mb")})
+    return rows
+
+
+def report(rows: Sequence[dict[str, object]], out: Path, stem: str, device: str) -> None:
+    """Write ``<stem>.png`` and ``<stem>.md`` under ``out`` and print the table last."""
+    where = machine(device)
+    png_path = plot(rows, out / f"{stem}.png", f"CachedGIST loss stage, fwd+bwd, {device}: {where}")
     table = markdown_table(rows)
     header = f"Loss stage fwd+bwd, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32 on {where}"
-    (args.out / f"{stem}.md").write_text(f"{header}\n\n{table}\n")
-    print(f"wrote {csv_path} and {png_path}")
+    (out / f"{stem}.md").write_text(f"{header}\n\n{table}\n")
+    print(f"wrote {png_path}")
     for line in acceptance(rows):
         print(line)
     print()
     print(header)
     print()
     print(table)
-    return 0
 
 
 if __name__ == "__main__":
