@@ -20,7 +20,7 @@ from pathlib import Path
 
 DEFAULT_OUTPUT_DIR = "runs/cgist-train"
 # With the built-in data and neither --epochs nor --max-steps, training stops here, so that the default run
-# (16 steps of 32 pairs, 64 tokens: about 330 CPU-seconds measured) takes 3 to 4 minutes on 2 idle CPU cores.
+# (16 steps of 32 pairs, 64 tokens) takes about 3 minutes on 2 CPU cores (172 s measured).
 DEFAULT_STDLIB_STEPS = 16
 # Metric key suffixes of InformationRetrievalEvaluator and their names in the summary table.
 METRICS = {"mrr@10": "MRR@10", "recall@1": "Recall@1", "ndcg@10": "NDCG@10"}
