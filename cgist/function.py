@@ -7,8 +7,6 @@ stored gradients by ``grad_output``. Validation happens here, once, before any b
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from collections.abc import Callable, Sequence
 
@@ -17,36 +15,19 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import streaming
+from .options import GistOptions
 
-MARGIN_STRATEGIES = ("absolute", "relative")
+__all__ = ["BACKENDS", "GistLossFunction", "check_embeddings", "gist_loss", "gist_loss_with_options"]
+
 BACKENDS = ("auto", "torch", "triton")
+
+#: A backend: ``(embeddings, guide_embeddings, options, *, need_grads) -> (loss, grads or None)``.
+Backend = Callable[..., tuple[Tensor, "list[Tensor] | None"]]
 
 
 def column_name(index: int) -> str:
     """Human name of column ``index`` of ``[anchor, positive, *negatives]``."""
     return ("anchor", "positive")[index] if index < 2 else f"negative {index - 1}"
-
-
-def _check_real(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-
-
-def check_options(
-    *, temperature: object, margin: object, margin_strategy: object, contrast_anchors: object, contrast_positives: object
-) -> None:
-    """Raise ValueError/TypeError naming the first bad loss option."""
-    _check_real("temperature", temperature)
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-    _check_real("margin", margin)
-    if not math.isfinite(margin):
-        raise ValueError(f"margin must be a finite number, got {margin!r}")
-    if not isinstance(margin_strategy, str) or margin_strategy not in MARGIN_STRATEGIES:
-        raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {margin_strategy!r}")
-    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _where(arg: str, i: int) -> str:
@@ -80,8 +61,8 @@ def _check_group(tensors: object, arg: str) -> list[Tensor]:
     return tensors
 
 
-def check_embeddings(embeddings: object, guide_embeddings: object, offset: object) -> tuple[list[Tensor], list[Tensor]]:
-    """Validate shapes, dtypes, devices, finiteness and the offset; return both groups as lists.
+def check_embeddings(embeddings: object, guide_embeddings: object, offset: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Validate shapes, dtypes, devices, finiteness and the offset's range; return both groups as lists.
 
     Costs one host sync (the finiteness test), however many columns there are.
     """
@@ -108,8 +89,6 @@ def check_embeddings(embeddings: object, guide_embeddings: object, offset: objec
             f"embeddings[1] (student positive) has {n_cand} rows, fewer than the {batch} anchors; "
             "anchor i's positive is candidate offset + i, so there must be N >= B candidates"
         )
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
     if not 0 <= offset <= n_cand - batch:
         raise ValueError(
             f"offset must be in [0, N - B] = [0, {n_cand - batch}] so that labels offset..offset+B-1 are candidates "
@@ -122,7 +101,7 @@ def check_embeddings(embeddings: object, guide_embeddings: object, offset: objec
     return student, guide
 
 
-def triton_backend() -> Callable[..., tuple[Tensor, list[Tensor] | None]]:
+def _triton_backend() -> Backend:
     """The Triton launcher, or a RuntimeError saying why it cannot run here."""
     try:
         from .kernels import gist_loss_and_grads
@@ -131,7 +110,7 @@ def triton_backend() -> Callable[..., tuple[Tensor, list[Tensor] | None]]:
     return gist_loss_and_grads
 
 
-def select_backend(backend: object, device: torch.device) -> Callable[..., tuple[Tensor, list[Tensor] | None]]:
+def select_backend(backend: object, device: torch.device) -> Backend:
     """'auto' picks Triton for CUDA tensors and the PyTorch streaming path elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -144,18 +123,18 @@ def select_backend(backend: object, device: torch.device) -> Callable[..., tuple
         )
     if backend == "auto":
         try:
-            return triton_backend()
+            return _triton_backend()
         except RuntimeError:
             return streaming.gist_loss_and_grads
-    return triton_backend()
+    return _triton_backend()
 
 
 class GistLossFunction(torch.autograd.Function):
     """Autograd node: forward returns the loss and keeps the gradients; backward scales them."""
 
     @staticmethod
-    def forward(ctx, kernel, options: dict, n_cols: int, need_grads: bool, *tensors: Tensor) -> Tensor:
-        loss, grads = kernel(tensors[:n_cols], tensors[n_cols:], need_grads=need_grads, **options)
+    def forward(ctx, backend: Backend, options: GistOptions, n_cols: int, need_grads: bool, *tensors: Tensor) -> Tensor:
+        loss, grads = backend(tensors[:n_cols], tensors[n_cols:], options, need_grads=need_grads)
         ctx.n_guides = len(tensors) - n_cols
         if grads is not None:
             ctx.save_for_backward(*grads)
@@ -166,6 +145,17 @@ class GistLossFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         grads = [g * grad_output.to(g.dtype) for g in ctx.saved_tensors]
         return (None, None, None, None, *grads, *([None] * ctx.n_guides))
+
+
+def gist_loss_with_options(
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, backend: str = "auto"
+) -> Tensor:
+    """``gist_loss`` with its loss options given as one validated ``GistOptions``."""
+    student, guide = check_embeddings(embeddings, guide_embeddings, options.offset)
+    run = select_backend(backend, student[0].device)
+    need_grads = torch.is_grad_enabled() and any(t.requires_grad for t in student)
+    guide = [g.detach() for g in guide]
+    return GistLossFunction.apply(run, options, len(student), need_grads, *student, *guide)
 
 
 def gist_loss(
@@ -198,23 +188,12 @@ def gist_loss(
         The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
         differentiable with respect to ``embeddings``.
     """
-    check_options(
+    options = GistOptions(
         temperature=temperature,
         margin=margin,
         margin_strategy=margin_strategy,
         contrast_anchors=contrast_anchors,
         contrast_positives=contrast_positives,
+        offset=offset,
     )
-    student, guide = check_embeddings(embeddings, guide_embeddings, offset)
-    kernel = select_backend(backend, student[0].device)
-    need_grads = torch.is_grad_enabled() and any(t.requires_grad for t in student)
-    options = dict(
-        temperature=float(temperature),
-        margin=float(margin),
-        margin_strategy=margin_strategy,
-        contrast_anchors=contrast_anchors,
-        contrast_positives=contrast_positives,
-        offset=int(offset),
-    )
-    guide = [g.detach() for g in guide]
-    return GistLossFunction.apply(kernel, options, len(student), need_grads, *student, *guide)
+    return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend)

@@ -12,7 +12,10 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 from sentence_transformers.util import all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .function import BACKENDS, check_options, gist_loss
+from .function import BACKENDS, gist_loss_with_options
+from .options import GistOptions
+
+__all__ = ["FusedCachedGISTLoss"]
 
 
 def check_equal_batches(batch_size: int, device: torch.device) -> None:
@@ -34,13 +37,7 @@ def check_equal_batches(batch_size: int, device: torch.device) -> None:
 
 
 class FusedCachedGISTLoss(CachedGISTEmbedLoss):
-    """Drop-in replacement for ``CachedGISTEmbedLoss`` with the same arguments, loss and gradients.
-
-    The embedding stage (GradCache with RandContext replay, guide retokenisation, mini-batching) is
-    sentence-transformers' own; only ``calculate_loss`` is replaced, by a streaming computation that
-    never materialises the B x N similarity matrix (fused Triton kernels on CUDA, a blockwise PyTorch
-    path elsewhere). ``backend`` ("auto", "torch", "triton") selects the implementation.
-    """
+    """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage."""
 
     def __init__(
         self,
@@ -57,7 +54,77 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         gather_across_devices: bool = False,
         backend: Literal["auto", "torch", "triton"] = "auto",
     ) -> None:
-        check_options(
+        """
+        A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
+        a loss stage that never forms the B x N similarity matrix.
+
+        The embedding stage is sentence-transformers' own GradCache loop (mini-batches, RandContext replay,
+        retokenisation for a guide with another tokenizer, ``mini_batch_num_tokens``, gathering across devices).
+        Only ``calculate_loss`` changes: the student and guide similarities are computed as matrix products over
+        blocks of anchors, masked against the guide threshold and reduced by a streaming log-sum-exp, and the
+        embedding gradients come out of the same pass. On CUDA tensors this runs as Triton kernels; elsewhere as
+        a blockwise PyTorch computation.
+
+        For anchor i, a candidate is dropped from the softmax when the guide scores it strictly above
+        ``theta_i - margin`` (``"absolute"``) or ``theta_i - |theta_i| * margin`` (``"relative"``), where
+        ``theta_i`` is the guide's score of the anchor with its own positive. The positive itself is never dropped.
+
+        Args:
+            model: the SentenceTransformer being trained.
+            guide: a frozen SentenceTransformer whose similarities decide which in-batch candidates are dropped as
+                likely false negatives.
+            temperature: divides the cosine similarities before the softmax.
+            mini_batch_size: texts embedded at once in the embedding stage; sets memory, not the loss.
+            mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead of
+                ``mini_batch_size`` texts.
+            show_progress_bar: show a progress bar over the embedding mini-batches.
+            margin_strategy: ``"absolute"`` or ``"relative"``, how ``margin`` lowers the threshold.
+            margin: how far below ``theta_i`` the threshold lies; 0 drops only candidates the guide ranks above the
+                positive.
+            contrast_anchors: include the anchor-anchor similarities.
+            contrast_positives: include the positive-positive similarities.
+            gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
+                every rank must then hold the same number of anchors.
+            backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+
+        References:
+            - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
+              https://arxiv.org/abs/2402.16829
+            - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache),
+              https://arxiv.org/abs/2101.06983
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Raises:
+            TypeError, ValueError: for a bad argument, naming it, before anything is computed.
+
+        Example:
+            ::
+
+                from datasets import Dataset
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                import cgist
+
+                model = SentenceTransformer("microsoft/mpnet-base")
+                guide = SentenceTransformer("all-MiniLM-L6-v2")
+                train_dataset = Dataset.from_dict({
+                    "anchor": ["how do I reverse a list in python", "boiling point of water"],
+                    "positive": ["Use reversed(xs) or xs[::-1].", "Water boils at 100 degrees Celsius at sea level."],
+                })
+                loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=64, margin=0.05)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+        """
+        self.options = GistOptions(
             temperature=temperature,
             margin=margin,
             margin_strategy=margin_strategy,
@@ -114,15 +181,10 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             candidates = [all_gather_with_grad(c) for c in candidates]
             candidates_guide = [all_gather_with_grad(c) for c in candidates_guide]
             offset = get_rank() * anchors.shape[0]
-        loss = gist_loss(
+        loss = gist_loss_with_options(
             [anchors, *candidates],
             [anchors_guide, *candidates_guide],
-            temperature=self.temperature,
-            margin=self.margin,
-            margin_strategy=self.margin_strategy,
-            contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives,
-            offset=offset,
+            self.options.replace(offset=offset) if offset else self.options,
             backend=self.backend,
         )
         if with_backward:
@@ -130,7 +192,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             loss = loss.detach()
         return loss
 
-    def get_config_dict(self):
+    def get_config_dict(self) -> dict:
         return {**super().get_config_dict(), "backend": self.backend}
 
     @property

@@ -13,32 +13,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .reference import EPS, guide_mask, threshold, tie_ids
+from .numerics import compute_dtype, guide_mask, normalize, normalize_backward, threshold, tie_ids
+from .options import GistOptions
+
+__all__ = ["BLOCK_BYTES", "gist_loss_and_grads"]
 
 #: Default bytes of score buffers held at once per row block.
 BLOCK_BYTES = 16 * 2**20
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other floating type accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def normalize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Return ``(x / max(||x||, eps), ||x||)`` computed in ``dtype``."""
-    x = x.to(dtype)
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x / norm.clamp_min(EPS), norm
-
-
-def normalize_backward(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
-    """Gradient through ``x / max(||x||, eps)``: ``(g - x_hat (x_hat . g)) / ||x||``, or ``g / eps`` when clamped."""
-    radial = (x_hat * grad_hat).sum(dim=-1, keepdim=True)
-    radial = radial.masked_fill(norm < EPS, 0.0)
-    return (grad_hat - x_hat * radial) / norm.clamp_min(EPS)
-
-
-def rows_per_block(n_rows: int, n_score_cols: int, widest_block: int, itemsize: int, budget: int) -> int:
+def _rows_per_block(n_rows: int, n_score_cols: int, widest_block: int, itemsize: int, budget: int) -> int:
     """Rows per block so that the block's scores plus one guide tile and mask fit in ``budget`` bytes."""
     per_row = n_score_cols * itemsize + widest_block * (itemsize + 1)
     return max(1, min(n_rows, budget // per_row))
@@ -48,13 +32,8 @@ def rows_per_block(n_rows: int, n_score_cols: int, widest_block: int, itemsize: 
 def gist_loss_and_grads(
     embeddings: Sequence[Tensor],
     guide_embeddings: Sequence[Tensor],
+    options: GistOptions,
     *,
-    temperature: float,
-    margin: float,
-    margin_strategy: str,
-    contrast_anchors: bool,
-    contrast_positives: bool,
-    offset: int,
     need_grads: bool,
     block_bytes: int = BLOCK_BYTES,
 ) -> tuple[Tensor, list[Tensor] | None]:
@@ -64,6 +43,8 @@ def gist_loss_and_grads(
     is candidate ``offset + i``. The loss is float64 for float64 inputs and float32 otherwise; the
     gradients have the dtype of their embedding.
     """
+    temperature, offset = options.temperature, options.offset
+    contrast_anchors, contrast_positives = options.contrast_anchors, options.contrast_positives
     dtype = compute_dtype(embeddings[0].dtype)
     normed = [normalize(e, dtype) for e in embeddings]
     a, p, *negs = (x for x, _ in normed)
@@ -83,7 +64,7 @@ def gist_loss_and_grads(
 
     grads_hat = [torch.zeros_like(x) for x, _ in normed] if need_grads else None
     loss = torch.zeros((), dtype=dtype, device=a.device)
-    step = rows_per_block(
+    step = _rows_per_block(
         batch, sum(b[0].shape[0] for b in blocks), max(batch, n_cand), torch.finfo(dtype).bits // 8, block_bytes
     )
     for start in range(0, batch, step):
@@ -99,7 +80,7 @@ def gist_loss_and_grads(
 
         guide_ap = ga[start:stop] @ gp.T
         theta = guide_ap[rows, labels].unsqueeze(1)
-        limit = threshold(theta, margin, margin_strategy)
+        limit = threshold(theta, options.margin, options.relative)
         theta_masked = theta > limit
         logits = []
         for i, ((cols, guide_cols, col_ids), (row_s, row_g, partner_ids)) in enumerate(zip(blocks, row_vecs)):

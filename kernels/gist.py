@@ -13,7 +13,10 @@ Ties by identity: row i's guide scores pair its row vector with each column, and
 the same row vector with a partner (the positive ``o + i`` for anchor rows, anchor i for PP rows). A
 column whose normalised guide vector equals the partner's scores theta_i in exact arithmetic, so it
 is masked exactly when ``theta_i > T_i``, whatever the rounding of the tile. The launcher gives equal
-normalised guide rows equal integer ids (as ``cgist.reference.tie_ids``); the kernels compare ids.
+normalised guide rows equal integer ids (``cgist.numerics.tie_ids``); the kernels compare ids.
+
+Layout: the launcher makes the feature dimension of every input contiguous, so each matrix comes
+with one stride, that of its rows. Offsets are int64.
 
 Bit-identical masks: every mask comes from one helper, the backward recomputes the same tiles with
 the same code and the same tile config as the forward, and reads the flag ``theta_i > T_i`` that the
@@ -28,6 +31,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+__all__ = ["gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "pack_scalars", "tile_configs"]
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
 SCALE, MARGIN, GRAD_SCALE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -70,8 +75,9 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     return FMA_CONFIGS if fma else MMA_CONFIGS
 
 
-def _prune_configs(configs, named_args, **meta) -> list[triton.Config]:
-    return tile_configs(named_args["q_ptr"].dtype, meta["PRECISION"], named_args["qg_ptr"].dtype, meta["PRECISION_G"])
+def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
+    args = {**named_args, **kwargs}  # keyword launches leave named_args empty
+    return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"])
 
 
 def pack_scalars(temperature: float, margin: float, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -86,55 +92,76 @@ def pack_scalars(temperature: float, margin: float, batch: int, dtype: torch.dty
 
 @triton.jit
 def _tile_dot(
-    a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, dim,
-    stride_am, stride_ad, stride_bn, stride_bd,
+    a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_a, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Raw dot products ``a[offs_m] . b[offs_n]`` (BLOCK_M x BLOCK_N), K-looped over ``dim``."""
+    """Raw dot products ``a[offs_m] . b[offs_n]``, K-looped over ``dim``.
+
+    a: (rows, dim) with row stride ``stride_a``; b: (cols, dim) likewise. Returns (BLOCK_M, BLOCK_N) in ACC.
+    """
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ad
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bd
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_b + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, dim, BLOCK_K):
         mask_k = offs_k < dim - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-        a_ptrs += BLOCK_K * stride_ad
-        b_ptrs += BLOCK_K * stride_bd
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     return acc
 
 
 @triton.jit
 def _tile_scores(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-    offs_m, offs_n, mask_m, mask_n, dim, dim_g,
-    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
 ):
-    """Student logits ``z = cos(q, k) * scale`` and guide cosines ``cos(qg, kg)`` of one tile."""
-    s = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_qm, stride_qd, stride_kn, stride_kd,
+    """Student logits ``z = cos(q, k) * scale`` and guide cosines ``g = cos(qg, kg)`` of one tile.
+
+    rq, rqg: (BLOCK_M,) inverse row norms; rk, rkg: (BLOCK_N,) inverse column norms.
+    Returns z, g: (BLOCK_M, BLOCK_N) in ACC.
+    """
+    s = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_q, stride_k,
                   BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION)
-    g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qgm, stride_qgd, stride_kgn,
-                  stride_kgd, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+    g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
+                  BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
     z = s * (rq * scale)[:, None] * rk[None, :]
+    # Both inverse norms at once, so that g[i, j] and g[j, i] of a symmetric block are bitwise equal.
     g = g * (rqg[:, None] * rkg[None, :])
     return z, g
 
 
 @triton.jit
-def _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label):
-    """``z`` with -inf where the guide score is strictly above the row threshold or out of range.
+def _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start, thr_ptr, theta_masked_ptr):
+    """What every tile of BLOCK_M rows needs: inverse norms, partner tie id, threshold and theta flag.
 
-    A column whose tie id (read at ``kid_ptr``) equals the row's partner id ``pid`` ties with theta_i
-    and is masked iff ``theta_masked`` (theta_i > T_i). With ``has_label`` (the AP block) column
+    Each is (BLOCK_M,); rows past ``n_rows`` read neutral values.
+    """
+    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+    partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
+    thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+    theta_masked = tl.load(theta_masked_ptr + offs_m, mask=mask_m, other=0)
+    return rq, rqg, partner_id, thr, theta_masked
+
+
+@triton.jit
+def _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
+                   has_label):
+    """``z`` (BLOCK_M, BLOCK_N) with -inf where the guide score is strictly above the row threshold or out of range.
+
+    A column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties with theta_i and
+    is masked iff ``theta_masked`` (theta_i > T_i). With ``has_label`` (the AP block) column
     ``offset + i`` of row i is never masked. The column ids are loaded here, after the tile's
     products, so that they are not live during them.
     """
-    kid = tl.load(kid_ptr + offs_n, mask=mask_n, other=0)
-    keep = tl.where(kid[None, :] == pid[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
+    col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
+    keep = tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
     keep = keep | ((offs_n[None, :] == offs_m[:, None] + offset) & (has_label != 0))
     keep = keep & mask_m[:, None] & mask_n[None, :]
     return tl.where(keep, z, float("-inf"))
@@ -142,7 +169,7 @@ def _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m
 
 @triton.jit
 def _online_lse(m_i, l_i, z):
-    """Fold a tile of base-2 logits into the running max ``m_i`` and sum ``l_i`` (``m_i`` finite)."""
+    """Fold a tile of base-2 logits z (BLOCK_M, BLOCK_N) into the running max and sum (BLOCK_M,); m_i finite."""
     m_new = tl.maximum(m_i, tl.max(z, axis=1))
     l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), axis=1)
     return m_new, l_i
@@ -150,7 +177,7 @@ def _online_lse(m_i, l_i, z):
 
 @triton.jit
 def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label):
-    """dL/ds of one tile: ``(softmax - onehot(label)) * grad_scale``; 0 where masked (z = -inf)."""
+    """dL/ds of one tile (BLOCK_M, BLOCK_N): ``(softmax - onehot(label)) * grad_scale``; 0 where masked."""
     p = tl.exp2(z - lse[:, None])
     is_label = (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None] & (has_label != 0)
     return tl.where(is_label, p - 1.0, p) * grad_scale
@@ -158,39 +185,42 @@ def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label):
 
 @triton.jit
 def _add_product(
-    out_ptr, offs_o, mask_o, stride_om, stride_od, read_old,
-    ds, v_ptr, offs_v, mask_v, stride_vm, stride_vd, dim,
+    out_ptr, offs_o, mask_o, stride_out, read_old, ds, v_ptr, offs_v, mask_v, stride_v, dim,
     BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``out[offs_o, :] (+)= ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
 
-    ``ds`` is (len(offs_o) x len(offs_v)) in v's dtype; the old rows count only when ``read_old``.
+    ds: (len(offs_o), len(offs_v)) in v's dtype; out: (rows, dim) in ACC. The old rows count only when ``read_old``.
     """
     offs_d = tl.arange(0, BLOCK_D)
-    out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
-    v_ptrs = v_ptr + offs_v[:, None].to(tl.int64) * stride_vm + offs_d[None, :] * stride_vd
+    out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_out + offs_d[None, :]
+    v_ptrs = v_ptr + offs_v[:, None].to(tl.int64) * stride_v + offs_d[None, :]
     for d0 in range(0, dim, BLOCK_D):
         mask_d = offs_d < dim - d0
         v = tl.load(v_ptrs, mask=mask_v[:, None] & mask_d[None, :], other=0.0)
         out_mask = mask_o[:, None] & mask_d[None, :]
         old = tl.where(read_old, tl.load(out_ptrs, mask=out_mask, other=0.0), 0.0)
         tl.store(out_ptrs, tl.dot(ds, v, old, input_precision=PRECISION, out_dtype=ACC), mask=out_mask)
-        out_ptrs += BLOCK_D * stride_od
-        v_ptrs += BLOCK_D * stride_vd
+        out_ptrs += BLOCK_D
+        v_ptrs += BLOCK_D
 
 
+# The block kind (has_label; relative; accumulate) is a runtime value, not a constexpr, and is kept out of
+# the JIT's integer specialisation: all the blocks of a step (AP, AA, PP, AN_1..AN_k) then share one binary
+# per kernel and tile config, instead of compiling and autotuning a variant per block. The branches it
+# selects are per program, so they cost nothing measurable.
 @triton.autotune(
     configs=INTERPRET_CONFIGS if INTERPRET else MMA_CONFIGS + FMA_CONFIGS,
     key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G"],
     prune_configs_by={"early_config_prune": _prune_configs},
     restore_value=["m_ptr", "l_ptr"],
 )
-@triton.jit(do_not_specialize=["pid_start", "has_label", "relative"])
+@triton.jit(do_not_specialize=["partner_start", "has_label", "relative"])
 def gist_fwd_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
-    thr_ptr, tmask_ptr, pos_ptr, m_ptr, l_ptr, scal_ptr,
-    n_rows, n_cols, dim, dim_g, offset, pid_start,
-    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
+    thr_ptr, theta_masked_ptr, pos_ptr, m_ptr, l_ptr, scalars_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start,
+    stride_q, stride_qg, stride_k, stride_kg,
     b_bucket, n_bucket, has_label, relative,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -200,15 +230,14 @@ def gist_fwd_kernel(
     Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits. The AP
     launch (``has_label``) comes first: it computes ``theta_i`` and the positive logit from the label
     tiles, stores the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positive, and seeds
-    ``m_i`` with the positive logit. ``kid_ptr`` holds the tie ids of the columns and
-    ``pid_ptr[pid_start + i]`` the tie id of row i's partner.
+    ``m_i`` with the positive logit. ``col_id_ptr`` holds the tie ids of the columns and
+    ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
-    scale = tl.load(scal_ptr + SCALE)
-    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-    pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
+    scale = tl.load(scalars_ptr + SCALE)
+    rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
+                                                        partner_start, thr_ptr, theta_masked_ptr)
     if has_label:
         # theta and the positive logit, read off the label tiles with the same code as the main loop.
         theta = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -221,23 +250,19 @@ def gist_fwd_kernel(
             rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
             rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
             z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                                offs_m, offs_n, mask_m, mask_n, dim, dim_g,
-                                stride_qm, stride_qd, stride_qgm, stride_qgd,
-                                stride_kn, stride_kd, stride_kgn, stride_kgd,
+                                offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
                                 BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
             is_label = offs_n[None, :] == offs_m[:, None] + offset
             theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
             m_i += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        margin = tl.load(scal_ptr + MARGIN)
+        margin = tl.load(scalars_ptr + MARGIN)
         thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
         theta_masked = (theta > thr).to(tl.int8)
         tl.store(thr_ptr + offs_m, thr, mask=mask_m)
-        tl.store(tmask_ptr + offs_m, theta_masked, mask=mask_m)
+        tl.store(theta_masked_ptr + offs_m, theta_masked, mask=mask_m)
         tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
     else:
-        thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
-        theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
         m_i = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
         l_i = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
 
@@ -247,39 +272,35 @@ def gist_fwd_kernel(
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
         z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
-                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
+                           has_label)
         m_i, l_i = _online_lse(m_i, l_i, z)
     tl.store(m_ptr + offs_m, m_i, mask=mask_m)
     tl.store(l_ptr + offs_m, l_i, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["pid_start", "has_label", "accumulate"])
+@triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
 def gist_bwd_rows_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
-    thr_ptr, tmask_ptr, lse_ptr, scal_ptr, dq_ptr,
-    n_rows, n_cols, dim, dim_g, offset, pid_start,
-    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
-    stride_dqm, stride_dqd, has_label, accumulate,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
+    thr_ptr, theta_masked_ptr, lse_ptr, scalars_ptr, grad_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Backward row pass of one block: ``dq_hat[i] (+)= sum_j dS[i, j] * k_hat[j]`` (n_rows x dim).
+    """Backward row pass of one block: ``grad[i] (+)= sum_j dS[i, j] * k_hat[j]``, grad = dL/dq_hat (n_rows x dim).
 
     Recomputes each tile and its mask exactly as the forward; ``lse`` is the base-2 row LSE.
-    Unless ``accumulate``, the first column tile overwrites ``dq`` instead of adding to it.
+    Unless ``accumulate``, the first column tile overwrites ``grad`` instead of adding to it.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
-    scale = tl.load(scal_ptr + SCALE)
-    grad_scale = tl.load(scal_ptr + GRAD_SCALE)
-    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-    thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
-    theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
-    pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
+    scale = tl.load(scalars_ptr + SCALE)
+    grad_scale = tl.load(scalars_ptr + GRAD_SCALE)
+    rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
+                                                        partner_start, thr_ptr, theta_masked_ptr)
     lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -287,52 +308,47 @@ def gist_bwd_rows_kernel(
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
         z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
-                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
+                           has_label)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
-        _add_product(dq_ptr, offs_m, mask_m, stride_dqm, stride_dqd, accumulate + start_n > 0,
-                     ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_kn, stride_kd, dim,
-                     BLOCK_K, ACC, PRECISION)
+        _add_product(grad_ptr, offs_m, mask_m, stride_grad, accumulate + start_n > 0,
+                     ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_k, dim, BLOCK_K, ACC, PRECISION)
 
 
-@triton.jit(do_not_specialize=["pid_start", "has_label", "accumulate"])
+@triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
 def gist_bwd_cols_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, kid_ptr, pid_ptr,
-    thr_ptr, tmask_ptr, lse_ptr, scal_ptr, dk_ptr,
-    n_rows, n_cols, dim, dim_g, offset, pid_start,
-    stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
-    stride_dkn, stride_dkd, has_label, accumulate,
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
+    thr_ptr, theta_masked_ptr, lse_ptr, scalars_ptr, grad_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Backward column pass of one block: ``dk_hat[j] (+)= sum_i dS[i, j] * q_hat[i]`` (n_cols x dim).
+    """Backward column pass of one block: ``grad[j] (+)= sum_i dS[i, j] * q_hat[i]``, grad = dL/dk_hat (n_cols x dim).
 
     One program per BLOCK_N columns loops over the row tiles; each tile is computed in the same
     orientation and with the same code as the forward, so the masks are bit-identical.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_cols
-    scale = tl.load(scal_ptr + SCALE)
-    grad_scale = tl.load(scal_ptr + GRAD_SCALE)
+    scale = tl.load(scalars_ptr + SCALE)
+    grad_scale = tl.load(scalars_ptr + GRAD_SCALE)
     rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
     rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
     for start_m in range(0, n_rows, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
-        rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-        rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-        thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
-        theta_masked = tl.load(tmask_ptr + offs_m, mask=mask_m, other=0)
-        pid = tl.load(pid_ptr + pid_start + offs_m, mask=mask_m, other=0)
+        rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
+                                                            partner_start, thr_ptr, theta_masked_ptr)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
         z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g,
-                            stride_qm, stride_qd, stride_qgm, stride_qgd, stride_kn, stride_kd, stride_kgn, stride_kgd,
+                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
                             BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, pid, kid_ptr, offs_m, offs_n, mask_m, mask_n, offset, has_label)
+        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
+                           has_label)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
-        _add_product(dk_ptr, offs_n, mask_n, stride_dkn, stride_dkd, accumulate + start_m > 0,
-                     tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_qm, stride_qd, dim,
+        _add_product(grad_ptr, offs_n, mask_n, stride_grad, accumulate + start_m > 0,
+                     tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_q, dim,
                      BLOCK_K, ACC, PRECISION)

@@ -6,12 +6,15 @@ the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..
 
 * forward: the AP launch stores the threshold, the flag ``theta_i > T_i``, the positive logit and the
   first running max/sum of each row; the other blocks fold into that state. Guide ties are decided by
-  identity: equal normalised guide rows get equal int32 ids (``cgist.reference.tie_ids``), and each
+  identity: equal normalised guide rows get equal int32 ids (``cgist.numerics.tie_ids``), and each
   launch reads the ids of its columns and of its rows' partners. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
 * backward: the row pass and the column pass of each block add into fp32 (fp64) buffers of
   gradients with respect to the normalised embeddings; the first pass to reach a buffer overwrites
   it. Launches run in order on one stream, so the sums are deterministic without atomics. The
-  buffers are then taken through the normalisation with ``cgist.streaming.normalize_backward``.
+  buffers are then taken through the normalisation with ``cgist.numerics.normalize_backward``.
+
+At run time this module imports only torch, triton and the leaf module ``cgist.numerics``; the
+options arrive as a ``cgist.GistOptions``.
 """
 
 from __future__ import annotations
@@ -20,16 +23,21 @@ import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.reference import EPS, tie_ids
-from cgist.streaming import compute_dtype, normalize, normalize_backward
+from cgist.numerics import EPS, compute_dtype, normalize, normalize_backward, tie_ids
 
 from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
+
+if TYPE_CHECKING:
+    from cgist.options import GistOptions
+
+__all__ = ["ForwardState", "gist_backward", "gist_forward", "gist_loss_and_grads"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -46,6 +54,11 @@ def _launch_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _rows_contiguous(x: Tensor) -> Tensor:
+    """``x`` with a contiguous feature dimension, so that a row stride alone addresses it."""
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 @dataclass
 class _Side:
     """Student and guide vectors of one side of a block, with their inverse norms and guide tie ids."""
@@ -58,7 +71,7 @@ class _Side:
     grad: int  # index of the embedding whose gradient this side feeds
     start: int = 0  # first row of that embedding
 
-    def rows(self, start: int, stop: int) -> "_Side":
+    def rows(self, start: int, stop: int) -> _Side:
         return _Side(self.x[start:stop], self.g[start:stop], self.rx[start:stop], self.rg[start:stop],
                      self.ids[start:stop], self.grad, start)
 
@@ -73,17 +86,19 @@ class _Block:
     partner: Tensor
     partner_start: int
 
-
-def _common_args(block: _Block, thr: Tensor, theta_masked: Tensor, offset: int) -> tuple[tuple, tuple]:
-    """Leading (tensor, size and stride) arguments shared by the three kernels, for one block."""
-    rows, cols = block.rows, block.cols
-    return (
-        rows.x, rows.g, cols.x, cols.g, rows.rx, rows.rg, cols.rx, cols.rg, cols.ids, block.partner, thr, theta_masked,
-    ), (
-        rows.x.shape[0], cols.x.shape[0], rows.x.shape[1], rows.g.shape[1], offset, block.partner_start,
-        rows.x.stride(0), rows.x.stride(1), rows.g.stride(0), rows.g.stride(1),
-        cols.x.stride(0), cols.x.stride(1), cols.g.stride(0), cols.g.stride(1),
-    )
+    def kernel_args(self, thr: Tensor, theta_masked: Tensor, scalars: Tensor, offset: int) -> dict:
+        """The keyword arguments all three kernels share, for this block."""
+        rows, cols = self.rows, self.cols
+        return dict(
+            q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
+            rq_ptr=rows.rx, rqg_ptr=rows.rg, rk_ptr=cols.rx, rkg_ptr=cols.rg,
+            col_id_ptr=cols.ids, partner_id_ptr=self.partner, thr_ptr=thr, theta_masked_ptr=theta_masked,
+            scalars_ptr=scalars,
+            n_rows=rows.x.shape[0], n_cols=cols.x.shape[0], dim=rows.x.shape[1], dim_g=rows.g.shape[1],
+            offset=offset, partner_start=self.partner_start,
+            stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0), stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0),
+            has_label=int(self.has_label),
+        )
 
 
 @dataclass
@@ -105,24 +120,18 @@ class ForwardState:
 
 @torch.no_grad()
 def gist_forward(
-    embeddings: Sequence[Tensor],
-    guide_embeddings: Sequence[Tensor],
-    *,
-    temperature: float,
-    margin: float,
-    margin_strategy: str,
-    contrast_anchors: bool,
-    contrast_positives: bool,
-    offset: int,
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions
 ) -> tuple[Tensor, ForwardState]:
     """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs."""
     acc = compute_dtype(embeddings[0].dtype)
     guide_dtype = guide_embeddings[0].dtype
     if acc == torch.float64 or guide_dtype == torch.float64:
         guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
-    guide_embeddings = [g.to(guide_dtype) for g in guide_embeddings]
+    embeddings = [_rows_contiguous(x) for x in embeddings]
+    guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
     device = embeddings[0].device
     batch, n_cand = embeddings[0].shape[0], embeddings[1].shape[0]
+    offset = options.offset
 
     norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
     # The normalised guide rows exactly as the oracle and the streaming path compute them, so that
@@ -138,31 +147,31 @@ def gist_forward(
     # The blocks in the order of the loss: AP, AA, PP, AN_1..AN_k. The partner of an anchor row is its
     # positive offset + i; PP's rows are the positives offset + i, whose partner is anchor i.
     blocks = [_Block(anchor, positive, True, positive.ids, offset)]
-    if contrast_anchors:
+    if options.contrast_anchors:
         blocks.append(_Block(anchor, anchor, False, positive.ids, offset))
-    if contrast_positives:
+    if options.contrast_positives:
         blocks.append(_Block(positive.rows(offset, offset + batch), positive, False, anchor.ids, 0))
     blocks.extend(_Block(anchor, negative, False, positive.ids, offset) for negative in negatives)
 
-    scalars = pack_scalars(temperature, margin, batch, acc, device)
+    scalars = pack_scalars(options.temperature, options.margin, batch, acc, device)
     thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
     theta_masked = torch.empty(batch, dtype=torch.int8, device=device)
     flags = dict(
         ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
     )
-    buckets = (triton.next_power_of_2(batch), triton.next_power_of_2(n_cand))
     with _launch_device(device):
         for block in blocks:
-            ptrs, sizes = _common_args(block, thr, theta_masked, offset)
             gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
-                *ptrs, pos, run_max, run_sum, scalars, *sizes, *buckets,
-                int(block.has_label), int(margin_strategy == "relative"), **flags,
+                **block.kernel_args(thr, theta_masked, scalars, offset),
+                pos_ptr=pos, m_ptr=run_max, l_ptr=run_sum,
+                b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(n_cand),
+                relative=int(options.relative), **flags,
             )
     config = gist_fwd_kernel.best_config
     tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     lse = run_max + torch.log2(run_sum)
     loss = ((lse - pos).sum() * math.log(2.0) / batch).to(acc)
-    return loss, ForwardState(list(embeddings), sides, norms, blocks, thr, theta_masked, lse, scalars, flags, tiles,
+    return loss, ForwardState(embeddings, sides, norms, blocks, thr, theta_masked, lse, scalars, flags, tiles,
                               offset)
 
 
@@ -174,13 +183,13 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
     written: set[int] = set()
     with _launch_device(state.lse.device):
         for block in state.blocks:
-            ptrs, sizes = _common_args(block, state.thr, state.theta_masked, state.offset)
-            passes = ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"), (gist_bwd_cols_kernel, block.cols, "BLOCK_N"))
-            for kernel, side, tile in passes:
+            args = block.kernel_args(state.thr, state.theta_masked, state.scalars, state.offset)
+            for kernel, side, tile in ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"),
+                                       (gist_bwd_cols_kernel, block.cols, "BLOCK_N")):
                 out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
                 kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                    *ptrs, state.lse, state.scalars, out, *sizes, out.stride(0), out.stride(1),
-                    int(block.has_label), int(side.grad in written), **state.flags, **state.tiles,
+                    **args, lse_ptr=state.lse, grad_ptr=out, stride_grad=out.stride(0),
+                    accumulate=int(side.grad in written), **state.flags, **state.tiles,
                 )
                 written.add(side.grad)
     return [
@@ -190,31 +199,13 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
 
 
 def gist_loss_and_grads(
-    embeddings: Sequence[Tensor],
-    guide_embeddings: Sequence[Tensor],
-    *,
-    temperature: float,
-    margin: float,
-    margin_strategy: str,
-    contrast_anchors: bool,
-    contrast_positives: bool,
-    offset: int,
-    need_grads: bool,
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, need_grads: bool
 ) -> tuple[Tensor, list[Tensor] | None]:
     """Loss and, if ``need_grads``, d(loss)/d(embeddings) for ``embeddings = [anchor, positive, *negatives]``.
 
     Shapes: anchor B x D, positive and negatives N x D, guide columns likewise in Dg; anchor i's label
-    is candidate ``offset + i``. Inputs are assumed validated by ``cgist.gist_loss``. The loss is
+    is candidate ``options.offset + i``. Inputs are assumed validated by ``cgist.gist_loss``. The loss is
     float64 for float64 inputs and float32 otherwise; the gradients have the dtype of their embedding.
     """
-    loss, state = gist_forward(
-        embeddings,
-        guide_embeddings,
-        temperature=temperature,
-        margin=margin,
-        margin_strategy=margin_strategy,
-        contrast_anchors=contrast_anchors,
-        contrast_positives=contrast_positives,
-        offset=offset,
-    )
+    loss, state = gist_forward(embeddings, guide_embeddings, options)
     return loss, (gist_backward(state) if need_grads else None)
