@@ -39,7 +39,7 @@ from cgist.kernels.gist import (  # noqa: E402
     gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, tile_configs,
 )
 from cgist.kernels.launch import TL_DTYPES  # noqa: E402
-from cgist.streaming import compute_dtype  # noqa: E402
+from cgist.numerics import compute_dtype  # noqa: E402
 
 #: Largest dynamic shared memory per block, bytes.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -68,11 +68,10 @@ def launch_values(kernel, precision: str, dim: int, dim_g: int, config: triton.C
     ids = torch.empty(1, dtype=torch.int32)
     values = dict(
         q_ptr=emb, qg_ptr=emb, k_ptr=emb, kg_ptr=emb, rq_ptr=vec, rqg_ptr=vec, rk_ptr=vec, rkg_ptr=vec,
-        kid_ptr=ids, pid_ptr=ids, thr_ptr=vec, tmask_ptr=torch.empty(1, dtype=torch.int8), pos_ptr=vec,
-        m_ptr=vec, l_ptr=vec, lse_ptr=vec, scal_ptr=vec, dq_ptr=vec, dk_ptr=vec,
-        n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, pid_start=0, b_bucket=rows, n_bucket=cols,
-        stride_qm=dim, stride_qd=1, stride_qgm=dim_g, stride_qgd=1, stride_kn=dim, stride_kd=1,
-        stride_kgn=dim_g, stride_kgd=1, stride_dqm=dim, stride_dqd=1, stride_dkn=dim, stride_dkd=1,
+        col_id_ptr=ids, partner_id_ptr=ids, thr_ptr=vec, theta_masked_ptr=torch.empty(1, dtype=torch.int8),
+        pos_ptr=vec, m_ptr=vec, l_ptr=vec, lse_ptr=vec, scalars_ptr=vec, grad_ptr=vec,
+        n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, partner_start=0, b_bucket=rows, n_bucket=cols,
+        stride_q=dim, stride_qg=dim_g, stride_k=dim, stride_kg=dim_g, stride_grad=dim,
         has_label=1, relative=0, accumulate=1, ACC=TL_DTYPES[acc], PRECISION=dot_precision,
         PRECISION_G=dot_precision, **config.kwargs,
     )

@@ -40,11 +40,11 @@ from common import (  # noqa: E402
 
 import cgist  # noqa: E402
 from cgist import streaming  # noqa: E402
+from cgist.options import GistOptions  # noqa: E402
 from cgist.kernels.launch import gist_backward, gist_forward, gist_loss_and_grads  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OPTIONS = dict(temperature=0.01, margin=0.05, margin_strategy="absolute", contrast_anchors=True,
-               contrast_positives=True, offset=0)
+OPTIONS = GistOptions(temperature=0.01, margin=0.05)
 #: Largest batch at which sentence-transformers' loss stage is timed (it is O(B·N·D) in memory per
 #: mini-batch and its runtime grows as B²; beyond this it takes minutes per call).
 ST_MAX_BATCH = 4096
@@ -112,8 +112,8 @@ def st_loss_stage(mini_batch_size: int = ST_MINI_BATCH):
     loss = CachedGISTEmbedLoss.__new__(CachedGISTEmbedLoss)
     torch.nn.Module.__init__(loss)
     loss.__dict__.update(
-        temperature=OPTIONS["temperature"], margin=OPTIONS["margin"], margin_strategy=OPTIONS["margin_strategy"],
-        contrast_anchors=OPTIONS["contrast_anchors"], contrast_positives=OPTIONS["contrast_positives"],
+        temperature=OPTIONS.temperature, margin=OPTIONS.margin, margin_strategy=OPTIONS.margin_strategy,
+        contrast_anchors=OPTIONS.contrast_anchors, contrast_positives=OPTIONS.contrast_positives,
         gather_across_devices=False, mini_batch_size=mini_batch_size, show_progress_bar=False,
     )
     loss.similarity_fct = torch.nn.CosineSimilarity(dim=-1)
@@ -125,8 +125,8 @@ def loss_stage_fns(batch, n_cand, dim, dim_g, k, dtype) -> dict[str, Callable[[]
     """fwd+bwd of the loss stage per implementation, on one set of inputs from ``make_embeddings``."""
     student, guide = make_embeddings(batch, n_cand, dim, dim_g, k, device=DEVICE, dtype=dtype)
     fns = {
-        "triton": lambda: gist_loss_and_grads(student, guide, need_grads=True, **OPTIONS),
-        "streaming": lambda: streaming.gist_loss_and_grads(student, guide, need_grads=True, **OPTIONS),
+        "triton": lambda: gist_loss_and_grads(student, guide, OPTIONS, need_grads=True),
+        "streaming": lambda: streaming.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True),
     }
     if batch <= ST_MAX_BATCH:
         st = st_loss_stage()
@@ -139,7 +139,7 @@ def kernel_rows(batch, n_cand, dim, dim_g, k, dtype_name, ceiling) -> list[dict]
     """fwd and bwd of the Triton kernels timed apart (bwd reuses one forward's state)."""
     dtype = DTYPES[dtype_name]
     student, guide = make_embeddings(batch, n_cand, dim, dim_g, k, device=DEVICE, dtype=dtype)
-    forward = lambda: gist_forward(student, guide, **OPTIONS)  # noqa: E731
+    forward = lambda: gist_forward(student, guide, OPTIONS)  # noqa: E731
     _, state = forward()
     rows = []
     for op, fn in (("fwd", forward), ("bwd", lambda: gist_backward(state))):

@@ -168,6 +168,21 @@ def _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs
 
 
 @triton.jit
+def _masked_tile(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id, col_id_ptr,
+    offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg, offset, has_label,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+):
+    """The masked base-2 logits of one tile (BLOCK_M, BLOCK_N): the one code path of every kernel's mask."""
+    z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
+                        offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
+                        BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+    return _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
+                          has_label)
+
+
+@triton.jit
 def _online_lse(m_i, l_i, z):
     """Fold a tile of base-2 logits z (BLOCK_M, BLOCK_N) into the running max and sum (BLOCK_M,); m_i finite."""
     m_new = tl.maximum(m_i, tl.max(z, axis=1))
@@ -271,11 +286,9 @@ def gist_fwd_kernel(
         mask_n = offs_n < n_cols
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
-                           has_label)
+        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
+                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
+                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         m_i, l_i = _online_lse(m_i, l_i, z)
     tl.store(m_ptr + offs_m, m_i, mask=mask_m)
     tl.store(l_ptr + offs_m, l_i, mask=mask_m)
@@ -307,11 +320,9 @@ def gist_bwd_rows_kernel(
         mask_n = offs_n < n_cols
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
-                           has_label)
+        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
+                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
+                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
         _add_product(grad_ptr, offs_m, mask_m, stride_grad, accumulate + start_n > 0,
                      ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_k, dim, BLOCK_K, ACC, PRECISION)
@@ -343,11 +354,9 @@ def gist_bwd_cols_kernel(
         rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
                                                             partner_start, thr_ptr, theta_masked_ptr)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
-        z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                            offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        z = _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
-                           has_label)
+        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
+                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
+                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
         _add_product(grad_ptr, offs_n, mask_n, stride_grad, accumulate + start_m > 0,
                      tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_q, dim,
