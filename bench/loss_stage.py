@@ -107,6 +107,7 @@ def make_step(impl: str) -> Callable[[list[list]], object]:
     from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 
     from cgist import FusedCachedGISTLoss
+    from cgist.options import GistOptions
     from cgist.reference import gist_loss_reference
 
     options = dict(margin=MARGIN, mini_batch_size=MINI_BATCH_SIZE)
@@ -120,7 +121,9 @@ def make_step(impl: str) -> Callable[[list[list]], object]:
         import torch
 
         def dense(reps, reps_guided):
-            loss = gist_loss_reference([torch.cat(r) for r in reps], [torch.cat(r) for r in reps_guided], margin=MARGIN)
+            loss = gist_loss_reference(
+                [torch.cat(r) for r in reps], [torch.cat(r) for r in reps_guided], GistOptions(margin=MARGIN)
+            )
             loss.backward()
             return loss.detach()
 
