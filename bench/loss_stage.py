@@ -1,5 +1,8 @@
 """Loss-stage benchmark: sentence-transformers' CachedGISTEmbedLoss against cgist, forward + backward.
 
+This script measures (providers, setup, timing, memory, the per-process runner, budget skips);
+``loss_stage_report`` writes and draws what it measured.
+
     python bench/loss_stage.py --device cpu|cuda [--quick] [--out DIR] [--interpret] [--threads T]
     python bench/loss_stage.py --from-csv bench/results/loss_stage_cpu.csv   # redraw plot and table only
 
@@ -10,7 +13,9 @@ guide dim 384) cut into GradCache mini-batch leaves, and runs one loss-stage ste
 * ``st-cos_sim``    the same with its ``sim_matrix`` replaced by ``sentence_transformers.util.cos_sim``;
 * ``cgist-torch``   ``FusedCachedGISTLoss(backend="torch").calculate_loss(..., with_backward=True)``;
 * ``cgist-triton``  the same with ``backend="triton"`` (CUDA, or the Triton interpreter with ``--interpret``);
-* ``dense``         ``cgist.reference.gist_loss_reference`` in float32 with an autograd backward.
+* ``dense``         ``cgist.reference.gist_loss_reference`` in float32 with an autograd backward;
+* ``gemm``          only the matrix products that any loss stage must do for these shapes (``gemm_step``):
+                    the limit that the ``x gemm`` column divides by.
 
 On CPU each (provider, size) runs in a fresh process: it builds the inputs, rewinds the RSS high-water
 mark, runs once (the peak RSS above the baseline is ``peak_mb``; the run doubles as warm-up) and then
@@ -21,7 +26,8 @@ A provider is skipped at a size (a row with a ``note``) when the time measured a
 scaled by (B / B_prev)^2, exceeds ``--budget`` seconds per call, or, on CPU, when its scaled peak
 memory would not fit in half of the available RAM. Results: ``loss_stage_<device>[_quick].csv`` and
 ``.png`` (log-log time and peak memory against B) under ``--out``, and a markdown table printed last
-(also saved as ``.md``) with speed ratios against ``st`` and ``st-cos_sim``.
+(also saved as ``.md``) with speed ratios against ``st`` and ``st-cos_sim`` and each time as a
+multiple of the ``gemm`` time at the same size.
 """
 
 from __future__ import annotations
@@ -30,25 +36,36 @@ import argparse
 import functools
 import multiprocessing as mp
 import os
-import platform
 import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import loss_stage_report  # noqa: E402
 
-PROVIDERS = ("st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense")
+PROVIDERS = ("st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm")
 BASELINES = ("st", "st-cos_sim")
+LIMIT = "gemm"
 OP = "fwd+bwd"
 GUIDE_DIM = 384
 MARGIN = 0.05
 MINI_BATCH_SIZE = 32
+#: Rows of ``gemm_step``'s row blocks.
+GEMM_ROWS = 256
 ROOT = Path(__file__).resolve().parent.parent
+LEGEND = loss_stage_report.Legend(
+    order=PROVIDERS,
+    baselines=BASELINES,
+    limit=LIMIT,
+    featured=("cgist-torch", "cgist-triton"),
+    header=f"Loss stage {OP}, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32",
+    title=f"CachedGIST loss stage, {OP}",
+)
 
 
 @dataclass(frozen=True)
@@ -129,8 +146,63 @@ def make_step(impl: str) -> Callable[[list[list]], object]:
 
         return dense
     else:
-        raise ValueError(f"impl must be one of {PROVIDERS}, got {impl!r}")
+        raise ValueError(f"impl must be a loss stage, one of {PROVIDERS[:-1]}, got {impl!r} (gemm: gemm_step)")
     return functools.partial(loss.calculate_loss, with_backward=True)
+
+
+def gemm_step(student: Sequence, guide: Sequence, *, seed: int = 0, rows: int = GEMM_ROWS) -> Callable[[], None]:
+    """A callable running only the GEMMs that a loss stage on these columns cannot avoid.
+
+    ``student`` and ``guide`` are ``common.make_embeddings``' columns (anchor B x D, positive N x D,
+    k negatives N x D; the guide's in Dg). With both contrast flags on, the score blocks are AP, AA, PP
+    and AN_1..AN_k: queries Q (the anchors; positives 0..B-1 for PP) against keys K (the positives,
+    anchors, positives, each negative column), C = N + B + N + k*N key columns in all. For every block
+    the call computes the student scores Q @ K^T, the guide scores Qg @ Kg^T and, from a score gradient
+    dS, dQ += dS @ K and dK += dS^T @ Q into gradients shaped like the student columns: 2*B*C*(D + Dg)
+    flops forward and 4*B*C*D backward, no recomputation.
+
+    Queries go in row blocks of ``rows`` rows (dK accumulates over them), which keeps the work
+    buffers small and the flop count that of the whole-block products. Each row block of each score
+    block is four calls, ``torch.mm(..., out=)`` twice and ``torch.addmm(g, ..., out=g)`` twice, in the
+    inputs' dtype at torch's default matmul precision; nothing else runs (no masking, no exp, no
+    zeroing: the gradients accumulate over calls). dS is one random ``rows`` x cols tile, shared by all
+    row blocks. The tiles, the gradients and every view the call uses are made (and the buffers
+    written) here, before any measurement, so a measured peak counts only what the products allocate.
+    """
+    import torch
+
+    anchor, positive, *negatives = student
+    anchor_g, positive_g, *negatives_g = guide
+    batch = anchor.shape[0]
+    grad_anchor, grad_positive, *grad_negatives = (torch.zeros_like(c) for c in student)
+    # (Q, K, Qg, Kg, dQ target, dK target) per score block
+    blocks = [
+        (anchor, positive, anchor_g, positive_g, grad_anchor, grad_positive),
+        (anchor, anchor, anchor_g, anchor_g, grad_anchor, grad_anchor),
+        (positive[:batch], positive, positive_g[:batch], positive_g, grad_positive[:batch], grad_positive),
+        *((anchor, n, anchor_g, n_g, grad_anchor, grad_n)
+          for n, n_g, grad_n in zip(negatives, negatives_g, grad_negatives)),
+    ]
+    size = min(rows, batch) * max(k.shape[0] for _, k, *_ in blocks)
+    gen = torch.Generator(device=anchor.device).manual_seed(seed)
+    d_scores = torch.randn(size, generator=gen, device=anchor.device, dtype=anchor.dtype)
+    scores, guide_scores = (torch.zeros(size, device=anchor.device, dtype=anchor.dtype) for _ in range(2))
+    tiles = []
+    for q, k, q_g, k_g, d_q, d_k in blocks:
+        for r0 in range(0, batch, rows):
+            r1 = min(r0 + rows, batch)
+            shape = (r1 - r0, k.shape[0])
+            s, s_g, d_s = (t[: shape[0] * shape[1]].view(shape) for t in (scores, guide_scores, d_scores))
+            tiles.append((q[r0:r1], k.T, q_g[r0:r1], k_g.T, s, s_g, d_s, d_s.T, k, d_q[r0:r1], d_k))
+
+    def call() -> None:
+        for q, k_t, q_g, k_g_t, s, s_g, d_s, d_s_t, k, d_q, d_k in tiles:
+            torch.mm(q, k_t, out=s)
+            torch.mm(q_g, k_g_t, out=s_g)
+            torch.addmm(d_q, d_s, k, out=d_q)
+            torch.addmm(d_k, d_s_t, q, out=d_k)
+
+    return call
 
 
 def measure(point: Point, settings: Settings) -> dict[str, object]:
@@ -140,16 +212,20 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     device = torch.device(point.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    step = make_step(point.impl)
+    step = None if point.impl == LIMIT else make_step(point.impl)
     student, guide = common.make_embeddings(
         point.B, point.N, point.D, point.Dg, point.k, seed=settings.seed, device=device
     )
-    reps = common.split_leaves(student, MINI_BATCH_SIZE)
-    reps_guided = common.split_detached(guide, MINI_BATCH_SIZE)
-    del student, guide
+    if step is None:
+        call = gemm_step(student, guide, seed=settings.seed)
+    else:
+        reps = common.split_leaves(student, MINI_BATCH_SIZE)
+        reps_guided = common.split_detached(guide, MINI_BATCH_SIZE)
 
-    def call() -> None:
-        step(reps, reps_guided)
+        def call() -> None:
+            step(reps, reps_guided)
+
+    del student, guide
 
     first_s, peak_mb = common.measure_once(call, device)
     if device.type == "cuda":
@@ -240,9 +316,15 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
     return None
 
 
+def family(impl: str) -> str:
+    """The key of ``impl``'s version string in :func:`versions`."""
+    return "st" if impl in BASELINES else "torch" if impl == LIMIT else "cgist"
+
+
 def versions() -> dict[str, str]:
     """Version string per provider family."""
     import sentence_transformers
+    import torch
 
     import cgist
 
@@ -253,7 +335,8 @@ def versions() -> dict[str, str]:
     except OSError:
         rev = ""
     ours = f"cgist {cgist.__version__}" + (f" ({rev})" if rev else "")
-    return {"st": f"sentence-transformers {sentence_transformers.__version__}", "cgist": ours}
+    return {"st": f"sentence-transformers {sentence_transformers.__version__}", "cgist": ours,
+            "torch": f"torch {torch.__version__}"}
 
 
 def sweep(args: argparse.Namespace, points: Sequence[Point], settings: Settings) -> list[dict[str, object]]:
@@ -283,89 +366,12 @@ def sweep(args: argparse.Namespace, points: Sequence[Point], settings: Settings)
                 result = measure_in_subprocess(ctx, point, settings, timeout_s=args.timeout)
             note = result if isinstance(result, str) else None
         row = result if note is None else {**row_head(point), "note": note}
-        row["version"] = version["st" if point.impl in BASELINES else "cgist"]
+        row["version"] = version[family(point.impl)]
         row.setdefault("note", "")
         if not note or not note.startswith("skipped"):
             last[key] = row  # a skip keeps the last measured row, so later sizes extrapolate from it
         rows.append(row)
     return rows
-
-
-def ratio(base: dict[str, object] | None, row: dict[str, object]) -> str:
-    """Speed-up of ``row`` over ``base`` as text, blank when either is missing."""
-    if base is None or base.get("note") or row.get("note"):
-        return ""
-    return f"{base['median_ms'] / row['median_ms']:.3g}x"
-
-
-def markdown_table(rows: Sequence[dict[str, object]]) -> str:
-    """Markdown table of all rows, with speed ratios against ``st`` and ``st-cos_sim`` at the same size."""
-    by_size = {(r["B"], r["D"], r["k"], r["impl"]): r for r in rows}
-    lines = [
-        "| B | D | k | impl | median ms | p20-p80 ms | peak MB | vs st | vs st-cos_sim | note |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["D"], r["k"], r["B"], PROVIDERS.index(r["impl"]))):
-        bases = [by_size.get((r["B"], r["D"], r["k"], b)) for b in BASELINES]
-        timed = not r["note"]
-        cells = [
-            r["B"], r["D"], r["k"], r["impl"],
-            f"{r['median_ms']:.1f}" if timed else "",
-            f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}" if timed else "",
-            f"{r['peak_mb']:.1f}" if timed else "",
-            *(ratio(b, r) for b in bases),
-            r["note"],
-        ]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(rows: Sequence[dict[str, object]], path: Path, title: str) -> Path:
-    """Log-log time and peak memory against B, one line per provider, one row of panels per (D, k)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({(r["D"], r["k"]) for r in rows})
-    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 3.6 * len(shapes)), squeeze=False)
-    for (dim, k), (ax_t, ax_m) in zip(shapes, axes):
-        for impl in PROVIDERS:
-            done = sorted((r["B"], r["median_ms"], r["peak_mb"]) for r in rows
-                          if (r["impl"], r["D"], r["k"]) == (impl, dim, k) and not r["note"])
-            if not done:
-                continue
-            bs, ms, mb = zip(*done)
-            ax_t.plot(bs, ms, marker="o", label=impl)
-            ax_m.plot(bs, [max(m, 1e-2) for m in mb], marker="o", label=impl)
-        for ax, ylabel in ((ax_t, "median time per call (ms)"), (ax_m, "peak memory above inputs (MB)")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("batch size B (= N)")
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"D={dim}, k={k}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize="small")
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def acceptance(rows: Sequence[dict[str, object]], size: tuple[int, int, int] = (1024, 384, 1)) -> list[str]:
-    """One line per cgist provider at ``size`` (B, D, k): speed-ups and peak memory against the baselines."""
-    by_impl = {r["impl"]: r for r in rows if (r["B"], r["D"], r["k"]) == size and not r["note"]}
-    lines = []
-    for impl in ("cgist-torch", "cgist-triton"):
-        if impl not in by_impl or not all(b in by_impl for b in BASELINES):
-            continue
-        r, st, cos = by_impl[impl], by_impl["st"], by_impl["st-cos_sim"]
-        lines.append(
-            f"{impl} at B={size[0]}, D={size[1]}, k={size[2]}: {ratio(st, r)} faster than st, "
-            f"{ratio(cos, r)} faster than st-cos_sim; peak {r['peak_mb']:.1f} MB vs {cos['peak_mb']:.1f} MB (st-cos_sim)"
-        )
-    return lines
 
 
 def parse_ints(text: str) -> list[int]:
@@ -426,23 +432,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def machine(device: str) -> str:
-    """One line naming the hardware and software the numbers come from."""
-    import torch
-
-    if device == "cuda":
-        hw = torch.cuda.get_device_name()
-    else:
-        hw = platform.processor() or platform.machine()
-        try:
-            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-            hw = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), hw)
-        except OSError:
-            pass
-        hw = f"{hw}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -453,8 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # also what the header reports
     if args.from_csv:
-        rows = load_rows(args.from_csv)
-        report(rows, args.from_csv.parent, args.from_csv.stem, rows[0]["device"] if rows else args.device)
+        loss_stage_report.redraw(args.from_csv, args.device, LEGEND)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
@@ -464,35 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows = sweep(args, build_points(args), settings)
     stem = f"loss_stage_{args.device}" + ("_quick" if args.quick else "")
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(f"wrote {common.write_csv(args.out / f'{stem}.csv', rows)}")
-    report(rows, args.out, stem, args.device)
+    loss_stage_report.publish(rows, args.out, stem, args.device, LEGEND)
     return 0
-
-
-def load_rows(path: Path) -> list[dict[str, object]]:
-    """Rows of a CSV written by this script, with numbers parsed back."""
-    rows = common.read_csv(path)
-    for r in rows:
-        r.update({c: int(r[c]) for c in ("B", "N", "D", "Dg", "k")})
-        r.update({c: float(r[c]) if r[c] else "" for c in ("median_ms", "p20_ms", "p80_ms", "peak_mb")})
-    return rows
-
-
-def report(rows: Sequence[dict[str, object]], out: Path, stem: str, device: str) -> None:
-    """Write ``<stem>.png`` and ``<stem>.md`` under ``out`` and print the table last."""
-    where = machine(device)
-    png_path = plot(rows, out / f"{stem}.png", f"CachedGIST loss stage, fwd+bwd, {device}: {where}")
-    table = markdown_table(rows)
-    header = f"Loss stage fwd+bwd, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32 on {where}"
-    (out / f"{stem}.md").write_text(f"{header}\n\n{table}\n")
-    print(f"wrote {png_path}")
-    for line in acceptance(rows):
-        print(line)
-    print()
-    print(header)
-    print()
-    print(table)
 
 
 if __name__ == "__main__":
