@@ -1,9 +1,8 @@
-"""``cgist train``: argument parsing, bad inputs (exit 2, nothing written), data loading, the standard-library
-pair builder, and a tiny end-to-end run (tiny BERT student, real MiniLM guide, a small JSONL file)."""
+"""``cgist train``: argument parsing, bad inputs (exit 2, nothing written) and a tiny end-to-end run (tiny BERT
+student, real MiniLM guide, a small JSONL file). The data loaders' own tests are in test_data.py."""
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -11,20 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from helpers_models import tiny_model
 from safetensors.torch import load_file
+from test_data import pairs, write_csv, write_jsonl  # noqa: F401 (pairs is a fixture)
 
-from cgist import cli
-from cgist.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
+from cgist.cli import arguments, main, report, run
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def pairs() -> list[dict[str, str]]:
-    """Real pairs from the standard library (anchor = docstring summary, positive = code)."""
-    return stdlib_pairs(40, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +28,10 @@ def student_dir(tmp_path_factory) -> Path:
     return root / "st"
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
-
-
-def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> Path:
-    with path.open("w", encoding="utf-8", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
-    return path
-
-
 def _check(argv: list[str], capsys, *, code: int, out_dir: Path, message: str = "") -> str:
     """Run ``cgist train argv``; check the exit code, the message on stderr and that ``out_dir`` holds no run."""
     try:
-        status = cli.main(["train", *argv, "--output-dir", str(out_dir)])
+        status = main(["train", *argv, "--output-dir", str(out_dir)])
     except SystemExit as exit_:  # argparse errors
         status = exit_.code
     captured = capsys.readouterr()
@@ -67,18 +48,18 @@ def _check(argv: list[str], capsys, *, code: int, out_dir: Path, message: str = 
 
 
 def test_parser_defaults():
-    args = cli.build_parser().parse_args(["train"])
+    args = arguments.build_parser().parse_args(["train"])
     assert (args.model, args.guide, args.data) == (None, None, None)
     assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (32, 16, 64)
     assert args.lr == 1e-4 and args.max_pairs is None
     assert (args.temperature, args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
     assert args.contrast_anchors and args.contrast_positives
-    assert args.output_dir == cli.DEFAULT_OUTPUT_DIR
-    assert cli.max_steps(args) == cli.DEFAULT_STDLIB_STEPS
+    assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
+    assert arguments.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
 
 
 def test_parser_options():
-    args = cli.build_parser().parse_args(
+    args = arguments.build_parser().parse_args(
         ["train", "--data", "x.jsonl", "--batch-size", "8", "--mini-batch-size", "3", "--epochs", "2", "--lr",
          "1e-4", "--temperature", "0.05", "--margin", "0.1", "--margin-strategy", "relative",
          "--no-contrast-anchors", "--no-contrast-positives", "--seed", "7", "--device", "cpu"]
@@ -86,9 +67,9 @@ def test_parser_options():
     assert (args.data, args.batch_size, args.mini_batch_size, args.epochs, args.lr) == ("x.jsonl", 8, 3, 2.0, 1e-4)
     assert (args.temperature, args.margin, args.margin_strategy, args.seed) == (0.05, 0.1, "relative", 7)
     assert not args.contrast_anchors and not args.contrast_positives
-    assert cli.max_steps(args) == -1  # a file trains for --epochs
-    assert cli.max_steps(cli.build_parser().parse_args(["train", "--epochs", "1"])) == -1
-    assert cli.max_steps(cli.build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
+    assert arguments.max_steps(args) == -1  # a file trains for --epochs
+    assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--epochs", "1"])) == -1
+    assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
 
 
 @pytest.mark.parametrize(
@@ -181,119 +162,6 @@ def test_existing_output_dir_kept(pairs, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-# ---------------------------------------------------------------------------------------------- data
-
-
-def test_load_pairs_formats(pairs, tmp_path):
-    rows = [{"anchor": p["anchor"], "positive": p["positive"], "negative": q["positive"]}
-            for p, q in zip(pairs[:5], pairs[5:10])]
-    reordered = [{"negative": r["negative"], "anchor": r["anchor"], "positive": r["positive"]} for r in rows]
-    jsonl = load_pairs(write_jsonl(tmp_path / "pairs.jsonl", reordered[:1] + rows[1:]))  # key order may vary
-    table = load_pairs(write_csv(tmp_path / "pairs.csv", list(reordered[0]), [list(r.values()) for r in reordered]))
-    Dataset.from_list(reordered).save_to_disk(str(tmp_path / "saved"))
-    saved = load_pairs(tmp_path / "saved")
-    for dataset in (jsonl, table, saved):
-        assert dataset.column_names == ["anchor", "positive", "negative"]
-        assert dataset.to_list() == rows
-
-
-def test_load_pairs_rejects_unknown_suffix(tmp_path):
-    path = tmp_path / "pairs.parquet"
-    path.write_text("x")
-    with pytest.raises(DataError, match="must be a .jsonl"):
-        load_pairs(path)
-
-
-def test_split_and_retrieval_task(pairs):
-    dataset = Dataset.from_list(pairs[:30])
-    train, held_out = split_pairs(dataset, 0.1, seed=3)
-    assert (len(train), len(held_out)) == (27, 3)
-    anchors, positives = list(held_out["anchor"]), list(held_out["positive"])
-    assert sorted(list(train["anchor"]) + anchors) == sorted(dataset["anchor"])
-    queries, corpus, relevant = retrieval_task(held_out)
-    assert sorted(queries.values()) == sorted(anchors)
-    assert sorted(corpus.values()) == sorted(positives)
-    for qid, query in queries.items():
-        (doc,) = relevant[qid]
-        assert corpus[doc] == positives[anchors.index(query)]
-
-
-# ---------------------------------------------------------------------------------------------- stdlib builder
-
-
-def test_stdlib_pairs_real_and_deterministic():
-    first = stdlib_pairs(300, seed=0)
-    assert first == stdlib_pairs(300, seed=0)
-    assert first != stdlib_pairs(300, seed=1)
-    assert len(first) == 300
-    assert len({p["anchor"].casefold() for p in first}) == len(first)
-    for pair in first:
-        assert len(pair["anchor"].split()) >= 3 and "\n" not in pair["anchor"]
-        head = pair["positive"].split("(", 1)[0].split(":", 1)[0].split()
-        assert head[0] in ("def", "class", "async") and not head[-1].startswith("_"), pair["positive"][:80]
-        assert pair["anchor"] not in pair["positive"]  # the docstring is cut out of the code
-
-
-def test_stdlib_files_skip_private_and_tests():
-    files = list(stdlib_files())
-    assert len(files) > 100
-    for name, path in files:
-        parts = name.split(".")
-        assert not any(p.startswith("_") for p in parts), name
-        assert not {"test", "tests", "idlelib", "tkinter"} & set(parts), name
-        assert path.suffix == ".py"
-
-
-def test_stdlib_pairs_on_a_fake_library(tmp_path):
-    """Only public top-level functions and classes with a docstring, from non-test, non-private modules;
-    a summary seen before (zipapp.other repeats textwrap.public's) is dropped."""
-    module = '''
-import os
-
-def public(x):
-    """Add one to the given number.
-
-    More detail that is not part of the summary.
-    """
-    return x + 1
-
-def _private(x):
-    """Private helper that must be skipped."""
-    return x
-
-def undocumented(x):
-    return x
-
-@functools.total_ordering
-class Widget:
-    """A small widget with a name
-    that spans two lines."""
-
-    def method(self):
-        """Methods are not top-level."""
-        return 1
-'''
-    (tmp_path / "textwrap.py").write_text(module)
-    (tmp_path / "_collections_abc.py").write_text(module.replace("Add one", "Private module"))
-    (tmp_path / "email").mkdir()
-    (tmp_path / "email" / "__init__.py").write_text(
-        module.replace("Add one", "Add two").replace("x + 1", "x + 2").replace("Widget", "Gadget").replace("widget", "gadget")
-    )
-    (tmp_path / "zipapp.py").write_text("def other(y):\n    \"\"\"Add one to the given number.\"\"\"\n    return y - 1\n")
-    (tmp_path / "email" / "_parseaddr.py").write_text(module.replace("Add one", "Add three"))
-    (tmp_path / "test").mkdir()
-    (tmp_path / "test" / "__init__.py").write_text(module.replace("Add one", "Test package"))
-    found = sorted(stdlib_pairs(stdlib=tmp_path), key=lambda p: p["anchor"])
-    assert [p["anchor"] for p in found] == [
-        "A small gadget with a name that spans two lines.",
-        "A small widget with a name that spans two lines.",
-        "Add one to the given number.",
-        "Add two to the given number.",
-    ]
-    assert found[2]["positive"] == "def public(x):\n    return x + 1"
-    assert found[1]["positive"].startswith("class Widget:\n\n    def method(self):")
-
-
 # ---------------------------------------------------------------------------------------------- end to end
 
 
@@ -306,8 +174,8 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
         loaded[option] = cli_load_model(option, path, *args)
         return loaded[option]
 
-    cli_load_model = cli.load_model
-    monkeypatch.setattr(cli, "load_model", recording_load_model)
+    cli_load_model = run.load_model
+    monkeypatch.setattr(run, "load_model", recording_load_model)
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:24])
     out = tmp_path / "runs" / "tiny"
     out.mkdir(parents=True)
@@ -323,7 +191,7 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
     summary = json.loads((out / "cgist_train.json").read_text())
     assert (summary["train_pairs"], summary["eval_pairs"], summary["timing"]["steps"]) == (18, 6, 2)
     for when in ("before", "after"):
-        assert set(summary[when]) == set(cli.METRICS.values())
+        assert set(summary[when]) == set(report.METRICS.values())
         assert all(0 <= v <= 1 for v in summary[when].values())
     assert 0 < summary["timing"]["loss_s"] < summary["timing"]["step_s"]
     assert summary["memory"]["peak_rss_mib"] > 0

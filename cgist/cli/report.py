@@ -1,0 +1,109 @@
+"""What ``cgist train`` reports: step and loss-stage timing, peak memory and the summary table."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..loss import FusedCachedGISTLoss
+
+__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_summary", "peak_memory"]
+
+# Metric key suffixes of InformationRetrievalEvaluator and their names in the summary table.
+METRICS = {"mrr@10": "MRR@10", "recall@1": "Recall@1", "ndcg@10": "NDCG@10"}
+
+
+class StageTimer:
+    """Times training steps (trainer callbacks) and the ``calculate_loss`` calls made inside them.
+
+    Pass ``timer.callback`` to the trainer; ``steps``, ``step_s`` and ``loss_s`` accumulate over the run.
+    """
+
+    def __init__(self, loss: FusedCachedGISTLoss, device: torch.device) -> None:
+        import torch
+        from transformers import TrainerCallback
+
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.step_s = self.loss_s = 0.0
+        self.steps = 0
+        self.in_step = False
+        calculate_loss = loss.calculate_loss
+
+        def timed_calculate_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if not self.in_step:
+                return calculate_loss(*args, **kwargs)
+            self.sync()
+            start = time.perf_counter()
+            try:
+                return calculate_loss(*args, **kwargs)
+            finally:
+                self.sync()
+                self.loss_s += time.perf_counter() - start
+
+        loss.calculate_loss = timed_calculate_loss
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.sync()
+                timer.in_step, timer.step_start = True, time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.sync()
+                timer.step_s += time.perf_counter() - timer.step_start
+                timer.in_step, timer.steps = False, timer.steps + 1
+
+        self.callback = Callback()
+
+    def timing(self) -> dict[str, float]:
+        """``steps``, ``step_s``, ``loss_s`` and ``loss_share`` (the loss stage's share of step time)."""
+        return {
+            "steps": self.steps,
+            "step_s": self.step_s,
+            "loss_s": self.loss_s,
+            "loss_share": self.loss_s / self.step_s if self.step_s else 0.0,
+        }
+
+
+def cpu_seconds() -> float:
+    """User plus system CPU time of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """Peak resident set size of this process and, on CUDA, the peak allocated device memory, in MiB."""
+    import torch
+
+    peak = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    if device.type == "cuda":
+        peak["peak_cuda_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return peak
+
+
+def format_summary(summary: dict) -> str:
+    """The before/after metric table and the timing, memory and output lines of a finished run."""
+    rows = [("metric (held-out)", "before", "after")]
+    rows += [(name, f"{summary['before'][name]:.4f}", f"{summary['after'][name]:.4f}") for name in METRICS.values()]
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{width[0]}}  {r[1]:>{width[1]}} -> {r[2]:>{width[2]}}" for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    timing = summary["timing"]
+    lines += [
+        "",
+        f"pairs: {summary['train_pairs']} train, {summary['eval_pairs']} held out; "
+        f"{timing['steps']} steps of batch {summary['batch_size']}",
+        f"wall time: {timing['wall_s']:.1f} s total, {timing['train_s']:.1f} s training; "
+        f"CPU time {timing['cpu_s']:.0f} s",
+        f"throughput: {timing['samples_per_s']:.1f} samples/s",
+        f"loss stage: {100 * timing['loss_share']:.1f}% of step time "
+        f"({timing['loss_s']:.2f} s of {timing['step_s']:.1f} s in FusedCachedGISTLoss.calculate_loss)",
+        "peak memory: " + ", ".join(f"{k.removeprefix('peak_').removesuffix('_mib')} {v:.0f} MiB"
+                                    for k, v in summary["memory"].items()),
+        f"saved to: {summary['output_dir']}",
+    ]
+    return "\n".join(lines)
