@@ -146,7 +146,8 @@ def make_step(impl: str) -> Callable[[list[list]], object]:
 
         return dense
     else:
-        raise ValueError(f"impl must be a loss stage, one of {PROVIDERS[:-1]}, got {impl!r} (gemm: gemm_step)")
+        stages = tuple(p for p in PROVIDERS if p != LIMIT)
+        raise ValueError(f"impl must be a loss stage, one of {stages}, got {impl!r} ({LIMIT}: gemm_step)")
     return functools.partial(loss.calculate_loss, with_backward=True)
 
 
