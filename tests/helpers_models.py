@@ -5,8 +5,6 @@ API:
     tiny_model(directory, ...)             a randomly initialised BERT + mean pooling, built from a small config.
     other_vocab_tokenizer(directory)       a WordPiece tokenizer whose vocabulary differs from the guide's,
                                            so a model built on it forces ``must_retokenize``.
-    single_thread()                        context manager: torch on one intra-op thread (tiny tensors run
-                                           faster without thread hand-offs, above all on a busy machine).
 
 Every model is put in ``eval()`` mode; tests that want dropout call ``.train()`` themselves.
 """
@@ -14,8 +12,6 @@ Every model is put in ``eval()`` mode; tests that want dropout call ``.train()``
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,13 +89,3 @@ def tiny_model(
     pooling = Pooling(transformer.get_embedding_dimension(), "mean")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu").to(dtype).eval()
 
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Run the body with ``torch.set_num_threads(1)``, restoring the previous count afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

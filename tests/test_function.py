@@ -1,26 +1,33 @@
-"""``gist_loss`` as an autograd Function: gradcheck, grad_output scaling, no_grad, dispatch."""
+"""cgist.function: ``gist_loss``'s input validation, backend selection and autograd Function (gradcheck, no_grad...).
+
+The validation catalogue builds valid random inputs, breaks exactly one thing, and expects a ValueError or
+TypeError whose message names the argument (and, for tensors, the column and side) and says what was expected.
+"""
 
 from __future__ import annotations
 
+import math
+import sys
+import types
+
 import pytest
 import torch
+from helpers import BAD_OPTIONS, TOL, make_inputs
+from torch.overrides import TorchFunctionMode
 
 import cgist
-from cgist import function, streaming
+from cgist import GistOptions, function, streaming
+from cgist.function import check_embeddings
 from cgist.reference import gist_loss_reference
 
+TIGHT = TOL["embeddings"]["fp64"]
 
-def make_inputs(B, N, D, Dg, k, dtype=torch.float64, seed=0, requires_grad=True):
-    gen = torch.Generator().manual_seed(seed)
-    rows = [B] + [N] * (k + 1)
-    student = [torch.randn(r, D, generator=gen, dtype=dtype).requires_grad_(requires_grad) for r in rows]
-    guide = [torch.randn(r, Dg, generator=gen, dtype=dtype) for r in rows]
-    return student, guide
+# The autograd Function ----------------------------------------------------------------------------------------
 
 
-def _check(B, W, D, Dg, k, **options):
+def _gradcheck(B, W, D, Dg, k, **options):
     """gradcheck of gist_loss in float64 on every student column, for each rank's offset."""
-    student, guide = make_inputs(B, B * W, D, Dg, k, seed=B + D + k)
+    student, guide = make_inputs(B, B * W, D, Dg, k, seed=B + D + k, requires_grad=True)
     for rank in range(W):
         opts = {"temperature": 0.5, **options, "offset": rank * B, "backend": "torch"}
         assert torch.autograd.gradcheck(lambda *s: cgist.gist_loss(list(s), guide, **opts), tuple(student))
@@ -37,32 +44,33 @@ def _check(B, W, D, Dg, k, **options):
     ids=["B3-N3-D5-k0", "B3-N6-D5-k1-m0.1", "B4-N8-D3-k2-rel-noAA", "B2-N6-D6-k1-mneg-noPP"],
 )
 def test_gradcheck(B, W, D, Dg, k, options):
-    _check(B, W, D, Dg, k, **options)
+    _gradcheck(B, W, D, Dg, k, **options)
 
 
 def test_backward_scales_by_grad_output():
-    student, guide = make_inputs(7, 14, 9, 6, 1, seed=1)
+    student, guide = make_inputs(7, 14, 9, 6, 1, seed=1, requires_grad=True)
     loss = cgist.gist_loss(student, guide, offset=7, margin=0.05)
     upstream = torch.tensor(-2.75, dtype=torch.float64)
     grads = torch.autograd.grad(loss, student, grad_outputs=upstream)
-    expected = torch.autograd.grad(gist_loss_reference(student, guide, offset=7, margin=0.05) * upstream, student)
+    reference = gist_loss_reference(student, guide, GistOptions(offset=7, margin=0.05))
+    expected = torch.autograd.grad(reference * upstream, student)
     for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, want, **TIGHT)
 
 
 def test_loss_in_a_larger_graph():
     """The loss composes with other autograd ops in one backward."""
-    student, guide = make_inputs(5, 5, 8, 8, 1, seed=2)
+    student, guide = make_inputs(5, 5, 8, 8, 1, seed=2, requires_grad=True)
     total = 3.0 * cgist.gist_loss(student, guide) + (student[0] ** 2).sum()
     total.backward()
     leaves = [s.detach().clone().requires_grad_() for s in student]
     (3.0 * gist_loss_reference(leaves, guide) + (leaves[0] ** 2).sum()).backward()
     for s, leaf in zip(student, leaves):
-        torch.testing.assert_close(s.grad, leaf.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s.grad, leaf.grad, **TIGHT)
 
 
 def test_no_grad_computes_only_the_loss(monkeypatch):
-    student, guide = make_inputs(6, 6, 8, 5, 0, seed=3)
+    student, guide = make_inputs(6, 6, 8, 5, 0, seed=3, requires_grad=True)
     calls = []
     real = streaming.gist_loss_and_grads
 
@@ -74,13 +82,13 @@ def test_no_grad_computes_only_the_loss(monkeypatch):
     with torch.no_grad():
         loss = cgist.gist_loss(student, guide)
     assert calls == [False] and not loss.requires_grad
-    torch.testing.assert_close(loss, gist_loss_reference(student, guide).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, gist_loss_reference(student, guide).detach(), **TIGHT)
     loss = cgist.gist_loss([s.detach() for s in student], guide)  # nothing requires grad
     assert calls == [False, False] and not loss.requires_grad
 
 
 def test_guide_gets_no_gradient():
-    student, guide = make_inputs(4, 8, 6, 6, 1, seed=4)
+    student, guide = make_inputs(4, 8, 6, 6, 1, seed=4, requires_grad=True)
     guide = [g.requires_grad_() for g in guide]
     cgist.gist_loss(student, guide, offset=4).backward()
     assert all(g.grad is None for g in guide)
@@ -89,21 +97,224 @@ def test_guide_gets_no_gradient():
 
 def test_partial_requires_grad():
     """Only the columns that require grad receive one."""
-    student, guide = make_inputs(4, 4, 6, 6, 1, seed=5, requires_grad=False)
+    student, guide = make_inputs(4, 4, 6, 6, 1, seed=5)
     student[1].requires_grad_()
     cgist.gist_loss(student, guide).backward()
     assert student[0].grad is None and student[2].grad is None
     leaves = [s.detach().clone().requires_grad_() for s in student]
     gist_loss_reference(leaves, guide).backward()
-    torch.testing.assert_close(student[1].grad, leaves[1].grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(student[1].grad, leaves[1].grad, **TIGHT)
+
+
+def test_with_options_equals_keywords():
+    """``gist_loss_with_options`` with a GistOptions gives the loss and gradients of ``gist_loss`` with its fields."""
+    options = GistOptions(temperature=0.2, margin=0.1, margin_strategy="relative", contrast_anchors=False, offset=3)
+    student, guide = make_inputs(3, 9, 5, 4, 1, seed=9, requires_grad=True)
+    by_options = function.gist_loss_with_options(student, guide, options, backend="torch")
+    by_keywords = cgist.gist_loss(
+        student, guide, temperature=0.2, margin=0.1, margin_strategy="relative", contrast_anchors=False, offset=3,
+        backend="torch",
+    )
+    assert torch.equal(by_options, by_keywords)
+    for a, b in zip(torch.autograd.grad(by_options, student), torch.autograd.grad(by_keywords, student)):
+        assert torch.equal(a, b)
+    assert not torch.equal(by_options, cgist.gist_loss(student, guide, offset=3, backend="torch"))
+
+
+# Backend selection --------------------------------------------------------------------------------------------
 
 
 def test_auto_backend_on_cpu_is_streaming():
     assert function.select_backend("auto", torch.device("cpu")) is streaming.gist_loss_and_grads
 
 
-def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+def test_torch_backend_on_cuda_is_streaming():
+    assert function.select_backend("torch", torch.device("cuda")) is streaming.gist_loss_and_grads
+
+
+def test_triton_backend_is_the_launcher(monkeypatch):
+    import cgist.kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for device in ("cpu", "cuda"):
+        assert function.select_backend("triton", torch.device(device)) is cgist.kernels.gist_loss_and_grads
+
+
+def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
+    """On CUDA, 'auto' picks the launcher, or the streaming path when cgist.kernels cannot provide it."""
+    monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
+    assert function.select_backend("auto", torch.device("cuda")) is streaming.gist_loss_and_grads
+
+
+# Input validation ---------------------------------------------------------------------------------------------
+
+B, W, D, DG, K = 3, 2, 5, 4, 1  # anchors, world size (N = B * W), student dim, guide dim, negative sets
+N = B * W
+STUDENT, GUIDE = make_inputs(B, N, D, DG, K)
+
+
+def _with(columns: list[torch.Tensor], index: int, value: object) -> list[object]:
+    """``columns`` with column ``index`` replaced by ``value`` (a new list)."""
+    return [value if i == index else c for i, c in enumerate(columns)]
+
+
+def _poisoned(column: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of ``column`` with one entry set to ``value``."""
+    out = column.clone()
+    out[-1, -1] = value
+    return out
+
+
+def _check(error: type[Exception], match: str, **overrides) -> None:
+    """``gist_loss`` on the valid inputs STUDENT, GUIDE and offset B, except ``overrides``, raises ``error`` matching ``match``."""
+    kwargs = {"embeddings": STUDENT, "guide_embeddings": GUIDE, "offset": B, **overrides}
+    with pytest.raises(error, match=match):
+        cgist.gist_loss(**kwargs)
+
+
+OPTION_CASES = [
+    *BAD_OPTIONS,
+    pytest.param(
+        dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'", id="backend=unknown"
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides, error, match", OPTION_CASES)
+def test_gist_loss_options(overrides, error, match):
+    _check(error, match, **overrides)
+
+
+TENSOR_CASES = [
+    pytest.param(
+        dict(embeddings=STUDENT[0]), TypeError, r"embeddings must be a list of 2-D tensors \[anchor, positive, \*negatives\], got Tensor",
+        id="embeddings=tensor",
+    ),
+    pytest.param(dict(guide_embeddings="abc"), TypeError, r"guide_embeddings must be a list of 2-D tensors .*, got str", id="guide=str"),
+    pytest.param(
+        dict(embeddings=STUDENT[:1], guide_embeddings=GUIDE[:1]), ValueError,
+        r"embeddings needs at least two columns \(anchor, positive\), got 1", id="one-column",
+    ),
+    pytest.param(
+        dict(guide_embeddings=GUIDE[:2]), ValueError,
+        r"guide_embeddings has 2 columns but embeddings has 3; they must hold the same columns", id="guide-columns",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 2, [[1.0]])), TypeError,
+        r"embeddings\[2\] \(student negative 1\) must be a torch\.Tensor, got list", id="not-a-tensor",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 1, STUDENT[1].to(torch.int64))), TypeError,
+        r"embeddings\[1\] \(student positive\) must have a floating dtype, got torch\.int64", id="dtype=int64",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 0, GUIDE[0] > 0)), TypeError,
+        r"guide_embeddings\[0\] \(guide anchor\) must have a floating dtype, got torch\.bool", id="dtype=bool",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 0, STUDENT[0].to(torch.complex64))), TypeError,
+        r"embeddings\[0\] \(student anchor\) must have a floating dtype, got torch\.complex64", id="dtype=complex",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 2, STUDENT[2].float())), TypeError,
+        r"embeddings\[2\] \(student negative 1\) has dtype torch\.float32, but embeddings\[0\] has torch\.float64",
+        id="mixed-dtypes",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 0, STUDENT[0][0])), ValueError,
+        r"embeddings\[0\] \(student anchor\) must be 2-D \(rows x dim\), got shape \(5,\)", id="1-D",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 1, GUIDE[1][None])), ValueError,
+        r"guide_embeddings\[1\] \(guide positive\) must be 2-D \(rows x dim\), got shape \(1, 6, 4\)", id="3-D",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 0, STUDENT[0][:0]), guide_embeddings=_with(GUIDE, 0, GUIDE[0][:0])), ValueError,
+        r"embeddings\[0\] \(student anchor\) must be non-empty, got shape \(0, 5\)", id="empty-batch",
+    ),
+    pytest.param(
+        dict(guide_embeddings=[g[:, :0] for g in GUIDE]), ValueError,
+        r"guide_embeddings\[0\] \(guide anchor\) must be non-empty, got shape \(3, 0\)", id="empty-dim",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 1, STUDENT[1][:, :-1])), ValueError,
+        r"embeddings\[1\] \(student positive\) has dim 4, but embeddings\[0\] has dim 5", id="student-dims",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 2, torch.cat([GUIDE[2], GUIDE[2]], 1))), ValueError,
+        r"guide_embeddings\[2\] \(guide negative 1\) has dim 8, but guide_embeddings\[0\] has dim 4", id="guide-dims",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 2, STUDENT[2][:-1])), ValueError,
+        r"embeddings\[2\] \(student negative 1\) has 5 rows, but the positives have 6", id="negative-rows",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 0, GUIDE[0][:-1])), ValueError,
+        r"guide_embeddings\[0\] \(guide anchor\) has 2 rows, but embeddings\[0\] has 3", id="guide-anchor-rows",
+    ),
+    pytest.param(
+        dict(embeddings=[STUDENT[0], STUDENT[1][:2], STUDENT[2][:2]], guide_embeddings=[GUIDE[0], GUIDE[1][:2], GUIDE[2][:2]]),
+        ValueError, r"embeddings\[1\] \(student positive\) has 2 rows, fewer than the 3 anchors", id="N<B",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 1, GUIDE[1].to("meta"))), ValueError,
+        r"guide_embeddings\[1\] \(guide positive\) is on meta, but embeddings\[0\] \(student anchor\) is on cpu; "
+        r"all embeddings must be on one device", id="devices",
+    ),
+    pytest.param(dict(offset=-1), ValueError, r"offset must be in \[0, N - B\] = \[0, 3\] .*got -1", id="offset<0"),
+    pytest.param(dict(offset=N - B + 1), ValueError, r"offset must be in \[0, N - B\] = \[0, 3\] .*got 4", id="offset>N-B"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, match", TENSOR_CASES)
+def test_gist_loss_tensors(overrides, error, match):
+    _check(error, match, **overrides)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("index, column", [(0, "anchor"), (1, "positive"), (2, "negative 1")], ids=["anchor", "positive", "negative1"])
+@pytest.mark.parametrize("arg, side", [("embeddings", "student"), ("guide_embeddings", "guide")], ids=["student", "guide"])
+def test_gist_loss_non_finite(arg, side, index, column, value):
+    columns = dict(embeddings=STUDENT, guide_embeddings=GUIDE)[arg]
+    match = rf"{arg}\[{index}\] \({side} {column}\) contains NaN or infinite values"
+    _check(ValueError, match, **{arg: _with(columns, index, _poisoned(columns[index], value))})
+
+
+def test_triton_needs_the_interpreter_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    student, guide = make_inputs(4, 4, 6, 6, 0, seed=6)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        cgist.gist_loss(student, guide, backend="triton")
+    _check(RuntimeError, r"backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1", backend="triton")
+
+
+def test_triton_unavailable_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
+    _check(RuntimeError, r"backend='triton' is unavailable: cannot import name 'gist_loss_and_grads'", backend="triton")
+
+
+#: Tensor methods that wait for the device to produce a value on the host.
+SYNCING = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "numpy", "cpu", "equal", "is_nonzero"}
+
+
+class _CountSyncs(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3], ids=lambda k: f"k{k}")
+def test_validation_costs_one_host_sync(k):
+    student, guide = STUDENT[:2] + [STUDENT[2]] * k, GUIDE[:2] + [GUIDE[2]] * k
+    with _CountSyncs() as syncs:
+        GistOptions(temperature=0.05, margin=0.1, margin_strategy="relative", contrast_anchors=True, contrast_positives=True)
+        check_embeddings(student, guide, B)
+    assert syncs.count == 1
+
+
+def test_valid_inputs_pass():
+    """The catalogue's base inputs are valid, so each failure above comes from its one broken argument."""
+    loss = cgist.gist_loss(STUDENT, GUIDE, offset=B, backend="torch")
+    assert loss.dtype == torch.float64 and bool(torch.isfinite(loss))

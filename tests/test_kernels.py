@@ -1,4 +1,4 @@
-"""The Triton backend against the dense float64 oracle.
+"""cgist.kernels: the Triton launcher against the dense float64 oracle.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1), in float32 and float64. bf16/fp16/tf32 only run on a GPU: the interpreter's
@@ -9,30 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CUDA, DEVICE, DTYPES, TOL, make_inputs, shape_id
 
 import cgist
+from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
-from cgist.reference import gist_loss_reference, gist_scores, normalize, tie_ids
+from cgist.numerics import normalize, tie_ids
+from cgist.reference import gist_loss_reference, gist_scores
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16/fp16/tf32 tl.dot only run on a GPU")
-
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
-#: (rtol, atol as a fraction of the largest reference value) per precision.
-TOL = {"fp64": (1e-9, 1e-10), "fp32": (1e-4, 1e-5), "tf32": (3e-2, 3e-2), "bf16": (3e-2, 3e-2), "fp16": (1e-2, 1e-2)}
-
-
-def _inputs(batch, n_cand, dim, dim_g, k, dtype, seed):
-    """Random student and guide columns [anchor, positive, *negatives], drawn in float64 then cast."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = [batch] + [n_cand] * (1 + k)
-    student = [torch.randn(r, dim, generator=gen, dtype=torch.float64) for r in rows]
-    guide = [torch.randn(r, dim_g, generator=gen, dtype=torch.float64) for r in rows]
-    student = [x.to(dtype) for x in student]
-    guide = [g.to(dtype) for g in guide]
-    return student, guide
 
 
 def _exact_norm_row(dim_g, seed):
@@ -56,22 +41,22 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     that the copies equal them after normalisation while their products differ in rounding.
     """
     dtype = DTYPES[precision]
-    student, guide = _inputs(batch, n_cand, dim, dim_g, k, dtype, seed)
+    student, guide = make_inputs(batch, n_cand, dim, dim_g, k, dtype, seed)
     if scale != 1.0:
         for anchor in sorted({anchor for *_, anchor in ties}):
             guide[1][offset + anchor] = _exact_norm_row(dim_g, seed + anchor).to(dtype)
     for column, row, anchor in ties:
         guide[column][row] = scale * guide[1][offset + anchor]
-    options = dict(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
-                   contrast_positives=positives, offset=offset)
+    options = GistOptions(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
+                          contrast_positives=positives, offset=offset)
 
     leaves = [x.double().requires_grad_() for x in student]
     guide64 = [g.double() for g in guide]
-    want = gist_loss_reference(leaves, guide64, **options)
+    want = gist_loss_reference(leaves, guide64, options)
     want.backward()
     if ties:  # each copy is a tie for the oracle, kept exactly at margin <= 0, so the test exercises it
-        ids = [tie_ids([normalize(g) for g in columns]) for columns in (guide, guide64)]
-        scores = gist_scores(leaves, guide64, **{key: v for key, v in options.items() if key != "temperature"})
+        ids = [tie_ids([normalize(g)[0] for g in columns]) for columns in (guide, guide64)]
+        scores = gist_scores(leaves, guide64, options)
         negatives_start = n_cand + batch * anchors + n_cand * positives
         for column, row, anchor in ties:
             assert all(i[column][row] == i[1][offset + anchor] for i in ids), "the copy is not equal once normalised"
@@ -81,15 +66,15 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
     try:
-        runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide],
-                                    need_grads=True, **options) for _ in range(2)]
+        runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options,
+                                    need_grads=True) for _ in range(2)]
     finally:
         torch.set_float32_matmul_precision(previous)
 
     (loss, grads), (loss2, grads2) = runs
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and loss.dim() == 0
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
-    rtol, atol = TOL[precision]
+    rtol, atol = TOL["triton"][precision]
     torch.testing.assert_close(loss.cpu().double(), want.detach(), rtol=rtol, atol=atol)
     for got, leaf in zip(grads, leaves):
         assert got.dtype == dtype and got.shape == leaf.shape
@@ -98,7 +83,7 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
 
 def _id(batch, n_cand, dim, dim_g, k, precision, **kw):
     extra = "".join(f"-{key}{value}" for key, value in kw.items())
-    return f"B{batch}-N{n_cand}-D{dim}-Dg{dim_g}-k{k}-{precision}{extra}"
+    return f"{shape_id(batch, n_cand, dim, dim_g, k)}-{precision}{extra}"
 
 
 def _params(cases):
@@ -166,7 +151,7 @@ def test_scaled_copies_of_positive_tie_by_identity(precision, margin):
     [pytest.param(3, 5, 1, 2, "absolute", id="B3-N5-D6-k1-o2"), pytest.param(4, 4, 0, 0, "relative", id="B4-N4-D6-k0")],
 )
 def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
-    student, guide = _inputs(batch, n_cand, 6, 5, k, torch.float64, seed=1)
+    student, guide = make_inputs(batch, n_cand, 6, 5, k, seed=1)
     leaves = [x.to(DEVICE).requires_grad_() for x in student]
     guide = [g.to(DEVICE) for g in guide]
 
@@ -180,9 +165,8 @@ def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])
 @pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "offset"), [
-    pytest.param(13, 26, 40, 24, 1, 13, id="B13-N26-D40-Dg24-k1"),
-    pytest.param(300, 600, 384, 384, 1, 300, id="B300-N600-D384-Dg384-k1"),
-    pytest.param(130, 130, 1024, 768, 2, 0, id="B130-N130-D1024-Dg768-k2"),
+    pytest.param(*shape, offset, id=shape_id(*shape))
+    for *shape, offset in [(13, 26, 40, 24, 1, 13), (300, 600, 384, 384, 1, 300), (130, 130, 1024, 768, 2, 0)]
 ])
 def test_gpu_precisions(batch, n_cand, dim, dim_g, k, offset, precision):
     _check(batch, n_cand, dim, dim_g, k, precision, offset=offset)

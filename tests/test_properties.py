@@ -1,4 +1,4 @@
-"""Property-based fuzzing of ``cgist.gist_loss`` against the float64 oracle.
+"""Property-based fuzzing of ``cgist.gist_loss`` (both backends) against the float64 oracle.
 
 Hypothesis draws the shapes (B, N = B * world, D, Dg, k), the offset, the temperature (log-uniform in
 [1e-4, 10]), the margin (both signs, including margins that mask every candidate but the positive, or
@@ -21,10 +21,10 @@ The tie rule on real-valued rows is pinned separately (``test_real_valued_duplic
 Student rows are never constrained: they only move values, not mask decisions.
 
 Tolerances: a student score is known to ~D units of rounding, and a logit to that over tau, so the loss
-tolerance is TOL[dtype] * (1 + 1/tau). Gradients are compared after multiplying each row by
+tolerance is TOL["fuzz"] * (1 + 1/tau). Gradients are compared after multiplying each row by
 max(||x||, 1e-8) (the same positive factor on both sides: it undoes the 1/||x|| of the normalisation, so
 zero rows and rescaled rows share one scale); that gradient on the unit sphere is at most 2/tau, with errors
-~1/tau times the logit error, hence TOL[dtype] * (1 + 1/tau)^2.
+~1/tau times the logit error, hence TOL["fuzz"] * (1 + 1/tau)^2.
 
 Profiles: CI runs "ci" (a few hundred examples per test). The ``slow``-marked tests run the profile named
 by CGIST_HYPOTHESIS_PROFILE (default "long", 10,000 examples):
@@ -34,18 +34,21 @@ The Triton backend runs a tenth of each budget, on smaller shapes, because the i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import DEVICE, DTYPES, TOL, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import cgist
-import cgist.kernels
-from cgist.reference import gist_loss_reference, gist_scores, threshold
+from cgist import GistOptions
+from cgist.numerics import threshold
+from cgist.reference import gist_loss_reference, gist_scores
 
 # "ci" replays the same examples on every run (a red CI is a bug, not bad luck); "long" explores afresh.
 settings.register_profile(
@@ -58,38 +61,12 @@ CI = settings.get_profile("ci")
 LONG = settings.get_profile(os.environ.get("CGIST_HYPOTHESIS_PROFILE", "long"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The matrices here are tiny: extra OpenMP threads only add latency, a lot of it on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-TOL = {torch.float32: 64 * torch.finfo(torch.float32).eps, torch.float64: 64 * torch.finfo(torch.float64).eps}
-BAND = {dtype: 256 * torch.finfo(dtype).eps for dtype in DTYPES.values()}
+PRECISIONS = ("fp32", "fp64")
+BAND = {DTYPES[name]: 256 * torch.finfo(DTYPES[name]).eps for name in PRECISIONS}
 #: 0: the default; +-2 and 2.5: exact ties and "everything but the positive masked" on the lattice;
 #: 1e4 masks every candidate but the positive (relative too, when theta != 0); -1e4 masks none.
 SPECIAL_MARGINS = (0.0, 2.0, -2.0, 2.5, 1e4, -1e4)
 KINDS = ("copy", "negate", "zero", "rescale", "perturb")
-
-
-def _triton_pending() -> bool:
-    """True while cgist.kernels lacks the launcher; a launcher that fails to import is an error, not pending."""
-    try:
-        cgist.kernels.gist_loss_and_grads
-    except AttributeError:
-        return True
-    return False
-
-
-TRITON_PENDING = _triton_pending()
-SKIP_PENDING_TRITON = pytest.mark.skipif(
-    TRITON_PENDING, reason="pending: cgist.kernels has no gist_loss_and_grads yet, so backend='triton' cannot run"
-)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -112,33 +89,13 @@ class Spec:
     dtype: str
     batch: int
     world: int
-    offset: int
     dim: int
     guide_dim: int
     k: int
-    temperature: float
-    margin: float
-    margin_strategy: str
-    contrast_anchors: bool
-    contrast_positives: bool
+    options: GistOptions
     lattice: bool
     seed: int
     edits: tuple[Edit, ...]
-
-    @property
-    def rows(self) -> list[int]:
-        return [self.batch] + [self.batch * self.world] * (self.k + 1)
-
-    @property
-    def options(self) -> dict:
-        return dict(
-            temperature=self.temperature,
-            margin=self.margin,
-            margin_strategy=self.margin_strategy,
-            contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives,
-            offset=self.offset,
-        )
 
 
 @st.composite
@@ -161,22 +118,20 @@ def specs(draw, max_batch: int = 8, max_world: int = 3, max_dim: int = 64, max_e
         amount = draw(st.floats(-6, -1)) if kind == "perturb" else float(draw(st.integers(-10, 10)))
         side = draw(st.sampled_from(("student", "guide", "both")))
         edits.append(Edit(kind, side, dst_col, draw(st.integers(0, rows[dst_col] - 1)), src_col, src, amount))
-    return Spec(
-        dtype=draw(st.sampled_from(sorted(DTYPES))),
-        batch=batch,
-        world=world,
-        offset=offset,
-        dim=draw(st.integers(1, max_dim)),
-        guide_dim=draw(st.integers(1, max_dim)),
-        k=k,
+    # Drawn in this order: dtype, dims, temperature, margin sign, strategy, flags, guide mode, seed.
+    dtype = draw(st.sampled_from(PRECISIONS))
+    dim, guide_dim = draw(st.integers(1, max_dim)), draw(st.integers(1, max_dim))
+    options = GistOptions(
         temperature=min(10.0, 10.0 ** draw(st.floats(-4, 1))),
         margin=magnitude if draw(st.booleans()) else -magnitude,
         margin_strategy=draw(st.sampled_from(("absolute", "relative"))),
         contrast_anchors=draw(st.booleans()),
         contrast_positives=draw(st.booleans()),
-        lattice=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**32 - 1)),
-        edits=tuple(edits),
+        offset=offset,
+    )
+    return Spec(
+        dtype=dtype, batch=batch, world=world, dim=dim, guide_dim=guide_dim, k=k, options=options,
+        lattice=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)), edits=tuple(edits),
     )
 
 
@@ -213,11 +168,9 @@ def _apply(edit: Edit, columns: list[torch.Tensor], gen: torch.Generator, exact:
 def build(spec: Spec) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Student and guide columns of ``spec``, in its dtype."""
     gen = torch.Generator().manual_seed(spec.seed)
-    student = [torch.randn(r, spec.dim, generator=gen, dtype=torch.float64) for r in spec.rows]
+    student, guide = make_inputs(spec.batch, spec.batch * spec.world, spec.dim, spec.guide_dim, spec.k, seed=gen)
     if spec.lattice:
-        guide = [_lattice_rows(r, spec.guide_dim, gen) for r in spec.rows]
-    else:
-        guide = [torch.randn(r, spec.guide_dim, generator=gen, dtype=torch.float64) for r in spec.rows]
+        guide = [_lattice_rows(g.shape[0], spec.guide_dim, gen) for g in guide]
     for edit in spec.edits:
         if edit.side in ("student", "both"):
             _apply(edit, student, gen, exact=False)
@@ -234,12 +187,12 @@ def guide_gaps(spec: Spec, guide: list[torch.Tensor]) -> tuple[torch.Tensor, tor
     guide scores themselves.
     """
     guide64 = [g.double() for g in guide]
-    flags = dict(contrast_anchors=spec.contrast_anchors, contrast_positives=spec.contrast_positives)
-    scores = gist_scores(guide64, guide64, margin=-3.0, margin_strategy="absolute", offset=spec.offset, **flags)
+    options = spec.options
+    scores = gist_scores(guide64, guide64, options.replace(margin=-3.0, margin_strategy="absolute"))
     rows = torch.arange(spec.batch)
-    limit = threshold(scores[rows, rows + spec.offset].unsqueeze(1), spec.margin, spec.margin_strategy)
+    limit = threshold(scores[rows, rows + options.offset].unsqueeze(1), options.margin, options.relative)
     gaps = scores - limit
-    gaps[rows, rows + spec.offset] = math.nan
+    gaps[rows, rows + options.offset] = math.nan
     return gaps, limit
 
 
@@ -267,28 +220,29 @@ def _check(spec: Spec, backend: str) -> None:
     student, guide = build(spec)
     assume(admissible(spec, guide))
     dtype = student[0].dtype
-    if spec.temperature < 1e-3:
+    if spec.options.temperature < 1e-3:
         event("tau < 1e-3")
     if any(bool((s == 0).all(dim=1).any()) for s in student):
         event("zero student row")
 
     leaves = [s.to(DEVICE).requires_grad_() for s in student]
-    loss = cgist.gist_loss(leaves, [g.to(DEVICE) for g in guide], backend=backend, **spec.options)
+    loss = cgist.gist_loss(leaves, [g.to(DEVICE) for g in guide], backend=backend, **dataclasses.asdict(spec.options))
     grads = torch.autograd.grad(loss, leaves)
     leaves64 = [s.double().requires_grad_() for s in student]
-    expected = gist_loss_reference(leaves64, [g.double() for g in guide], **spec.options)
+    expected = gist_loss_reference(leaves64, [g.double() for g in guide], spec.options)
     expected_grads = torch.autograd.grad(expected, leaves64)
 
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert bool(torch.isfinite(loss)), f"non-finite loss {loss}"
-    scale = 1.0 + 1.0 / spec.temperature
-    torch.testing.assert_close(loss.double().cpu(), expected.detach(), rtol=0, atol=TOL[dtype] * scale)
+    tol = TOL["fuzz"][precision(dtype)]
+    scale = 1.0 + 1.0 / spec.options.temperature
+    torch.testing.assert_close(loss.double().cpu(), expected.detach(), rtol=0, atol=tol * scale)
     for i, (got, want, s) in enumerate(zip(grads, expected_grads, student)):
         assert got.dtype == dtype and got.shape == s.shape
         assert bool(torch.isfinite(got).all()), f"non-finite gradient of column {i}"
         norm = s.double().norm(dim=1, keepdim=True).clamp_min(1e-8)
         torch.testing.assert_close(
-            got.double().cpu() * norm, want * norm, rtol=0, atol=TOL[dtype] * scale**2, msg=lambda m: f"column {i}: {m}"
+            got.double().cpu() * norm, want * norm, rtol=0, atol=tol * scale**2, msg=lambda m: f"column {i}: {m}"
         )
 
 
@@ -301,7 +255,7 @@ def _fuzz(backend: str, profile: settings, **sizes) -> object:
     def test(spec: Spec) -> None:
         _check(spec, backend)
 
-    return SKIP_PENDING_TRITON(test) if backend == "triton" else test
+    return test
 
 
 TRITON_SIZES = dict(max_batch=6, max_dim=24, max_edits=6)
@@ -319,24 +273,25 @@ def _tie_case(where: str, dtype: torch.dtype, seed: int) -> tuple[Spec, list[tor
     first negatives (AN); the candidate rows 0..B-1 used are never labels, since the offset is B.
     """
     spec = Spec(
-        dtype="fp32" if dtype == torch.float32 else "fp64", batch=6, world=2, offset=6, dim=12, guide_dim=10, k=1,
-        temperature=0.05, margin=0.0, margin_strategy="absolute", contrast_anchors=True, contrast_positives=True,
+        dtype=precision(dtype), batch=6, world=2, dim=12, guide_dim=10, k=1,
+        options=GistOptions(temperature=0.05, margin=0.0, margin_strategy="absolute", offset=6),
         lattice=False, seed=seed, edits=(),
     )
+    offset = spec.options.offset
     student, guide = build(spec)
-    labels = slice(spec.offset, spec.offset + spec.batch)
+    labels = slice(offset, offset + spec.batch)
     student[0] = student[1][labels] + 0.3 * student[0]  # anchors near their positives, so that ties weigh
     column = {"positive": 1, "anchor": 0, "negative": 2}[where]
     # Anchor i + 1 becomes the copy for even i only, so that every anchor i with a tie keeps its own vectors.
     for i in range(0, spec.batch, 2) if where == "anchor" else range(spec.batch):
         row = i + 1 if where == "anchor" else i
         for side in (student, guide):  # a duplicated text: same student and guide vectors
-            side[column][row] = side[1][spec.offset + i]
+            side[column][row] = side[1][offset + i]
     return spec, student, guide
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=SKIP_PENDING_TRITON)])
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [DTYPES[name] for name in PRECISIONS], ids=PRECISIONS)
 @pytest.mark.parametrize("where", ["positive", "anchor", "negative"])
 def test_real_valued_duplicate_of_positive_is_a_tie(where, dtype, backend):
     """At margin 0, a guide candidate bitwise equal to the positive's has guide score == theta_i: kept, not masked.
@@ -354,10 +309,13 @@ def test_real_valued_duplicate_of_positive_is_a_tie(where, dtype, backend):
         if eps < 2 * BAND[dtype]:
             continue  # another entry lies within rounding of its threshold: not a clean tie case
         leaves = [s.double() for s in student]
-        expected = gist_loss_reference(leaves, [g.double() for g in guide], **{**spec.options, "margin": -eps})
-        masked = gist_loss_reference(leaves, [g.double() for g in guide], **{**spec.options, "margin": eps})
-        loss = cgist.gist_loss([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], backend=backend, **spec.options)
-        atol = TOL[dtype] * (1 + 1 / spec.temperature)
+        expected = gist_loss_reference(leaves, [g.double() for g in guide], spec.options.replace(margin=-eps))
+        masked = gist_loss_reference(leaves, [g.double() for g in guide], spec.options.replace(margin=eps))
+        loss = cgist.gist_loss(
+            [s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], backend=backend,
+            **dataclasses.asdict(spec.options),
+        )
+        atol = TOL["fuzz"][precision(dtype)] * (1 + 1 / spec.options.temperature)
         assert abs(float(masked) - float(expected)) > 100 * atol
         torch.testing.assert_close(loss.double().cpu(), expected, rtol=0, atol=atol, msg=lambda m: f"seed {seed}: {m}")
         checked += 1

@@ -1,5 +1,7 @@
-"""The dense oracle, the streaming path and ``FusedCachedGISTLoss.calculate_loss`` against
-sentence-transformers' own ``CachedGISTEmbedLoss.calculate_loss``, in float64.
+"""cgist.reference: the dense oracle against sentence-transformers' ``CachedGISTEmbedLoss.calculate_loss``.
+
+The streaming path, ``gist_loss`` and ``FusedCachedGISTLoss.calculate_loss`` are compared on the same
+inputs, all in float64.
 
 Embeddings are random, with positives and negatives drawn near their anchors so that the guide masks
 some candidates and keeps others. They are passed as uneven mini-batches of leaf tensors, as the
@@ -15,28 +17,24 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers_models import single_thread, tiny_model
+from helpers import TOL, loss_kwargs, one_thread  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers_models import tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
 import cgist.loss
-from cgist import FusedCachedGISTLoss, gist_loss, streaming
+from cgist import FusedCachedGISTLoss, GistOptions, gist_loss, streaming
 from cgist.reference import gist_loss_reference
 
 D, DG = 24, 16
 MINI_BATCH = 5
-TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
 
 @dataclass(frozen=True)
 class Case:
+    options: GistOptions = GistOptions()
     batch: int = 13
     negatives: int = 1
-    margin: float = 0.0
-    strategy: str = "absolute"
-    contrast_anchors: bool = True
-    contrast_positives: bool = True
-    temperature: float = 0.01
     rank: int = 0
     world: int = 1
     gather: bool = False
@@ -44,22 +42,13 @@ class Case:
 
     @property
     def id(self) -> str:
-        flags = f"aa{int(self.contrast_anchors)}-pp{int(self.contrast_positives)}"
+        o = self.options
+        flags = f"aa{int(o.contrast_anchors)}-pp{int(o.contrast_positives)}"
         where = f"r{self.rank}of{self.world}" if self.gather else "local"
         dup = "-dup" if self.duplicates else ""
         return (
-            f"B{self.batch}-N{self.batch * self.world}-D{D}-k{self.negatives}-m{self.margin:+g}-{self.strategy[:3]}"
-            f"-{flags}-t{self.temperature:g}-{where}{dup}-fp64"
-        )
-
-    @property
-    def options(self) -> dict:
-        return dict(
-            temperature=self.temperature,
-            margin=self.margin,
-            margin_strategy=self.strategy,
-            contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives,
+            f"B{self.batch}-N{self.batch * self.world}-D{D}-k{self.negatives}-m{o.margin:+g}-{o.margin_strategy[:3]}"
+            f"-{flags}-t{o.temperature:g}-{where}{dup}-fp64"
         )
 
 
@@ -74,26 +63,19 @@ def _cases() -> list[Case]:
     cases = []
     for n, (margin, strategy, aa, pp) in enumerate(grid):
         rank, world, gather = PLACEMENTS[n % len(PLACEMENTS)]
-        cases.append(
-            Case(
-                negatives=n % 4, margin=margin, strategy=strategy, contrast_anchors=aa, contrast_positives=pp,
-                temperature=TEMPERATURES[n % len(TEMPERATURES)], rank=rank, world=world, gather=gather,
-            )
+        options = GistOptions(
+            temperature=TEMPERATURES[n % len(TEMPERATURES)], margin=margin, margin_strategy=strategy,
+            contrast_anchors=aa, contrast_positives=pp,
         )
+        cases.append(Case(options, negatives=n % 4, rank=rank, world=world, gather=gather))
     for rank, world, gather in PLACEMENTS:
         for margin in (0.0, 0.1):
-            cases.append(Case(negatives=2, margin=margin, rank=rank, world=world, gather=gather, duplicates=True))
-    cases += [Case(batch=1, negatives=3, margin=0.1, rank=1, world=2, gather=True), Case(batch=7, negatives=0)]
+            cases.append(Case(GistOptions(margin=margin), negatives=2, rank=rank, world=world, gather=gather, duplicates=True))
+    cases += [Case(GistOptions(margin=0.1), batch=1, negatives=3, rank=1, world=2, gather=True), Case(batch=7, negatives=0)]
     return cases
 
 
 CASES = _cases()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +144,11 @@ def _check(case: Case, models, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
     local, gathered = _embeddings(case, D, gen)
     local_guide, gathered_guide = _embeddings(case, DG, gen)
-    tol = TOL[torch.float64]
+    tol = TOL["embeddings"]["fp64"]
     names = ["anchor", "positive", *[f"negative {n + 1}" for n in range(case.negatives)]]
 
     st_loss, st_grads = _run_loss_object(
-        CachedGISTEmbedLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **case.options),
+        CachedGISTEmbedLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
         st_module, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     assert torch.isfinite(st_loss)
@@ -176,14 +158,15 @@ def _check(case: Case, models, monkeypatch) -> None:
     candidates = [_insert(g, s, case) for g, s in zip(gathered, student[1:])] if case.gather else student[1:]
     guide = [local_guide[0], *(gathered_guide if case.gather else local_guide[1:])]
     offset = case.rank * case.batch if case.gather else 0
-    ref_loss = gist_loss_reference([student[0], *candidates], guide, offset=offset, **case.options)
+    options = case.options.replace(offset=offset)
+    ref_loss = gist_loss_reference([student[0], *candidates], guide, options)
     ref_loss.backward()
     torch.testing.assert_close(ref_loss, st_loss, **tol)
     for name, ref, st in zip(names, student, st_grads):
         torch.testing.assert_close(ref.grad, st, **tol, msg=lambda m: f"{name} gradient, oracle vs ST: {m}")
 
     fused_loss, fused_grads = _run_loss_object(
-        FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **case.options),
+        FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
         cgist.loss, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     torch.testing.assert_close(fused_loss, st_loss, **tol)
@@ -193,10 +176,10 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     # The functional form and the streaming path with one-row blocks, on the already gathered inputs.
     candidates = [c.detach() for c in candidates]
-    functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", **case.options)
+    functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", **loss_kwargs(case.options))
     torch.testing.assert_close(functional, st_loss, **tol)
     stream_loss, stream_grads = streaming.gist_loss_and_grads(
-        [local[0], *candidates], guide, offset=offset, need_grads=True, block_bytes=1, **case.options
+        [local[0], *candidates], guide, options, need_grads=True, block_bytes=1
     )
     torch.testing.assert_close(stream_loss, st_loss, **tol)
     lo, hi = offset, offset + case.batch

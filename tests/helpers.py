@@ -1,0 +1,158 @@
+"""What the test modules share: the device, random inputs, tolerances, option catalogues and one-thread runs.
+
+API:
+    DEVICE, CUDA                  "cuda" when a GPU is present, else "cpu" (Triton then runs under the interpreter).
+    DTYPES, precision(dtype)      precision names ("fp64", "fp32", "tf32", "bf16", "fp16") and their input dtypes.
+    TOL[kind][precision]          every tolerance of the suite, by the comparison it serves and the precision.
+    make_inputs(...)              random student and guide columns [anchor, positive, *negatives].
+    shape_id(...)                 the readable test id of a shape, ``B13-N26-D40-Dg24-k1``.
+    loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
+    BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
+    single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
+
+It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
+``helpers_models``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from cgist import GistOptions
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+#: Input dtype of each precision; "tf32" is float32 inputs with TF32 matrix products.
+DTYPES = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def precision(dtype: torch.dtype) -> str:
+    """The name of ``dtype``'s own precision ("fp32" for float32); also a readable test id."""
+    return {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+_EPS = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+
+#: Every tolerance, by kind of comparison; the kinds measure different things, so their values differ.
+TOL = {
+    # Triton launcher against the float64 oracle: (rtol, atol as a fraction of the largest reference value).
+    "triton": {
+        "fp64": (1e-9, 1e-10),
+        "fp32": (1e-4, 1e-5),
+        "tf32": (3e-2, 3e-2),
+        "bf16": (3e-2, 3e-2),
+        "fp16": (1e-2, 1e-2),
+    },
+    # PyTorch streaming path against the float64 oracle: (loss tolerance, gradient tolerance after dividing by
+    # the gradient's largest entry). Half inputs are upcast and accumulated in float32, so the loss meets the
+    # float32 tolerance; the gradients come back rounded to the input dtype (2 units of its rounding).
+    "streaming": {
+        "fp64": (1e-12, 1e-12),
+        "fp32": (2e-4, 2e-4),
+        "bf16": (2e-4, 2 * 2.0**-9),
+        "fp16": (2e-4, 2 * 2.0**-12),
+    },
+    # Property tests: the unit of the absolute tolerance, scaled by (1 + 1/tau) (see test_properties).
+    "fuzz": {"fp64": 64 * _EPS["fp64"], "fp32": 64 * _EPS["fp32"]},
+    # float64 paths on the same embeddings: oracle, gist_loss and ST's calculate_loss, autograd compositions.
+    "embeddings": {"fp64": dict(rtol=1e-12, atol=1e-12)},
+    # Full forward and backward through float64 models (ST's and the fused loss, every parameter gradient).
+    "models": {"fp64": dict(rtol=1e-10, atol=1e-12)},
+    # Ranks of a gloo group against ST's loss and against the oracle.
+    "distributed": {"fp64": dict(rtol=1e-9, atol=1e-11), "fp32": dict(rtol=2e-4, atol=2e-5)},
+}
+
+
+def make_inputs(
+    batch: int,
+    n_cand: int,
+    dim: int,
+    dim_g: int,
+    k: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int | torch.Generator = 0,
+    *,
+    requires_grad: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random student columns [anchor (batch x dim), positive, *k negatives (n_cand x dim)] and the guide's (dim_g).
+
+    Every value is drawn in float64, the student columns first, and then cast to ``dtype``, so a seed gives
+    the same values in every dtype up to rounding. ``seed`` is an int, or a generator to draw from (the caller
+    may go on drawing from it). ``requires_grad`` makes the student columns leaves that require a gradient.
+    """
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    rows = [batch] + [n_cand] * (1 + k)
+    student = [torch.randn(r, dim, generator=gen, dtype=torch.float64) for r in rows]
+    guide = [torch.randn(r, dim_g, generator=gen, dtype=torch.float64) for r in rows]
+    student = [x.to(dtype).requires_grad_(requires_grad) for x in student]
+    return student, [g.to(dtype) for g in guide]
+
+
+def shape_id(batch: int, n_cand: int, dim: int, dim_g: int, k: int) -> str:
+    """``B13-N26-D40-Dg24-k1``: the shape part of a test id."""
+    return f"B{batch}-N{n_cand}-D{dim}-Dg{dim_g}-k{k}"
+
+
+def loss_kwargs(options: GistOptions) -> dict:
+    """``options`` as keyword arguments of ``CachedGISTEmbedLoss`` / ``FusedCachedGISTLoss``: all but the offset."""
+    kwargs = dataclasses.asdict(options)
+    del kwargs["offset"]
+    return kwargs
+
+
+#: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).
+BAD_OPTIONS = [
+    pytest.param(dict(temperature=0.0), ValueError, r"temperature must be a positive finite number, got 0\.0", id="temperature=0"),
+    pytest.param(dict(temperature=-0.05), ValueError, r"temperature must be a positive finite number, got -0\.05", id="temperature<0"),
+    pytest.param(dict(temperature=math.inf), ValueError, r"temperature must be a positive finite number, got inf", id="temperature=inf"),
+    pytest.param(dict(temperature=math.nan), ValueError, r"temperature must be a positive finite number, got nan", id="temperature=nan"),
+    pytest.param(dict(temperature="0.01"), TypeError, r"temperature must be a real number, got str", id="temperature=str"),
+    pytest.param(dict(temperature=True), TypeError, r"temperature must be a real number, got bool", id="temperature=bool"),
+    pytest.param(dict(margin=math.inf), ValueError, r"margin must be a finite number, got inf", id="margin=inf"),
+    pytest.param(dict(margin=-math.inf), ValueError, r"margin must be a finite number, got -inf", id="margin=-inf"),
+    pytest.param(dict(margin=math.nan), ValueError, r"margin must be a finite number, got nan", id="margin=nan"),
+    pytest.param(dict(margin=None), TypeError, r"margin must be a real number, got NoneType", id="margin=None"),
+    pytest.param(
+        dict(margin_strategy="percent"), ValueError, r"margin_strategy must be one of \('absolute', 'relative'\), got 'percent'",
+        id="strategy=unknown",
+    ),
+    pytest.param(dict(margin_strategy=None), ValueError, r"margin_strategy must be one of .*, got None", id="strategy=None"),
+    pytest.param(dict(contrast_anchors=1), TypeError, r"contrast_anchors must be a bool, got int", id="contrast_anchors=int"),
+    pytest.param(dict(contrast_positives="no"), TypeError, r"contrast_positives must be a bool, got str", id="contrast_positives=str"),
+    pytest.param(dict(offset=1.0), TypeError, r"offset must be an int, got float", id="offset=float"),
+    pytest.param(dict(offset=True), TypeError, r"offset must be an int, got bool", id="offset=bool"),
+]
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(1)``, restoring the previous count afterwards.
+
+    The tensors of the tests are tiny: extra OpenMP threads only add hand-off latency, a lot of it on a busy machine.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Every test of a module that imports this fixture runs on one thread (``single_thread``)."""
+    with single_thread():
+        yield

@@ -1,0 +1,127 @@
+"""Import structure: ``cgist`` and ``cgist.kernels`` load without sentence-transformers; kernels/ imports only torch, triton, the standard library and ``cgist.numerics``."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import cgist
+import cgist.kernels
+
+#: Run in a fresh interpreter: what the light imports load, then the lazy attribute.
+PROBE = """
+import json, sys
+import torch
+import cgist.kernels
+import cgist
+
+gen = torch.Generator().manual_seed(0)
+x = [torch.randn(rows, 4, generator=gen, dtype=torch.float64) for rows in (2, 3)]
+loss = cgist.gist_loss(x, [t.flip(1) for t in x], offset=1, backend="torch")
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("sentence_transformers", "transformers"))
+cls = cgist.FusedCachedGISTLoss
+after = "sentence_transformers" in sys.modules
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+print(json.dumps({"heavy": heavy, "finite": bool(torch.isfinite(loss)), "after": after,
+                  "name": cls.__name__, "subclass": issubclass(cls, CachedGISTEmbedLoss)}))
+"""
+
+
+def test_light_imports_leave_sentence_transformers_unloaded(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == [], f"importing cgist loaded {result['heavy']}"
+    assert result["finite"]
+    # The probe sees the import once the class is asked for, so the empty list above means something.
+    assert result["after"] and result["name"] == "FusedCachedGISTLoss" and result["subclass"]
+
+
+def test_unknown_attribute_raises_attribute_error():
+    for module in (cgist, cgist.kernels):
+        with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+            module.no_such_name  # noqa: B018
+
+
+# What kernels/ imports ------------------------------------------------------------------------------------------
+
+KERNELS = Path(cgist.kernels.__file__).parent
+ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
+ALLOWED_MODULES = {"cgist.numerics"}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(node: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) of every import under ``node`` that can run: anywhere but in the body of ``if TYPE_CHECKING:``.
+
+    A relative import is its module with its leading dots (``from . import x`` is ".").
+    """
+    children = node.orelse if isinstance(node, ast.If) and _is_type_checking(node.test) else ast.iter_child_nodes(node)
+    for child in children:
+        if isinstance(child, ast.Import):
+            yield from ((child.lineno, alias.name) for alias in child.names)
+        elif isinstance(child, ast.ImportFrom):
+            yield child.lineno, "." * child.level + (child.module or "")
+        yield from runtime_imports(child)
+
+
+def allowed(module: str) -> bool:
+    """torch, triton, the standard library, ``cgist.numerics``, or a module of kernels/ itself (one leading dot)."""
+    if module.startswith("."):
+        return not module.startswith("..")
+    return module.split(".")[0] in ALLOWED_PACKAGES or module in ALLOWED_MODULES
+
+
+def forbidden_imports(source: str) -> list[tuple[int, str]]:
+    return [(line, module) for line, module in runtime_imports(ast.parse(source)) if not allowed(module)]
+
+
+SAMPLE = """
+from __future__ import annotations
+import os, numpy
+from typing import TYPE_CHECKING
+from . import gist
+from .launch import gist_forward
+from .. import options
+from cgist.numerics import EPS
+from cgist.options import GistOptions
+if TYPE_CHECKING:
+    from cgist.function import Backend
+else:
+    import sentence_transformers
+def f():
+    import transformers
+"""
+
+
+def test_the_import_check_finds_what_it_must():
+    """numpy, a module above kernels/, another cgist module, an else branch and a function body are all caught."""
+    assert forbidden_imports(SAMPLE) == [
+        (3, "numpy"), (7, ".."), (9, "cgist.options"), (13, "sentence_transformers"), (15, "transformers")
+    ]
+
+
+def test_kernels_import_only_torch_triton_stdlib_and_numerics():
+    files = sorted(KERNELS.rglob("*.py"))
+    assert {"__init__.py", "gist.py", "launch.py"} <= {f.name for f in files}
+    seen = set()
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        assert forbidden_imports(source) == [], f"{path.name} imports more than torch, triton, stdlib and cgist.numerics"
+        seen |= {module for _, module in runtime_imports(ast.parse(source))}
+    assert {"torch", "triton"} <= seen  # the parse sees the real imports

@@ -1,0 +1,92 @@
+"""cgist.numerics: accumulation dtype, normalisation and its backward, guide threshold, guide mask and tie ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DTYPES, TOL, make_inputs, precision
+
+from cgist.numerics import EPS, compute_dtype, guide_mask, normalize, normalize_backward, threshold, tie_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=precision)
+def test_compute_dtype(dtype):
+    assert compute_dtype(dtype) == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _rows_with_small_ones() -> torch.Tensor:
+    """Random float64 rows, one of them zero and one with a norm below EPS (clamped)."""
+    x = make_inputs(6, 6, 5, 1, 0, seed=11)[0][0]
+    x[2] = 0.0
+    x[4] *= EPS / 10 / x[4].norm()
+    return x
+
+
+def test_normalize_returns_unit_rows_and_their_norms():
+    x = _rows_with_small_ones()
+    x_hat, norm = normalize(x)
+    assert x_hat.shape == x.shape and norm.shape == (x.shape[0], 1)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(x, dim=1, keepdim=True), rtol=0, atol=0)
+    big = norm.squeeze(1) >= EPS
+    torch.testing.assert_close(x_hat[big].norm(dim=1), torch.ones(int(big.sum()), dtype=x.dtype), **TOL["embeddings"]["fp64"])
+    assert torch.equal(x_hat[2], torch.zeros_like(x[2])) and torch.equal(x_hat[4], x[4] / EPS)
+
+
+def test_normalize_computes_in_the_requested_dtype():
+    x = _rows_with_small_ones().float()
+    x_hat, norm = normalize(x, torch.float64)
+    assert x_hat.dtype == norm.dtype == torch.float64
+    expected = normalize(x.double())
+    assert torch.equal(x_hat, expected[0]) and torch.equal(norm, expected[1])
+    assert normalize(x)[0].dtype == torch.float32
+
+
+def test_normalize_backward_is_the_gradient_of_normalize():
+    """Also on the zero row and the row below EPS, where the clamped gradient is g / EPS."""
+    x = _rows_with_small_ones().requires_grad_()
+    grad_hat = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(12))
+    x_hat, norm = normalize(x)
+    (expected,) = torch.autograd.grad(x_hat, x, grad_hat)
+    got = normalize_backward(x_hat.detach(), norm.detach(), grad_hat)
+    torch.testing.assert_close(got, expected, **TOL["embeddings"]["fp64"])
+    torch.testing.assert_close(got[2], grad_hat[2] / EPS, **TOL["embeddings"]["fp64"])
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.25, -0.5])
+def test_threshold(margin):
+    theta = torch.tensor([[0.8], [0.1], [0.0], [-0.3], [-1.0]], dtype=torch.float64)
+    assert torch.equal(threshold(theta, margin, relative=False), theta - margin)
+    relative = threshold(theta, margin, relative=True)
+    # theta - |theta| * margin: the margin scales the distance below theta by |theta|, whatever theta's sign.
+    tol = TOL["embeddings"]["fp64"]
+    torch.testing.assert_close(relative[theta > 0], (theta * (1 - margin))[theta > 0], **tol)
+    torch.testing.assert_close(relative[theta < 0], (theta * (1 + margin))[theta < 0], **tol)
+    assert torch.equal(relative[theta == 0], theta[theta == 0])
+
+
+def test_guide_mask_masks_strictly_above_the_limit_and_ties_by_the_flag():
+    guide = torch.tensor([[0.5, 0.5, 0.2], [0.1, 0.9, 0.9]], dtype=torch.float64)
+    limit = torch.tensor([[0.5], [0.3]], dtype=torch.float64)
+    theta_masked = torch.tensor([[True], [False]])
+    col_ids, partner_ids = torch.tensor([0, 1, 2]), torch.tensor([1, 2])
+    mask = guide_mask(guide, limit, theta_masked, col_ids, partner_ids)
+    tie = col_ids[None, :] == partner_ids[:, None]
+    # Off the ties: strictly greater than the limit (0.5 is not above 0.5). On them: the row's flag, whatever the score.
+    assert torch.equal(mask[~tie], (guide > limit)[~tie])
+    assert torch.equal(mask[tie], theta_masked.squeeze(1))
+    assert mask[0, 1] and not mask[0, 0] and not mask[1, 2] and mask[1, 1]
+
+
+@pytest.mark.parametrize("name", ["fp64", "fp32"])
+def test_tie_ids_are_equal_exactly_for_equal_rows(name):
+    _, columns = make_inputs(4, 6, 1, 3, 1, DTYPES[name], seed=13)
+    columns[1][5] = columns[0][2]  # copies across columns and within one
+    columns[2][0] = columns[0][2]
+    columns[2][3] = columns[2][1]
+    columns[1][1] = -columns[1][0]  # a negation is another vector
+    ids = tie_ids(columns)
+    assert [i.shape[0] for i in ids] == [c.shape[0] for c in columns]
+    rows, flat = torch.cat(columns), torch.cat(ids)
+    same_vector = (rows[:, None, :] == rows[None, :, :]).all(dim=2)
+    assert torch.equal(flat[:, None] == flat[None, :], same_vector)
+    assert int(same_vector.sum()) > rows.shape[0]  # the copies are there

@@ -1,0 +1,65 @@
+"""cgist.options: ``GistOptions`` validation, defaults, immutability, hashing and ``replace``."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+from helpers import BAD_OPTIONS
+
+import cgist
+from cgist import GistOptions
+
+
+@pytest.mark.parametrize("overrides, error, match", BAD_OPTIONS)
+def test_rejects_bad_options(overrides, error, match):
+    with pytest.raises(error, match=match):
+        GistOptions(**overrides)
+
+
+def test_defaults_are_those_of_gist_loss():
+    defaults = {f.name: f.default for f in dataclasses.fields(GistOptions)}
+    keywords = {name: p.default for name, p in inspect.signature(cgist.gist_loss).parameters.items() if name in defaults}
+    assert keywords == defaults and set(keywords) == set(defaults)
+
+
+def test_frozen():
+    options = GistOptions()
+    for name in ("temperature", "offset"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(options, name, 1)
+    assert options == GistOptions()
+
+
+def test_hashable_by_value():
+    a = GistOptions(margin=0.1, margin_strategy="relative", offset=3)
+    b = GistOptions(margin=0.1, margin_strategy="relative", offset=3)
+    assert a == b and hash(a) == hash(b)
+    assert {a: "cached"}[b] == "cached"
+    assert len({a, b, a.replace(offset=4), GistOptions()}) == 3
+
+
+def test_replace_returns_a_validated_copy():
+    options = GistOptions(temperature=0.05, contrast_anchors=False)
+    moved = options.replace(offset=7)
+    assert moved.offset == 7 and options.offset == 0
+    assert dataclasses.replace(moved, offset=0) == options
+    with pytest.raises(ValueError, match=r"temperature must be a positive finite number, got 0"):
+        options.replace(temperature=0)
+    with pytest.raises(TypeError, match=r"offset must be an int, got float"):
+        options.replace(offset=2.0)
+
+
+def test_numbers_become_plain_python_numbers():
+    options = GistOptions(temperature=np.float32(0.25), margin=1, offset=np.int64(4))
+    assert type(options.temperature) is float and options.temperature == 0.25
+    assert type(options.margin) is float and options.margin == 1.0
+    assert type(options.offset) is int and options.offset == 4
+    assert hash(options) == hash(GistOptions(temperature=0.25, margin=1.0, offset=4))
+
+
+@pytest.mark.parametrize("strategy, relative", [("absolute", False), ("relative", True)])
+def test_relative(strategy, relative):
+    assert GistOptions(margin_strategy=strategy).relative is relative
