@@ -60,7 +60,6 @@ settings.register_profile(
 CI = settings.get_profile("ci")
 LONG = settings.get_profile(os.environ.get("CGIST_HYPOTHESIS_PROFILE", "long"))
 
-
 PRECISIONS = ("fp32", "fp64")
 BAND = {DTYPES[name]: 256 * torch.finfo(DTYPES[name]).eps for name in PRECISIONS}
 #: 0: the default; +-2 and 2.5: exact ties and "everything but the positive masked" on the lattice;
