@@ -1,4 +1,8 @@
-"""Import structure: ``cgist`` and ``cgist.kernels`` load without sentence-transformers; kernels/ imports only torch, triton, the standard library and ``cgist.numerics``."""
+"""Import structure: what importing ``cgist`` and ``cgist.kernels`` loads, and what kernels/ may import.
+
+``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` loads it on
+first use); the modules under kernels/ import only torch, triton, the standard library and ``cgist.numerics``.
+"""
 
 from __future__ import annotations
 
