@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "compute_dtype", "guide_mask", "normalize", "normalize_backward", "threshold", "tie_ids"]
+__all__ = ["EPS", "TieIndex", "compute_dtype", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -29,11 +29,13 @@ def normalize(x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tens
     return x / norm.clamp_min(EPS), norm
 
 
-def normalize_backward(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
-    """Gradient through ``x / max(||x||, eps)``: ``(g - x_hat (x_hat . g)) / ||x||``, or ``g / eps`` when clamped."""
-    radial = (x_hat * grad_hat).sum(dim=-1, keepdim=True)
-    radial = radial.masked_fill(norm < EPS, 0.0)
-    return (grad_hat - x_hat * radial) / norm.clamp_min(EPS)
+def normalize_backward_(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
+    """Gradient through ``x / max(||x||, eps)``, in place of ``grad_hat``: ``(g - x_hat (x_hat . g)) / ||x||``.
+
+    Rows whose norm was clamped get ``g / eps``. Shapes: ``x_hat`` and ``grad_hat`` rows x dim, ``norm`` rows x 1.
+    """
+    radial = torch.linalg.vecdot(x_hat, grad_hat).unsqueeze(-1).masked_fill_(norm < EPS, 0.0)
+    return grad_hat.addcmul_(x_hat, radial, value=-1.0).div_(norm.clamp_min(EPS))
 
 
 def threshold(theta: Tensor, margin: float, relative: bool) -> Tensor:
@@ -41,25 +43,100 @@ def threshold(theta: Tensor, margin: float, relative: bool) -> Tensor:
     return theta - theta.abs() * margin if relative else theta - margin
 
 
-def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, col_ids: Tensor, partner_ids: Tensor) -> Tensor:
+class TieIndex:
+    """The tie ids of a block's columns, sorted, to find where a column ties with a row's partner.
+
+    Row i ties with column j when ``col_ids[j] == partner_ids[i]``: the column's normalised guide vector
+    equals that of theta_i's partner. Ties are few (the label itself, and duplicate texts), so they are
+    found by binary search instead of comparing every row with every column.
+    """
+
+    def __init__(self, col_ids: Tensor) -> None:
+        self.sorted, self.order = col_ids.sort()
+
+    def pairs(self, partner_ids: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the ties among columns ``lo:hi``, with ``cols`` counted from ``lo``."""
+        first = torch.searchsorted(self.sorted, partner_ids, side="left")
+        counts = torch.searchsorted(self.sorted, partner_ids, side="right") - first
+        rows = torch.repeat_interleave(torch.arange(partner_ids.shape[0], device=counts.device), counts)
+        within = torch.arange(rows.shape[0], device=counts.device) - (torch.cumsum(counts, 0) - counts)[rows]
+        cols = self.order[first[rows] + within]
+        keep = (cols >= lo) & (cols < hi)
+        return rows[keep], cols[keep] - lo
+
+
+def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: TieIndex, partner_ids: Tensor,
+               lo: int = 0) -> Tensor:
     """True where a score is masked: its guide score is strictly above the row's threshold ``limit``.
 
-    Row i's scores pair a row vector with each column; theta_i pairs the same row vector with
-    ``partner_ids[i]`` (the positive for anchor rows, the anchor for positive rows). A column equal to
-    that partner is a tie with theta_i and is masked exactly when ``theta_masked[i]`` (theta_i > T_i).
-    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1, ids 1-D.
+    ``guide`` holds the guide scores of rows against columns ``lo:lo + guide.shape[1]`` of a block whose
+    column ids ``ties`` indexes. Row i's scores pair a row vector with each column; theta_i pairs the
+    same row vector with the partner whose id is ``partner_ids[i]`` (the positive for anchor rows, the
+    anchor for positive rows). A column equal to that partner is a tie with theta_i and is masked
+    exactly when ``theta_masked[i]`` (theta_i > T_i), whatever the rounding of its guide score.
+    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1, ``partner_ids`` rows.
     """
-    tie = col_ids.unsqueeze(0) == partner_ids.unsqueeze(1)
-    return torch.where(tie, theta_masked, guide > limit)
+    mask = guide > limit
+    rows, cols = ties.pairs(partner_ids, lo, lo + guide.shape[1])
+    mask[rows, cols] = theta_masked[rows, 0]
+    return mask
 
 
-def tie_ids(columns: Sequence[Tensor]) -> list[Tensor]:
-    """An integer id per row of each column such that rows get equal ids iff they are equal vectors.
+#: Rows fingerprinted at once; bounds the int64 temporaries to this many rows x dim.
+_FINGERPRINT_ROWS = 4096
+_FINGERPRINT_SEED = 0x5EED
 
-    Called on the normalised guide columns. sentence-transformers computes every guide score by one
-    element-wise formula, so a candidate whose guide vector equals theta's partner scores exactly theta.
-    Matrix products give no such promise (BLAS kernels differ with shape and position), so the tie is
-    decided by identity instead of by the rounding of two different products.
+
+def _fingerprint_coefficients(dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Two vectors of fixed pseudo-random 64-bit integers, the same on every device, rank and run."""
+    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + dim)
+    both = torch.randint(-(2**63), 2**63 - 1, (2, dim), generator=gen, dtype=torch.int64).to(device)
+    return both[0], both[1]
+
+
+def _fingerprint(rows: Tensor) -> Tensor:
+    """A 64-bit hash of each row's bits: equal rows hash equal, different rows collide with odds ~2^-64.
+
+    Each element's bits become an integer whose differences between two different values have at most
+    31 trailing zero bits (fp32: the 32 bits as they are; fp64: the high half folded into the low one).
+    Two sums of those times random 64-bit integers, modulo 2^64 (integer sums do not depend on their
+    order, so a matrix product computes them exactly), are then mixed into one value.
     """
-    ids = torch.unique(torch.cat(list(columns)), dim=0, return_inverse=True)[1]
+    bits = rows + 0.0  # -0.0 and 0.0 compare equal, so they must hash equal
+    if bits.dtype == torch.float64:
+        bits = bits.view(torch.int64)
+        bits = bits ^ ((bits >> 32) & 0xFFFFFFFF)  # a bijection that also flips low bits where high ones differ
+    else:
+        bits = bits.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    # Integer matrix-vector products on the CPU (faster than a product with both columns at once); CUDA
+    # has no integer matrix products.
+    high, low = (bits @ c if bits.device.type == "cpu" else (bits * c).sum(dim=1)
+                 for c in _fingerprint_coefficients(rows.shape[1], rows.device))
+    low = low * -7046029254386353131  # an odd constant: a bijection that spreads low bits upwards
+    return high ^ low ^ ((low >> 29) & 0x7FFFFFFFF)
+
+
+def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """An int32 id per row of each guide column: equal ids for rows whose normalised vectors are equal.
+
+    sentence-transformers computes every guide score by one element-wise formula, so a candidate whose
+    guide vector equals theta's partner scores exactly theta. Matrix products give no such promise (BLAS
+    kernels differ with shape and position), so the tie is decided by identity instead of by the rounding
+    of two different products.
+
+    Each row of a column, normalised in ``dtype`` (``normalize``), gets a 64-bit fingerprint of its bits,
+    computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
+    (sorted on the device, no host sync). Memory is O(rows). Each of the fingerprint's two sums collides
+    for two given different rows with probability 2^(v - 64), where 2^v is the largest power of two
+    dividing all their element differences (v <= 31), so both collide with probability at most 2^-66,
+    and the final mix adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about
+    10^-7. A collision would make one candidate count as a tie with theta_i: it would be masked exactly
+    when theta_i > T_i instead of by its own guide score, in one step.
+    """
+    prints = torch.cat([
+        _fingerprint(normalize(chunk, dtype)[0]) for column in columns for chunk in column.split(_FINGERPRINT_ROWS)
+    ])
+    ordered, order = prints.sort()
+    ids = torch.empty_like(order, dtype=torch.int32)
+    ids[order] = torch.searchsorted(ordered, ordered, side="left").to(torch.int32)
     return list(ids.split([c.shape[0] for c in columns]))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .numerics import guide_mask, normalize, threshold, tie_ids
+from .numerics import TieIndex, guide_mask, normalize, threshold, tie_ids
 from .options import GistOptions
 
 __all__ = ["gist_loss_reference", "gist_scores"]
@@ -28,7 +28,7 @@ def gist_scores(
     """
     a, p, *negs = (normalize(e)[0] for e in embeddings)
     ga, gp, *gnegs = (normalize(e)[0] for e in guide_embeddings)
-    id_a, id_p, *id_negs = tie_ids([ga, gp, *gnegs])
+    id_a, id_p, *id_negs = tie_ids(guide_embeddings, ga.dtype)
     rows = torch.arange(a.shape[0], device=a.device)
     labels = rows + options.offset
 
@@ -38,7 +38,7 @@ def gist_scores(
     theta_masked = theta > limit
 
     def masked(student: Tensor, guide: Tensor, col_ids: Tensor, partner_ids: Tensor, protect_label=False) -> Tensor:
-        mask = guide_mask(guide, limit, theta_masked, col_ids, partner_ids)
+        mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids), partner_ids)
         if protect_label:
             mask[rows, labels] = False
         return student.masked_fill(mask, float("-inf"))

@@ -137,17 +137,23 @@ def _tile_scores(
 
 
 @triton.jit
-def _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start, thr_ptr, theta_masked_ptr):
-    """What every tile of BLOCK_M rows needs: inverse norms, partner tie id, threshold and theta flag.
+def _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start):
+    """What every tile of BLOCK_M rows needs: inverse norms and the partner's tie id, each (BLOCK_M,).
 
-    Each is (BLOCK_M,); rows past ``n_rows`` read neutral values.
+    Rows past ``n_rows`` read neutral values.
     """
     rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
     rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
     partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
+    return rq, rqg, partner_id
+
+
+@triton.jit
+def _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr):
+    """The threshold T_i and the flag theta_i > T_i that the AP forward launch stored, each (BLOCK_M,)."""
     thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
     theta_masked = tl.load(theta_masked_ptr + offs_m, mask=mask_m, other=0)
-    return rq, rqg, partner_id, thr, theta_masked
+    return thr, theta_masked
 
 
 @triton.jit
@@ -251,8 +257,7 @@ def gist_fwd_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     scale = tl.load(scalars_ptr + SCALE)
-    rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
-                                                        partner_start, thr_ptr, theta_masked_ptr)
+    rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
     if has_label:
         # theta and the positive logit, read off the label tiles with the same code as the main loop.
         theta = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -278,6 +283,7 @@ def gist_fwd_kernel(
         tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
     else:
+        thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
         m_i = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
         l_i = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
 
@@ -312,8 +318,8 @@ def gist_bwd_rows_kernel(
     mask_m = offs_m < n_rows
     scale = tl.load(scalars_ptr + SCALE)
     grad_scale = tl.load(scalars_ptr + GRAD_SCALE)
-    rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
-                                                        partner_start, thr_ptr, theta_masked_ptr)
+    rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
+    thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
     lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -351,8 +357,8 @@ def gist_bwd_cols_kernel(
     for start_m in range(0, n_rows, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
-        rq, rqg, partner_id, thr, theta_masked = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr,
-                                                            partner_start, thr_ptr, theta_masked_ptr)
+        rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
+        thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
         z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
                          col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,

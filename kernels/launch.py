@@ -11,7 +11,7 @@ the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..
 * backward: the row pass and the column pass of each block add into fp32 (fp64) buffers of
   gradients with respect to the normalised embeddings; the first pass to reach a buffer overwrites
   it. Launches run in order on one stream, so the sums are deterministic without atomics. The
-  buffers are then taken through the normalisation with ``cgist.numerics.normalize_backward``.
+  buffers are then taken through the normalisation with ``cgist.numerics.normalize_backward_``.
 
 At run time this module imports only torch, triton and the leaf module ``cgist.numerics``; the
 options arrive as a ``cgist.GistOptions``.
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.numerics import EPS, compute_dtype, normalize, normalize_backward, tie_ids
+from cgist.numerics import EPS, compute_dtype, normalize_backward_, tie_ids
 
 from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
 
@@ -134,13 +134,11 @@ def gist_forward(
     offset = options.offset
 
     norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
-    # The normalised guide rows exactly as the oracle and the streaming path compute them, so that
-    # all paths give the same tie ids; the copy lives only until the ids are taken.
-    guide_hats, guide_norms = zip(*(normalize(g, acc) for g in guide_embeddings))
-    ids = [i.to(torch.int32) for i in tie_ids(guide_hats)]
-    del guide_hats
+    guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
+    # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
+    ids = tie_ids(guide_embeddings, acc)
     sides = [
-        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.squeeze(1).clamp_min(EPS), tid, i)
+        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.clamp_min(EPS), tid, i)
         for i, (x, g, n, gn, tid) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms, ids))
     ]
     anchor, positive, *negatives = sides
@@ -193,7 +191,7 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
                 )
                 written.add(side.grad)
     return [
-        normalize_backward(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
+        normalize_backward_(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
         for x, side, norm, g in zip(state.embeddings, state.sides, state.norms, grads_hat)
     ]
 

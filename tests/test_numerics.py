@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import DTYPES, TOL, make_inputs, precision
 
-from cgist.numerics import EPS, compute_dtype, guide_mask, normalize, normalize_backward, threshold, tie_ids
+from cgist.numerics import EPS, TieIndex, compute_dtype, guide_mask, normalize, normalize_backward_, threshold, tie_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=precision)
@@ -47,7 +47,7 @@ def test_normalize_backward_is_the_gradient_of_normalize():
     grad_hat = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(12))
     x_hat, norm = normalize(x)
     (expected,) = torch.autograd.grad(x_hat, x, grad_hat)
-    got = normalize_backward(x_hat.detach(), norm.detach(), grad_hat)
+    got = normalize_backward_(x_hat.detach(), norm.detach(), grad_hat.clone())
     torch.testing.assert_close(got, expected, **TOL["embeddings"]["fp64"])
     torch.testing.assert_close(got[2], grad_hat[2] / EPS, **TOL["embeddings"]["fp64"])
 
@@ -69,7 +69,7 @@ def test_guide_mask_masks_strictly_above_the_limit_and_ties_by_the_flag():
     limit = torch.tensor([[0.5], [0.3]], dtype=torch.float64)
     theta_masked = torch.tensor([[True], [False]])
     col_ids, partner_ids = torch.tensor([0, 1, 2]), torch.tensor([1, 2])
-    mask = guide_mask(guide, limit, theta_masked, col_ids, partner_ids)
+    mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids), partner_ids)
     tie = col_ids[None, :] == partner_ids[:, None]
     # Off the ties: strictly greater than the limit (0.5 is not above 0.5). On them: the row's flag, whatever the score.
     assert torch.equal(mask[~tie], (guide > limit)[~tie])
@@ -77,16 +77,53 @@ def test_guide_mask_masks_strictly_above_the_limit_and_ties_by_the_flag():
     assert mask[0, 1] and not mask[0, 0] and not mask[1, 2] and mask[1, 1]
 
 
+def test_guide_mask_of_a_column_range_finds_the_ties_inside_it():
+    """The same rule on columns lo:hi of a block: ties are looked up by the block's column index."""
+    gen = torch.Generator().manual_seed(14)
+    guide = torch.rand(5, 40, dtype=torch.float64, generator=gen)
+    limit = torch.rand(5, 1, dtype=torch.float64, generator=gen)
+    theta_masked = torch.tensor([[True], [False], [True], [False], [True]])
+    col_ids = torch.randint(0, 12, (40,), generator=gen)  # many repeated ids
+    partner_ids = torch.tensor([3, 3, 11, 40, 0])  # 40: no column ties with that row
+    ties = TieIndex(col_ids)
+    whole = guide_mask(guide, limit, theta_masked, ties, partner_ids)
+    tie = col_ids[None, :] == partner_ids[:, None]
+    assert torch.equal(whole, torch.where(tie, theta_masked, guide > limit)) and int(tie.sum()) > 5
+    for lo, hi in [(0, 7), (7, 8), (8, 40), (13, 29)]:
+        part = guide_mask(guide[:, lo:hi], limit, theta_masked, ties, partner_ids, lo)
+        assert torch.equal(part, whole[:, lo:hi]), (lo, hi)
+
+
 @pytest.mark.parametrize("name", ["fp64", "fp32"])
-def test_tie_ids_are_equal_exactly_for_equal_rows(name):
-    _, columns = make_inputs(4, 6, 1, 3, 1, DTYPES[name], seed=13)
+def test_tie_ids_are_equal_exactly_for_equal_normalised_rows(name):
+    dtype = DTYPES[name]
+    _, columns = make_inputs(4, 6, 1, 3, 1, dtype, seed=13)
     columns[1][5] = columns[0][2]  # copies across columns and within one
     columns[2][0] = columns[0][2]
     columns[2][3] = columns[2][1]
     columns[1][1] = -columns[1][0]  # a negation is another vector
-    ids = tie_ids(columns)
-    assert [i.shape[0] for i in ids] == [c.shape[0] for c in columns]
-    rows, flat = torch.cat(columns), torch.cat(ids)
+    columns[0][3] = 4.0 * columns[0][1]  # a power-of-two rescale normalises to the same bits
+    columns[1][2] = -0.0 * columns[1][2]  # zero rows, with negative zeros in one
+    columns[1][4] = 0.0 * columns[1][4]
+    ids = tie_ids(columns, dtype)
+    assert [i.shape[0] for i in ids] == [c.shape[0] for c in columns] and all(i.dtype == torch.int32 for i in ids)
+    rows, flat = torch.cat([normalize(c)[0] for c in columns]), torch.cat(ids)
     same_vector = (rows[:, None, :] == rows[None, :, :]).all(dim=2)
     assert torch.equal(flat[:, None] == flat[None, :], same_vector)
-    assert int(same_vector.sum()) > rows.shape[0]  # the copies are there
+    assert int(same_vector.sum()) > rows.shape[0] + 8  # the copies are there
+
+
+@pytest.mark.parametrize("name", ["fp64", "fp32"])
+def test_tie_ids_agree_with_sorting_the_normalised_rows(name):
+    """Fingerprints against torch.unique over the whole normalised copy, across chunk boundaries."""
+    dtype = DTYPES[name]
+    gen = torch.Generator().manual_seed(15)
+    rows = torch.randn(9000, 24, dtype=torch.float64, generator=gen).to(dtype)
+    for dst, src in [(8999, 3), (4096, 4095), (5000, 17), (17, 6000)]:
+        rows[dst] = rows[src] * (2.0 if dst % 2 else 1.0)
+    rows[100] = rows[101] + 0.0
+    rows[100, 5] = -rows[100, 5]  # differs from row 101 in one sign bit only
+    ids = tie_ids([rows[:5000], rows[5000:]], dtype)
+    unique = torch.unique(normalize(rows)[0], dim=0, return_inverse=True)[1]
+    flat = torch.cat(ids)
+    assert torch.equal(flat[:, None] == flat[None, :], unique[:, None] == unique[None, :])
