@@ -4,6 +4,7 @@ student, real MiniLM guide, a small JSONL file). The data loaders' own tests are
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def test_parser_defaults():
     assert args.contrast_anchors and args.contrast_positives
     assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
     assert arguments.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
+    assert (args.save_steps, args.save_total_limit, args.resume, args.overwrite) == (None, 2, False, False)
+    assert 1 <= arguments.save_steps(args) == arguments.DEFAULT_STDLIB_SAVE_STEPS < arguments.DEFAULT_STDLIB_STEPS
 
 
 def test_parser_options():
@@ -70,6 +73,30 @@ def test_parser_options():
     assert arguments.max_steps(args) == -1  # a file trains for --epochs
     assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--epochs", "1"])) == -1
     assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
+    assert arguments.save_steps(args) == arguments.DEFAULT_SAVE_STEPS
+    assert arguments.save_steps(arguments.build_parser().parse_args(["train", "--max-steps", "3"])) == 500
+    assert arguments.save_steps(arguments.build_parser().parse_args(["train", "--save-steps", "3"])) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train"], "cgist train --resume"),
+        (["train", "--data", "my pairs.jsonl", "--overwrite", "--lr", "1e-5"],
+         "cgist train --data 'my pairs.jsonl' --lr 1e-5 --resume"),
+        (["train", "--ov", "--max-steps", "9"], "cgist train --max-steps 9 --resume"),
+        (["train", "--output-dir", "out", "--resume"], "cgist train --output-dir out --resume"),
+        (["train", "--res", "--output-dir=out"], "cgist train --res --output-dir=out"),
+    ],
+    ids=["bare", "overwrite-dropped", "abbreviation", "already-resuming", "abbreviated-resume"],
+)
+def test_resume_command(argv, expected):
+    assert arguments.resume_command(argv) == expected
+    args = arguments.build_parser().parse_args(argv)
+    again = arguments.build_parser().parse_args(shlex.split(expected)[1:])
+    assert again.resume and not again.overwrite
+    assert {k: v for k, v in vars(again).items() if k not in ("resume", "overwrite")} == \
+        {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite")}
 
 
 @pytest.mark.parametrize(
@@ -81,6 +108,8 @@ def test_parser_options():
         (["--max-steps", "0"], "--max-steps"),
         (["--eval-fraction", "1"], "--eval-fraction"),
         (["--temperature", "warm"], "--temperature"),
+        (["--save-steps", "0"], "--save-steps"),
+        (["--save-total-limit", "0"], "--save-total-limit"),
     ],
     ids=lambda v: "-".join(v).strip("-") if isinstance(v, list) else None,
 )
@@ -93,7 +122,8 @@ def test_module_help():
         [sys.executable, "-m", "cgist", "train", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    for option in ("--data", "--batch-size", "--max-steps", "--margin-strategy", "--no-contrast-positives"):
+    for option in ("--data", "--batch-size", "--max-steps", "--margin-strategy", "--no-contrast-positives",
+                   "--save-steps", "--save-total-limit", "--resume"):
         assert option in result.stdout
 
 

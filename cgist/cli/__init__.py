@@ -5,30 +5,41 @@ fresh copy of itself on docstring-summary -> source-code pairs parsed from the i
 and the held-out split is scored before and after training.
 
 The modules: :mod:`.arguments` (the parser and the checks that need no model), :mod:`.run` (the training
-run and the publication of the output directory) and :mod:`.report` (timing, peak memory, the summary table).
+run), :mod:`.trainer` (atomic checkpoints, the stop on a signal, the non-finite guard), :mod:`.output` (the
+output directory: publication and checkpoints) and :mod:`.report` (timing, peak memory, the summary table).
+
+Exit codes: 0 done, 2 bad input, 3 a non-finite loss, 130 stopped by SIGINT, 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
-from .arguments import UsageError, build_parser
+from .arguments import UsageError, build_parser, resume_command
 from .report import format_summary
-from .run import train
+from .run import Stopped, resume_hint, train
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for bad input)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Console entry point; returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    command = resume_command(argv)
     try:
-        summary = train(args)
+        summary = train(args, command)
     except UsageError as err:
         print(f"cgist {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Stopped as stop:
+        print(f"cgist {args.command}: {stop}", file=sys.stderr)
+        return stop.status
+    except KeyboardInterrupt:  # outside training, where SIGINT keeps its usual meaning
+        print(f"\ncgist {args.command}: interrupted; {resume_hint(args.output_dir, command)}", file=sys.stderr)
+        return 128 + signal.SIGINT
     print()
     print(format_summary(summary))
     return 0

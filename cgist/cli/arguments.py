@@ -7,30 +7,41 @@ before anything is written.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import shlex
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..options import GistOptions
+from .output import CHECKPOINTS_DIR, latest_checkpoint
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
+    "DEFAULT_SAVE_STEPS",
+    "DEFAULT_STDLIB_SAVE_STEPS",
     "DEFAULT_STDLIB_STEPS",
     "UsageError",
     "build_parser",
     "check_args",
+    "check_resume",
     "loss_options",
     "max_steps",
     "resolve_device",
+    "resume_command",
+    "save_steps",
+    "training_options",
 ]
 
 DEFAULT_OUTPUT_DIR = "runs/cgist-train"
 # With the built-in data and neither --epochs nor --max-steps, training stops here, so that the default run
 # (16 steps of 32 pairs, 64 tokens) takes about 3 minutes on 2 CPU cores (172 s measured).
 DEFAULT_STDLIB_STEPS = 16
+# Checkpoints every this many steps unless --save-steps is given; the capped built-in run saves half way.
+DEFAULT_SAVE_STEPS = 500
+DEFAULT_STDLIB_SAVE_STEPS = DEFAULT_STDLIB_STEPS // 2
 
 
 class UsageError(Exception):
@@ -143,9 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out the positive-positive similarities")
     loss.add_argument("--backend", default="auto", help="'auto', 'torch' or 'triton'")
 
-    output = train.add_argument_group("output")
-    output.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where the trained model is saved")
-    output.add_argument("--overwrite", action="store_true", help="replace --output-dir if it already has files")
+    output = train.add_argument_group("output and checkpoints")
+    output.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help=f"where the trained model is saved, and its checkpoints under {CHECKPOINTS_DIR}/")
+    output.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an --output-dir that already has files: its checkpoints are deleted when "
+                        "training starts, the rest when the new model is saved")
+    output.add_argument("--save-steps", type=_positive_int(1),
+                        help=f"write a checkpoint every this many steps, besides the end of every epoch, the end of "
+                        f"training and a stop by SIGINT or SIGTERM (default: {DEFAULT_SAVE_STEPS}; "
+                        f"{DEFAULT_STDLIB_SAVE_STEPS} for the built-in data's {DEFAULT_STDLIB_STEPS}-step run)")
+    output.add_argument("--save-total-limit", type=_positive_int(1), default=2,
+                        help="keep this many newest checkpoints")
+    output.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --output-dir, with the same options")
     return parser
 
 
@@ -168,8 +190,17 @@ def check_args(args: argparse.Namespace) -> None:
     output = Path(args.output_dir)
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output-dir {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not args.overwrite:
-        raise UsageError(f"--output-dir {output} already has files; pass --overwrite to replace them")
+    checkpoint = latest_checkpoint(output / CHECKPOINTS_DIR)
+    if args.resume:
+        if args.overwrite:
+            raise UsageError("--resume and --overwrite exclude each other: --overwrite deletes the checkpoints "
+                             "that --resume continues from")
+        if checkpoint is None:
+            raise UsageError(f"--resume: no complete checkpoint in {output / CHECKPOINTS_DIR}; "
+                             "leave out --resume to start a new run")
+    elif output.is_dir() and any(output.iterdir()) and not args.overwrite:
+        unfinished = " (with checkpoints: pass --resume to continue that run)" if checkpoint else ""
+        raise UsageError(f"--output-dir {output} already has files{unfinished}; pass --overwrite to replace them")
 
 
 def loss_options(args: argparse.Namespace) -> dict[str, object]:
@@ -205,3 +236,77 @@ def max_steps(args: argparse.Namespace) -> int:
     if args.max_steps is not None:
         return args.max_steps
     return DEFAULT_STDLIB_STEPS if args.data is None and args.epochs is None else -1
+
+
+def save_steps(args: argparse.Namespace) -> int:
+    """The number of steps between two checkpoints."""
+    if args.save_steps is not None:
+        return args.save_steps
+    built_in_run = args.data is None and args.epochs is None and args.max_steps is None
+    return DEFAULT_STDLIB_SAVE_STEPS if built_in_run else DEFAULT_SAVE_STEPS
+
+
+def _model_id(name: str | None) -> str | None:
+    """A local model directory as an absolute path (so a resume may run elsewhere); a Hub id as given."""
+    return str(Path(name).resolve()) if name is not None and Path(name).exists() else name
+
+
+def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
+    """Everything that shapes the trained weights, by option name; ``data`` is the data's fingerprint.
+
+    A checkpoint records them, and ``--resume`` must give the same. Free to change: --device, --backend,
+    --save-steps, --save-total-limit and --output-dir.
+    """
+    return {
+        "--model": _model_id(args.model),
+        "--guide": _model_id(args.guide),
+        "--max-seq-length": args.max_seq_length,
+        "--data": data,
+        "--max-pairs": args.max_pairs,
+        "--eval-fraction": args.eval_fraction,
+        "--seed": args.seed,
+        "--batch-size": args.batch_size,
+        "--mini-batch-size": args.mini_batch_size,
+        "--epochs": args.epochs or 1.0,
+        "--max-steps": max_steps(args),
+        "--lr": args.lr,
+        "--warmup-ratio": args.warmup_ratio,
+        **{f"--{name.replace('_', '-')}": value for name, value in loss_options(args).items()
+           if not name.startswith("contrast_")},
+        "--no-contrast-anchors": not args.contrast_anchors,
+        "--no-contrast-positives": not args.contrast_positives,
+    }
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    return str(value)
+
+
+def check_resume(saved: dict[str, object], current: dict[str, object], checkpoint: Path) -> None:
+    """UsageError naming the first option whose value differs from the one ``checkpoint`` was trained with."""
+    for name, value in current.items():
+        if saved.get(name) == value:
+            continue
+        if name == "--data":
+            change = f"the data differ from those it was trained on ({value} here, {saved.get(name)} there)"
+        else:
+            change = f"{name} was {_shown(saved.get(name))} there but is {_shown(value)} here"
+        raise UsageError(f"--resume: {change} ({checkpoint}); resume with the same options, or start afresh "
+                         "with --overwrite")
+
+
+def _names(token: str, flag: str) -> bool:
+    """Whether the command-line word ``token`` is ``flag`` or an abbreviation of it that argparse accepts."""
+    return len(token) >= 3 and flag.startswith(token)
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command that continues the run ``argv`` started: the same words without --overwrite, plus --resume."""
+    words = [word for word in argv if not _names(word, "--overwrite")]
+    if not any(_names(word, "--resume") for word in words):
+        words.append("--resume")
+    return shlex.join(["cgist", *words])

@@ -93,10 +93,13 @@ def format_summary(summary: dict) -> str:
     lines = [f"{r[0]:<{width[0]}}  {r[1]:>{width[1]}} -> {r[2]:>{width[2]}}" for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     timing = summary["timing"]
+    resumed = summary["resumed_after"]
+    steps = f"{summary['steps']} steps of batch {summary['batch_size']}"
+    if resumed is not None:
+        steps += f" (resumed after step {resumed}: {timing['steps']} steps in this run)"
     lines += [
         "",
-        f"pairs: {summary['train_pairs']} train, {summary['eval_pairs']} held out; "
-        f"{timing['steps']} steps of batch {summary['batch_size']}",
+        f"pairs: {summary['train_pairs']} train, {summary['eval_pairs']} held out; {steps}",
         f"wall time: {timing['wall_s']:.1f} s total, {timing['train_s']:.1f} s training; "
         f"CPU time {timing['cpu_s']:.0f} s",
         f"throughput: {timing['samples_per_s']:.1f} samples/s",
@@ -105,5 +108,7 @@ def format_summary(summary: dict) -> str:
         "peak memory: " + ", ".join(f"{k.removeprefix('peak_').removesuffix('_mib')} {v:.0f} MiB"
                                     for k, v in summary["memory"].items()),
         f"saved to: {summary['output_dir']}",
+        f"checkpoints: {', '.join(summary['checkpoints'])} in {summary['output_dir']}/checkpoints "
+        f"({timing['checkpoint_s']:.1f} s spent writing checkpoints)",
     ]
     return "\n".join(lines)

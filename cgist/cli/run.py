@@ -3,23 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments import UsageError, check_args, loss_options, max_steps, resolve_device
+from .arguments import (
+    UsageError,
+    check_args,
+    check_resume,
+    loss_options,
+    max_steps,
+    resolve_device,
+    save_steps,
+    training_options,
+)
+from .output import (
+    CHECKPOINTS_DIR,
+    checkpoint_step,
+    discard,
+    fingerprint,
+    is_final,
+    latest_checkpoint,
+    list_checkpoints,
+    publish,
+    read_record,
+    remove_stale,
+)
 from .report import METRICS, StageTimer, cpu_seconds, peak_memory
 
 if TYPE_CHECKING:
     import torch
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
-__all__ = ["SUMMARY_NAME", "load_data", "load_model", "publish", "train"]
+    from .trainer import NonFiniteLoss
+
+__all__ = ["SUMMARY_NAME", "Stopped", "data_fingerprint", "load_data", "load_model", "resume_hint", "train"]
 
 #: The run's summary, saved next to the model.
 SUMMARY_NAME = "cgist_train.json"
@@ -58,34 +84,90 @@ def load_data(args: argparse.Namespace) -> Dataset:
     return dataset
 
 
-def publish(staging: Path, output: Path) -> None:
-    """Put the finished ``staging`` directory in the place of ``output`` by renames, replacing what was there.
+class Stopped(Exception):
+    """The run ended without publishing a model: ``status`` is the exit code, the message one line for stderr."""
 
-    Both lie in one parent directory, so ``output`` always holds either the previous run or the whole new one.
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def data_fingerprint(args: argparse.Namespace, dataset: Dataset) -> str:
+    """``sha256:<hex>`` of the --data file's (or directory's) bytes, or of the built-in pairs."""
+    if args.data is not None:
+        return fingerprint(Path(args.data))
+    return "sha256:" + hashlib.sha256(json.dumps(dataset.to_list(), sort_keys=True).encode()).hexdigest()
+
+
+def resume_hint(output_dir: str, command: str) -> str:
+    """Where the newest checkpoint is and the command that continues from it (or that nothing was saved)."""
+    checkpoint = latest_checkpoint(Path(output_dir).resolve() / CHECKPOINTS_DIR)
+    if checkpoint is None:
+        return "no checkpoint had been written, so start the run again"
+    return f"checkpoint: {checkpoint}; resume with: {command}"
+
+
+def _non_finite_message(err: NonFiniteLoss, args: argparse.Namespace, dtype: torch.dtype, checkpoints: Path) -> str:
+    import torch
+
+    checkpoint = latest_checkpoint(checkpoints)
+    kept = f"the newest checkpoint, from before it: {checkpoint}" if checkpoint else "no checkpoint had been written"
+    float32 = f", a float32 student (it is {str(dtype).removeprefix('torch.')})" if dtype != torch.float32 else ""
+    return (f"error: {err.what} is {err.value} at step {err.step}; training stopped before that update and no model "
+            f"was saved ({kept}); try a lower --lr (now {args.lr:g}){float32}, or check --margin (now {args.margin:g})")
+
+
+def _trainer_arguments(
+    args: argparse.Namespace, checkpoints: Path, device: torch.device
+) -> SentenceTransformerTrainingArguments:
+    """The Trainer's arguments: schedule, checkpoints into ``checkpoints`` every --save-steps, a log every step."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers
+
+    return SentenceTransformerTrainingArguments(
+        output_dir=str(checkpoints),
+        num_train_epochs=args.epochs or 1.0,
+        max_steps=max_steps(args),
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup_ratio,
+        seed=args.seed,
+        batch_sampler=BatchSamplers.NO_DUPLICATES,
+        save_strategy="steps",
+        save_steps=save_steps(args),
+        eval_strategy="no",
+        logging_steps=1,
+        logging_nan_inf_filter=False,  # the guard must see a non-finite loss, not an average in its place
+        report_to="none",
+        use_cpu=device.type == "cpu",
+        disable_tqdm=False,
+    )
+
+
+def train(args: argparse.Namespace, resume_command: str = "cgist train --resume") -> dict:
+    """The whole run; returns the summary (also written to ``cgist_train.json`` in the output directory).
+
+    Raises UsageError for bad input and Stopped when training stops early (a signal, a non-finite loss);
+    ``resume_command`` is the command that the stop message tells to run.
     """
-    if output.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{output.name}-old-", dir=output.parent))
-        output.rename(trash / output.name)
-        staging.rename(output)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        staging.rename(output)
-
-
-def train(args: argparse.Namespace) -> dict:
-    """The whole run; returns the summary (also written to ``cgist_train.json`` in the output directory)."""
     start = time.perf_counter()
     check_args(args)
     device = resolve_device(args.device)
     dataset = load_data(args)
+    output = Path(args.output_dir).resolve()
+    checkpoints = output / CHECKPOINTS_DIR
+    options = training_options(args, data_fingerprint(args, dataset))
+    resume_from = latest_checkpoint(checkpoints) if args.resume else None
+    if resume_from is not None:
+        record = read_record(resume_from)
+        check_resume(record["options"], options, resume_from)
 
     import torch
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
     from ..data import DataError, retrieval_task, split_pairs
     from ..loss import FusedCachedGISTLoss
+    from .trainer import CheckpointTrainer, NonFiniteGuard, NonFiniteLoss, StopNow, StopRequest
 
     try:
         train_set, eval_set = split_pairs(dataset, args.eval_fraction, args.seed)
@@ -115,38 +197,55 @@ def train(args: argparse.Namespace) -> dict:
         prefix = f"held-out_{model.similarity_fn_name}_"
         return {name: scores[prefix + key] for key, name in METRICS.items()}
 
-    output = Path(args.output_dir).resolve()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
-    try:
+    if resume_from is None:
         print(f"Scoring the held-out split ({len(queries)} queries, {len(corpus)} documents) before training...")
         before = evaluate()
-        timer = StageTimer(loss, device)
-        training_args = SentenceTransformerTrainingArguments(
-            output_dir=str(staging / "trainer"),
-            num_train_epochs=args.epochs or 1.0,
-            max_steps=max_steps(args),
-            per_device_train_batch_size=args.batch_size,
-            learning_rate=args.lr,
-            warmup_steps=args.warmup_ratio,
-            seed=args.seed,
-            batch_sampler=BatchSamplers.NO_DUPLICATES,
-            save_strategy="no",
-            eval_strategy="no",
-            logging_steps=1,
-            report_to="none",
-            use_cpu=device.type == "cpu",
-            disable_tqdm=False,
-        )
-        trainer = SentenceTransformerTrainer(
-            model=model, args=training_args, train_dataset=train_set, loss=loss, callbacks=[timer.callback]
-        )
-        train_start = time.perf_counter()
-        result = trainer.train()
-        train_s = time.perf_counter() - train_start
-        print("Scoring the held-out split after training...")
-        after = evaluate()
-        shutil.rmtree(staging / "trainer", ignore_errors=True)
+    else:
+        print(f"Resuming from {resume_from} (scores before training as recorded there)")
+        before = record["before"]
+
+    created = not output.exists()
+    if resume_from is None:
+        discard(checkpoints)  # with --overwrite: an earlier run's
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    remove_stale(checkpoints)
+    timer = StageTimer(loss, device)
+    guard = NonFiniteGuard(loss, model)  # wraps the timed loss, so the checks stay out of the loss-stage time
+    stop = StopRequest()
+    trainer = CheckpointTrainer(
+        model=model, args=_trainer_arguments(args, checkpoints, device), train_dataset=train_set, loss=loss,
+        callbacks=[timer.callback, guard, stop.callback],
+        record={"options": options, "before": before}, keep=args.save_total_limit,
+    )
+    train_start = time.perf_counter()
+    try:
+        with stop:
+            if resume_from is not None and is_final(resume_from):
+                model.load_state_dict(load_model("--resume", str(resume_from), device).state_dict())
+                steps, metrics = checkpoint_step(resume_from), {}
+            else:
+                result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+                steps, metrics = trainer.state.global_step, result.metrics
+    except NonFiniteLoss as err:
+        raise Stopped(3, _non_finite_message(err, args, model.dtype, checkpoints)) from None
+    except StopNow as err:
+        raise Stopped(128 + err.signum, f"stopped at once by a second {err}; the checkpoints saved before are "
+                      f"intact; {resume_hint(args.output_dir, resume_command)}") from None
+    finally:
+        if latest_checkpoint(checkpoints) is None:  # stopped before the first checkpoint: leave no empty folders
+            with suppress(OSError):
+                checkpoints.rmdir()
+                if created:
+                    output.rmdir()
+    if stop.signum is not None:
+        raise Stopped(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
+                      f"{trainer.state.global_step}; {resume_hint(args.output_dir, resume_command)}")
+    train_s = time.perf_counter() - train_start
+
+    print("Scoring the held-out split after training...")
+    after = evaluate()
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
         model.save(str(staging))
         summary = {
             "before": before,
@@ -154,11 +253,15 @@ def train(args: argparse.Namespace) -> dict:
             "train_pairs": len(train_set),
             "eval_pairs": len(eval_set),
             "batch_size": args.batch_size,
+            "steps": steps,
+            "resumed_after": checkpoint_step(resume_from) if resume_from else None,
+            "checkpoints": [p.name for p in list_checkpoints(checkpoints)],
             "timing": {
                 "wall_s": time.perf_counter() - start,
                 "train_s": train_s,
                 "cpu_s": cpu_seconds(),
-                "samples_per_s": result.metrics.get("train_samples_per_second", 0.0),
+                "samples_per_s": metrics.get("train_samples_per_second", 0.0),
+                "checkpoint_s": trainer.checkpoint_s,
                 **timer.timing(),
             },
             "memory": peak_memory(device),

@@ -1,0 +1,361 @@
+"""``cgist train`` loses nothing: checkpoints, ``--resume``, the stop on SIGINT/SIGTERM and the non-finite guard.
+
+The signal tests run the real command line in a subprocess with a tiny student and a tiny guide. To make the
+signal land in the middle of a step whatever the machine's load, the interrupted run goes through a small
+driver that calls ``cgist.cli.main`` with a loss that, once the first checkpoint exists, waits until the test
+has sent its signal. The straight and the resumed runs are plain ``python -m cgist train``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_models import tiny_model
+from safetensors.torch import load_file
+from test_data import write_jsonl
+
+from cgist.cli import main
+from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, read_record
+from cgist.data import stdlib_pairs
+from cgist.loss import FusedCachedGISTLoss
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+TIMEOUT_S = 300  # generous: a loaded 2-core machine may be slow, but nothing here waits on luck
+STEPS = 9  # 54 training pairs in batches of 8 are 7 steps per epoch, so the runs cross an epoch's end
+
+# Once a checkpoint exists under CHECKPOINTS (argv[3]), every loss computation marks WAITING (argv[2]) and waits
+# for the file GO (argv[1]).
+PAUSING_DRIVER = """
+import sys, time
+from pathlib import Path
+from cgist.cli import main
+from cgist.loss import FusedCachedGISTLoss
+
+go, waiting, checkpoints = (Path(a) for a in sys.argv[1:4])
+calculate_loss = FusedCachedGISTLoss.calculate_loss
+
+def waiting_calculate_loss(self, *args, **kwargs):
+    deadline = time.monotonic() + {timeout}
+    while any(checkpoints.glob("checkpoint-*")) and not go.exists() and time.monotonic() < deadline:
+        waiting.touch()
+        time.sleep(0.01)
+    return calculate_loss(self, *args, **kwargs)
+
+FusedCachedGISTLoss.calculate_loss = waiting_calculate_loss
+sys.exit(main(sys.argv[4:]))
+""".format(timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """A tiny student, a tiny guide (same tokenizer), 60 real pairs, and the options of every run here."""
+    root = tmp_path_factory.mktemp("resume")
+    tiny_model(root / "student-bert", dtype=torch.float32).save(str(root / "student"))
+    tiny_model(root / "guide-bert", dtype=torch.float32, hidden_size=16, seed=1).save(str(root / "guide"))
+    data = write_jsonl(root / "pairs.jsonl", stdlib_pairs(60, seed=2))
+    argv = ["--model", str(root / "student"), "--guide", str(root / "guide"), "--data", str(data),
+            "--max-steps", str(STEPS), "--save-steps", "2", "--batch-size", "8", "--mini-batch-size", "4",
+            "--max-seq-length", "16", "--lr", "1e-2", "--device", "cpu"]
+    return {"root": root, "argv": argv}
+
+
+def cgist(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cgist", *argv], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def straight(setup) -> Path:
+    """The uninterrupted run."""
+    out = setup["root"] / "straight"
+    result = cgist("train", *setup["argv"], "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+class Run:
+    """A run to interrupt, in a subprocess that pauses in the step after its first checkpoint; stderr is collected."""
+
+    def __init__(self, setup: dict, out: Path) -> None:
+        self.out, self.go, self.waiting = out, out.parent / f"{out.name}.go", out.parent / f"{out.name}.waiting"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PAUSING_DRIVER, str(self.go), str(self.waiting), str(out / CHECKPOINTS_DIR),
+             "train", *setup["argv"], "--output-dir", str(out)],
+            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self.chunks: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.chunks.extend(iter(self.proc.stderr.readline, "")))
+        self.reader.start()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.chunks)
+
+    def wait_until(self, condition, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not condition():
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode} before {what}:\n{self.stderr[-3000:]}"
+            assert time.monotonic() < deadline, f"no {what} after {TIMEOUT_S} s"
+            time.sleep(0.05)
+
+    def first_checkpoint(self) -> Path:
+        """The first checkpoint, once it exists and the run waits in the middle of the next step."""
+        self.wait_until(lambda: list_checkpoints(self.out / CHECKPOINTS_DIR), "first checkpoint")
+        self.wait_until(self.waiting.exists, "pause in the step after the first checkpoint")
+        (first,) = list_checkpoints(self.out / CHECKPOINTS_DIR)
+        return first
+
+    def finish(self) -> int:
+        status = self.proc.wait(timeout=TIMEOUT_S)
+        self.reader.join(timeout=TIMEOUT_S)
+        return status
+
+    def line(self, start: str) -> str:
+        """The one stderr line that starts with ``start``."""
+        (line,) = [line for line in self.stderr.splitlines() if line.startswith(start)]
+        return line
+
+
+def assert_no_model_and_no_leftovers(out: Path) -> None:
+    assert not (out / "modules.json").exists() and not (out / "cgist_train.json").exists()
+    assert not [p.name for p in (out / CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}-")]
+
+
+def resume_and_compare(stop_line: str, out: Path, straight: Path) -> dict:
+    """Run the command the stop line gives; it must reach the straight run's weights and metrics."""
+    command = shlex.split(stop_line.split("resume with: ", 1)[1])
+    assert command[:2] == ["cgist", "train"] and command[-1] == "--resume"
+    result = cgist(*command[1:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(straight / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+    summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, straight))
+    assert (summary["before"], summary["after"]) == (reference["before"], reference["after"])
+    assert summary["steps"] == reference["steps"] == STEPS
+    return summary
+
+
+def test_straight_run_trains_and_keeps_checkpoints(setup, straight):
+    """The reference itself: training changed the student; the newest two checkpoints stay, in the Trainer's format."""
+    initial = load_file(str(setup["root"] / "student" / "model.safetensors"))
+    trained = load_file(str(straight / "model.safetensors"))
+    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+    checkpoints = list_checkpoints(straight / CHECKPOINTS_DIR)
+    assert [p.name for p in checkpoints] == [f"checkpoint-{STEPS - 1}", f"checkpoint-{STEPS}"]
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                 RECORD_NAME):
+        assert (checkpoints[-1] / name).is_file(), name
+    record = read_record(checkpoints[-1])
+    assert record["step"] == STEPS and record["options"]["--batch-size"] == 8
+    assert record["before"] == json.loads((straight / "cgist_train.json").read_text())["before"]
+    assert json.loads((straight / "cgist_train.json").read_text())["checkpoints"] == [p.name for p in checkpoints]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_after_the_step_then_resume_matches(signum, setup, straight, tmp_path):
+    run = Run(setup, tmp_path / "run")
+    first = run.first_checkpoint()
+    run.proc.send_signal(signum)
+    run.go.touch()
+    assert run.finish() == 128 + signum, run.stderr[-3000:]
+
+    # The step in progress when the signal came was finished and saved; then the run stopped.
+    step = checkpoint_step(first) + 1
+    name = signal.Signals(signum).name
+    line = run.line(f"cgist train: stopped by {name}")
+    assert line.startswith(f"cgist train: stopped by {name} after step {step}; ")
+    assert f"checkpoint-{step}" in line
+    assert [p.name for p in list_checkpoints(run.out / CHECKPOINTS_DIR)] == [first.name, f"checkpoint-{step}"]
+    assert_no_model_and_no_leftovers(run.out)
+
+    summary = resume_and_compare(line, run.out, straight)
+    assert summary["resumed_after"] == step and summary["timing"]["steps"] == STEPS - step
+
+
+def test_second_sigint_stops_at_once(setup, straight, tmp_path):
+    run = Run(setup, tmp_path / "run")
+    first = run.first_checkpoint()
+    run.proc.send_signal(signal.SIGINT)
+    run.wait_until(lambda: "SIGINT: finishing the current step" in run.stderr, "message about the first SIGINT")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish() == 130, run.stderr[-3000:]
+
+    line = run.line("cgist train: stopped at once")
+    assert "second SIGINT" in line and f"checkpoint: {first}" in line
+    assert list_checkpoints(run.out / CHECKPOINTS_DIR) == [first]  # the unfinished step left nothing
+    assert_no_model_and_no_leftovers(run.out)
+    assert resume_and_compare(line, run.out, straight)["resumed_after"] == checkpoint_step(first)
+
+
+# ---------------------------------------------------------------------------------------------- in-process runs
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """``main(["train", *argv])`` in this process: the exit status and stderr."""
+    status = main(["train", *argv])
+    return status, capsys.readouterr().err
+
+
+def replace_option(argv: list[str], option: str, value: str) -> list[str]:
+    """``argv`` with ``option`` set to ``value`` (added if absent)."""
+    if option not in argv:
+        return [*argv, option, value]
+    at = argv.index(option)
+    return [*argv[:at + 1], value, *argv[at + 2:]]
+
+
+@pytest.fixture(scope="module")
+def finished(setup, tmp_path_factory) -> Path:
+    """A finished two-step run (in this process), with its final checkpoint."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    argv = replace_option(setup["argv"], "--max-steps", "2")
+    assert main(["train", *argv, "--output-dir", str(out)]) == 0
+    return out
+
+
+def listing(directory: Path) -> list[tuple[str, int]]:
+    return sorted((str(p.relative_to(directory)), p.stat().st_mtime_ns) for p in directory.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("--batch-size", "6"), "--batch-size was 8 there but is 6 here"),
+        (("--mini-batch-size", "2"), "--mini-batch-size was 4 there but is 2 here"),
+        (("--margin", "0.1"), "--margin was 0.0 there but is 0.1 here"),
+        (("--lr", "1e-3"), "--lr was 0.01 there but is 0.001 here"),
+        (("--guide", "{student}"), "--guide was"),
+        (("--data", "{other data}"), "the data differ"),
+    ],
+    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data"],
+)
+def test_resume_refuses_other_options(change, message, setup, finished, tmp_path, capsys):
+    option, value = change
+    value = value.replace("{student}", str(setup["root"] / "student"))
+    if value == "{other data}":
+        value = str(write_jsonl(tmp_path / "pairs.jsonl", stdlib_pairs(60, seed=3)))
+    argv = replace_option(replace_option(setup["argv"], "--max-steps", "2"), option, value)
+    before = listing(finished)
+    status, err = run_cli([*argv, "--output-dir", str(finished), "--resume"], capsys)
+    assert status == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("cgist train: error: --resume: ") and message in line, line
+    assert "checkpoint-2" in line and "--overwrite" in line
+    assert listing(finished) == before
+
+
+def test_resume_of_a_finished_run_trains_no_further(setup, finished, tmp_path, capsys):
+    """As after a stop during the final evaluation: the last checkpoint is loaded, scored and published."""
+    out = tmp_path / "run"
+    shutil.copytree(finished / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
+    argv = replace_option(setup["argv"], "--max-steps", "2")
+    status, err = run_cli([*argv, "--output-dir", str(out), "--resume"], capsys)
+    assert status == 0, err
+    summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, finished))
+    assert (summary["before"], summary["after"], summary["steps"]) == (reference["before"], reference["after"], 2)
+    assert summary["timing"]["steps"] == 0 and summary["resumed_after"] == 2
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(finished / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_overwrite_starts_afresh(setup, finished, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    argv = replace_option(replace_option(setup["argv"], "--max-steps", "3"), "--save-steps", "1")
+    status, err = run_cli([*argv, "--output-dir", str(out), "--overwrite"], capsys)
+    assert status == 0, err
+    checkpoints = list_checkpoints(out / CHECKPOINTS_DIR)
+    assert [p.name for p in checkpoints] == ["checkpoint-2", "checkpoint-3"]
+    assert all(read_record(p)["options"]["--max-steps"] == 3 for p in checkpoints)  # none left from the old run
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--resume"], "--resume: no complete checkpoint in"),
+        ([], "pass --resume to continue that run"),
+    ],
+    ids=["resume-and-overwrite", "resume-without-checkpoint", "checkpoints-without-resume"],
+)
+def test_output_dir_usage_errors(extra, message, setup, finished, tmp_path, capsys):
+    out = finished if extra != ["--resume"] else tmp_path / "empty"
+    before = listing(finished)
+    status, err = run_cli([*setup["argv"], "--output-dir", str(out), *extra], capsys)
+    assert status == 2
+    (line,) = err.strip().splitlines()
+    assert message in line, line
+    assert listing(finished) == before and not (tmp_path / "empty").exists()
+
+
+# ---------------------------------------------------------------------------------------------- non-finite guard
+
+
+def assert_stopped_without_model(status: int, err: str, out: Path, step: int) -> str:
+    """Exit 3 with one line; the checkpoints are those of the steps before ``step``; nothing is published."""
+    assert status == 3, err
+    (line,) = [line for line in err.splitlines() if line.startswith("cgist train:")]
+    assert line.startswith("cgist train: error: ") and f" at step {step}; " in line
+    assert "--lr (now" in line and "--margin" in line
+    checkpoints = list_checkpoints(out / CHECKPOINTS_DIR)
+    assert [checkpoint_step(p) for p in checkpoints] == list(range(max(1, step - 2), step))  # --save-steps 1
+    assert f"(the newest checkpoint, from before it: {checkpoints[-1]})" in line
+    weights = load_file(str(checkpoints[-1] / "model.safetensors"))
+    assert all(bool(w.isfinite().all()) for w in weights.values())
+    assert_no_model_and_no_leftovers(out)
+    return line
+
+
+def test_non_finite_from_a_huge_learning_rate(setup, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = replace_option(replace_option(setup["argv"], "--lr", "1e6"), "--save-steps", "1")
+    status, err = run_cli([*argv, "--output-dir", str(out)], capsys)
+    assert status == 3, err
+    line = next(line for line in err.splitlines() if line.startswith("cgist train:"))
+    step = int(line.split(" at step ", 1)[1].split(";", 1)[0])
+    assert 1 < step <= STEPS
+    line = assert_stopped_without_model(status, err, out, step)
+    assert " is nan at step " in line or " is inf at step " in line or " is -inf at step " in line
+    assert "--lr (now 1e+06)" in line
+
+
+@pytest.mark.parametrize("fault", ["loss", "gradient"])
+def test_non_finite_injected(fault, setup, tmp_path, capsys, monkeypatch):
+    """A NaN made inside step 3: in the loss value, or in the gradients that reach the student."""
+    calculate_loss = FusedCachedGISTLoss.calculate_loss
+    calls = []
+
+    def faulty_calculate_loss(self, reps, reps_guided, *, with_backward=False):
+        loss = calculate_loss(self, reps, reps_guided, with_backward=with_backward)
+        calls.append(with_backward)
+        if len(calls) < 3:
+            return loss
+        if fault == "gradient":
+            reps[0][0].grad.fill_(float("nan"))
+            return loss
+        return loss * float("nan")
+
+    monkeypatch.setattr(FusedCachedGISTLoss, "calculate_loss", faulty_calculate_loss)
+    out = tmp_path / "run"
+    argv = replace_option(setup["argv"], "--save-steps", "1")
+    status, err = run_cli([*argv, "--output-dir", str(out)], capsys)
+    line = assert_stopped_without_model(status, err, out, step=3)
+    what = "the training loss" if fault == "loss" else "the gradient norm"
+    assert f"error: {what} is nan at step 3; " in line
+    assert calls == [True, True, True]  # stopped within the step, before any later one
