@@ -16,13 +16,15 @@ from torch.autograd.function import once_differentiable
 
 from . import streaming
 from .options import GistOptions
+from .stats import GistStats
 
 __all__ = ["BACKENDS", "GistLossFunction", "check_embeddings", "gist_loss", "gist_loss_with_options"]
 
 BACKENDS = ("auto", "torch", "triton")
 
-#: A backend: ``(embeddings, guide_embeddings, options, *, need_grads) -> (loss, grads or None)``.
-Backend = Callable[..., tuple[Tensor, "list[Tensor] | None"]]
+#: A backend: ``(embeddings, guide_embeddings, options, *, need_grads, need_stats)`` ->
+#: ``(loss, grads or None, counters or None)``, counters as in ``cgist.numerics.STATS_FIELDS``.
+Backend = Callable[..., tuple[Tensor, "list[Tensor] | None", "Tensor | None"]]
 
 
 def column_name(index: int) -> str:
@@ -61,8 +63,12 @@ def _check_group(tensors: object, arg: str) -> list[Tensor]:
     return tensors
 
 
-def check_embeddings(embeddings: object, guide_embeddings: object, offset: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Validate shapes, dtypes, devices, finiteness and the offset's range; return both groups as lists.
+def check_embeddings(
+    embeddings: object, guide_embeddings: object, options: GistOptions
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Validate shapes, dtypes, devices, finiteness, the offset's range and the Matryoshka dimensions.
+
+    Returns both groups as lists.
 
     Costs one host sync (the finiteness test), however many columns there are.
     """
@@ -89,10 +95,17 @@ def check_embeddings(embeddings: object, guide_embeddings: object, offset: int) 
             f"embeddings[1] (student positive) has {n_cand} rows, fewer than the {batch} anchors; "
             "anchor i's positive is candidate offset + i, so there must be N >= B candidates"
         )
+    offset = options.offset
     if not 0 <= offset <= n_cand - batch:
         raise ValueError(
             f"offset must be in [0, N - B] = [0, {n_cand - batch}] so that labels offset..offset+B-1 are candidates "
             f"(B={batch} anchors, N={n_cand} candidates), got {offset}"
+        )
+    dim = student[0].shape[1]
+    too_large = [d for d in options.matryoshka_dims or () if d > dim]
+    if too_large:
+        raise ValueError(
+            f"matryoshka_dims {too_large} exceed the student embedding dimension D={dim} of embeddings[0]"
         )
     # One host sync for all columns; look for the culprit only when something is wrong.
     finite = torch.stack([t.isfinite().all() for _, t in named])
@@ -130,32 +143,46 @@ def select_backend(backend: object, device: torch.device) -> Backend:
 
 
 class GistLossFunction(torch.autograd.Function):
-    """Autograd node: forward returns the loss and keeps the gradients; backward scales them."""
+    """Autograd node: forward returns the loss (and the mask counters); backward scales the kept gradients."""
 
     @staticmethod
-    def forward(ctx, backend: Backend, options: GistOptions, n_cols: int, need_grads: bool, *tensors: Tensor) -> Tensor:
-        loss, grads = backend(tensors[:n_cols], tensors[n_cols:], options, need_grads=need_grads)
+    def forward(ctx, backend: Backend, options: GistOptions, n_cols: int, need_grads: bool, need_stats: bool,
+                *tensors: Tensor) -> tuple[Tensor, Tensor]:
+        loss, grads, counters = backend(tensors[:n_cols], tensors[n_cols:], options, need_grads=need_grads,
+                                        need_stats=need_stats)
         ctx.n_guides = len(tensors) - n_cols
         if grads is not None:
             ctx.save_for_backward(*grads)
-        return loss
+        counters = counters if counters is not None else loss.new_zeros(0)
+        ctx.mark_non_differentiable(counters)
+        return loss, counters
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor):
+    def backward(ctx, grad_output: Tensor, _grad_counters: Tensor):
         grads = [g * grad_output.to(g.dtype) for g in ctx.saved_tensors]
-        return (None, None, None, None, *grads, *([None] * ctx.n_guides))
+        return (None, None, None, None, None, *grads, *([None] * ctx.n_guides))
 
 
 def gist_loss_with_options(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, backend: str = "auto"
-) -> Tensor:
+    embeddings: Sequence[Tensor],
+    guide_embeddings: Sequence[Tensor],
+    options: GistOptions,
+    *,
+    backend: str = "auto",
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, GistStats]:
     """``gist_loss`` with its loss options given as one validated ``GistOptions``."""
-    student, guide = check_embeddings(embeddings, guide_embeddings, options.offset)
+    student, guide = check_embeddings(embeddings, guide_embeddings, options)
     run = select_backend(backend, student[0].device)
     need_grads = torch.is_grad_enabled() and any(t.requires_grad for t in student)
     guide = [g.detach() for g in guide]
-    return GistLossFunction.apply(run, options, len(student), need_grads, *student, *guide)
+    loss, counters = GistLossFunction.apply(run, options, len(student), need_grads, return_stats, *student, *guide)
+    if not return_stats:
+        return loss
+    stats = GistStats.from_counters(counters, batch=student[0].shape[0], n_cand=student[1].shape[0],
+                                    n_negatives=len(student) - 2, options=options)
+    return loss, stats
 
 
 def gist_loss(
@@ -168,8 +195,12 @@ def gist_loss(
     contrast_anchors: bool = True,
     contrast_positives: bool = True,
     offset: int = 0,
+    matryoshka_dims: Sequence[int] | None = None,
+    matryoshka_weights: Sequence[float] | None = None,
+    block_bytes: int | None = None,
     backend: str = "auto",
-) -> Tensor:
+    return_stats: bool = False,
+) -> Tensor | tuple[Tensor, GistStats]:
     """GIST loss of sentence-transformers' ``CachedGISTEmbedLoss``, over embeddings.
 
     Args:
@@ -182,11 +213,16 @@ def gist_loss(
         contrast_anchors, contrast_positives: add the anchor-anchor and positive-positive blocks.
         offset: global row of this rank's first anchor among the candidates; anchor i's positive is
             candidate ``offset + i`` (``rank * B`` when candidates are gathered across ranks).
+        matryoshka_dims, matryoshka_weights: the loss ``sum_d w_d * L_d`` of sentence-transformers'
+            ``MatryoshkaLoss`` over these dimensions (student truncated to d and renormalised, guide as is),
+            computed in one pass: the guide's scores and mask once, the student's from prefixes.
+        block_bytes: bytes of score buffers held at once (None: a default for the device).
         backend: "auto" (Triton on CUDA, PyTorch streaming elsewhere), "torch" or "triton".
+        return_stats: also return a ``GistStats`` of what the guide masked (one more host sync).
 
     Returns:
         The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
-        differentiable with respect to ``embeddings``.
+        differentiable with respect to ``embeddings``; with ``return_stats``, ``(loss, stats)``.
     """
     options = GistOptions(
         temperature=temperature,
@@ -195,5 +231,8 @@ def gist_loss(
         contrast_anchors=contrast_anchors,
         contrast_positives=contrast_positives,
         offset=offset,
+        matryoshka_dims=matryoshka_dims,
+        matryoshka_weights=matryoshka_weights,
+        block_bytes=block_bytes,
     )
-    return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend)
+    return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend, return_stats=return_stats)

@@ -11,10 +11,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "TieIndex", "compute_dtype", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
+__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "compute_dtype", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
+
+#: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as
+#: one float64 vector: entries masked per block (AP without its label; AN over all negative columns),
+#: anchors whose candidates are all masked but the label, and the sums over anchors of theta_i and T_i.
+STATS_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_only", "theta_sum", "threshold_sum")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

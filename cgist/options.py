@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,13 @@ class GistOptions:
         contrast_positives: add the positive-positive block.
         offset: anchor i's positive is candidate ``offset + i`` (``rank * B`` when candidates are gathered).
             Its range, ``[0, N - B]``, depends on the shapes and is checked with them.
+        matryoshka_dims: if given, the loss is ``sum_d w_d * L_d`` over these student dimensions, where
+            ``L_d`` scores the student embeddings truncated to their first d components (each renormalised)
+            and the guide is untouched. Distinct positive ints, in any order; at most the student dimension
+            (checked with the shapes).
+        matryoshka_weights: the weights ``w_d``, one finite number per dimension (default: all 1).
+        block_bytes: bytes of score buffers the loss stage may hold at once, a positive int; None picks a
+            default for the device (see ``cgist.streaming.plan``).
 
     Raises:
         TypeError, ValueError: naming the first bad option.
@@ -46,6 +54,9 @@ class GistOptions:
     contrast_anchors: bool = True
     contrast_positives: bool = True
     offset: int = 0
+    matryoshka_dims: tuple[int, ...] | None = None
+    matryoshka_weights: tuple[float, ...] | None = None
+    block_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_real("temperature", self.temperature)
@@ -62,10 +73,50 @@ class GistOptions:
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
         if isinstance(self.offset, bool) or not isinstance(self.offset, numbers.Integral):
             raise TypeError(f"offset must be an int, got {type(self.offset).__name__}")
+        if self.block_bytes is not None:
+            if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, numbers.Integral):
+                raise TypeError(f"block_bytes must be an int or None, got {type(self.block_bytes).__name__}")
+            if self.block_bytes < 1:
+                raise ValueError(f"block_bytes must be at least 1, got {self.block_bytes}")
+            object.__setattr__(self, "block_bytes", int(self.block_bytes))
+        self._check_matryoshka()
         # Plain Python numbers from here on (numpy scalars and the like are accepted above).
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "margin", float(self.margin))
         object.__setattr__(self, "offset", int(self.offset))
+
+    def _check_matryoshka(self) -> None:
+        dims, weights = self.matryoshka_dims, self.matryoshka_weights
+        if dims is None:
+            if weights is not None:
+                raise ValueError("matryoshka_weights needs matryoshka_dims")
+            return
+        if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or not dims:
+            raise TypeError(f"matryoshka_dims must be a non-empty sequence of ints, got {dims!r}")
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+                raise TypeError(f"matryoshka_dims must hold ints, got {type(d).__name__} {d!r}")
+            if d < 1:
+                raise ValueError(f"matryoshka_dims must be positive, got {d}")
+        if len(set(dims)) != len(dims):
+            repeated = sorted({d for d in dims if list(dims).count(d) > 1})
+            raise ValueError(f"matryoshka_dims must be distinct, got {list(dims)} (repeated: {repeated})")
+        if weights is None:
+            weights = [1.0] * len(dims)
+        if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or len(weights) != len(dims):
+            raise ValueError(f"matryoshka_weights must have one weight per dimension ({len(dims)}), got {weights!r}")
+        for w in weights:
+            _check_real("matryoshka_weights", w)
+            if not math.isfinite(w):
+                raise ValueError(f"matryoshka_weights must be finite, got {w!r}")
+        object.__setattr__(self, "matryoshka_dims", tuple(int(d) for d in dims))
+        object.__setattr__(self, "matryoshka_weights", tuple(float(w) for w in weights))
+
+    def dims(self, full_dim: int) -> tuple[tuple[int, float], ...]:
+        """``(d, w_d)`` pairs in decreasing d: ``((full_dim, 1.0),)`` without Matryoshka."""
+        if self.matryoshka_dims is None:
+            return ((full_dim, 1.0),)
+        return tuple(sorted(zip(self.matryoshka_dims, self.matryoshka_weights), reverse=True))
 
     @property
     def relative(self) -> bool:

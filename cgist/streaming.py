@@ -45,7 +45,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .numerics import TieIndex, compute_dtype, guide_mask, normalize, normalize_backward_, threshold, tie_ids
+from .numerics import (
+    EPS, STATS_FIELDS, TieIndex, compute_dtype, guide_mask, normalize, normalize_backward_, threshold, tie_ids,
+)
 from .options import GistOptions
 
 __all__ = ["ROW_FLOOR", "Plan", "default_block_bytes", "gist_loss_and_grads", "plan"]
@@ -93,11 +95,12 @@ class Plan:
 
 
 def plan(batch: int, n_score_cols: int, widest_block: int, itemsize: int, block_bytes: int | None,
-         device: torch.device = torch.device("cpu")) -> Plan:
+         device: torch.device = torch.device("cpu"), n_dims: int = 1) -> Plan:
     """Choose the schedule for B = ``batch`` anchor rows against ``n_score_cols`` columns in all.
 
-    One pass holds, per row, the logits of every column plus one block's guide scores and masks:
-    ``n_score_cols * itemsize + widest_block * (itemsize + 2)`` bytes. The rows per block are the budget
+    One pass holds, per row, the softmax terms of every column for each of the ``n_dims`` Matryoshka
+    dimensions, plus one block's guide scores, mask and a scratch tile:
+    ``(n_dims * n_score_cols + 2 * widest_block) * itemsize + widest_block * 2`` bytes. The rows per block are the budget
     divided by that; with the default budget (``block_bytes=None``) the budget first grows so that
     ``ROW_FLOOR`` rows fit, unless that exceeds an eighth of the available memory. When fewer than
     ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per
@@ -106,24 +109,49 @@ def plan(batch: int, n_score_cols: int, widest_block: int, itemsize: int, block_
     Measured (2 threads, D = Dg = 384, k = 1, B = 4096, fp32): see the README's CPU performance section;
     128 rows ran 1.4x slower than 256, and 512 or 1024 rows gained less than 5% over 256.
     """
-    per_row = n_score_cols * itemsize + widest_block * (itemsize + 2)
+    per_row = (n_dims * n_score_cols + 2 * widest_block) * itemsize + widest_block * 2
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
         block_bytes = default_block_bytes(device, floor * per_row)
     rows = min(batch, block_bytes // per_row)
     if rows >= floor:
         return Plan(rows, None)
-    return Plan(floor, max(1, block_bytes // (floor * (2 * itemsize + 2))))
+    per_col = (n_dims + 2) * itemsize + 2  # a chunk's terms of each dimension, guide scores, scratch, mask
+    return Plan(floor, max(1, block_bytes // (floor * per_col)))
+
+
+class _Dims:
+    """The Matryoshka dimensions of a call, ascending, and what the student columns need for them.
+
+    Student rows are normalised over the first ``top`` components (the largest dimension). Dimension d
+    scores ``rho_d,i * rho_d,j * (x_hat_i[:d] . x_hat_j[:d])``, where ``rho_d = max(||x[:top]||, eps) /
+    max(||x[:d]||, eps)`` (1 at ``top``), and its prefix dot products are sums over the segments between
+    consecutive dimensions. Without Matryoshka there is one dimension, the full one.
+    """
+
+    def __init__(self, options: GistOptions, full_dim: int) -> None:
+        ascending = options.dims(full_dim)[::-1]
+        self.sizes = [d for d, _ in ascending]
+        self.weights = [w for _, w in ascending]
+        self.top = self.sizes[-1]
+        self.segments = list(zip([0, *self.sizes[:-1]], self.sizes))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
 
 
 @dataclass
 class _Column:
-    """One embedding column, normalised: student rows, guide rows, guide tie ids, gradient accumulator."""
+    """One embedding column: normalised student and guide rows, tie ids and the gradient accumulators."""
 
-    x: Tensor
-    g: Tensor
+    x: Tensor  # student rows over the first ``top`` components, normalised there (rows x top)
+    norm: Tensor  # ||x[:top]|| (rows x 1)
+    rho: Tensor  # per dimension (ascending), rho_d of each row (n_dims x rows)
+    kappa: Tensor  # per dimension, rho_d^2, or 0 where ||x[:d]|| < eps (no radial gradient there)
+    g: Tensor  # normalised guide rows
     ids: Tensor
-    grad: Tensor | None
+    grad: Tensor | None  # sum over dimensions of dL/d x_hat, segment by segment (rows x top)
+    radial: Tensor | None  # per dimension, sum_j dL/dcos_d[row, j] * cos_d[row, j] (n_dims x rows), Matryoshka only
 
     def __post_init__(self) -> None:
         self.ties = TieIndex(self.ids)
@@ -133,41 +161,31 @@ class _Column:
 class _Block:
     """A score block: its rows are anchors (or, for PP, this rank's positives) against ``cols``."""
 
+    kind: str  # "ap", "aa", "pp" or "an"
     cols: _Column
-    positive_rows: bool = False
-    has_label: bool = False
 
-
-@dataclass
-class _Rows:
-    """The rows of one row block as one score block sees them, and the per-row state they share."""
-
-    x: Tensor  # normalised student rows, R x D
-    g: Tensor  # normalised guide rows, R x Dg
-    partner_ids: Tensor  # tie id of theta's partner, R
-    grad: Tensor | None  # their slice of the gradient accumulator
+    @property
+    def has_label(self) -> bool:
+        return self.kind == "ap"
 
 
 class _Problem:
     """Everything one call shares between row blocks."""
 
     def __init__(self, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions,
-                 need_grads: bool) -> None:
+                 need_grads: bool, need_stats: bool) -> None:
         self.options = options
         self.dtype = compute_dtype(embeddings[0].dtype)
-        normed = [normalize(e, self.dtype) for e in embeddings]
-        self.hats, self.norms = [x for x, _ in normed], [n for _, n in normed]
-        guide_hats = [normalize(g, self.dtype)[0] for g in guide_embeddings]
+        self.dims = _Dims(options, embeddings[0].shape[1])
         ids = tie_ids(guide_embeddings, self.dtype)
-        grads = [torch.zeros_like(x) if need_grads else None for x in self.hats]
-        self.columns = [_Column(*c) for c in zip(self.hats, guide_hats, ids, grads)]
+        self.columns = [self._column(e, g, i, need_grads) for e, g, i in zip(embeddings, guide_embeddings, ids)]
         anchor, positive, *negatives = self.columns
-        self.blocks = [_Block(positive, has_label=True)]
+        self.blocks = [_Block("ap", positive)]
         if options.contrast_anchors:
-            self.blocks.append(_Block(anchor))
+            self.blocks.append(_Block("aa", anchor))
         if options.contrast_positives:
-            self.blocks.append(_Block(positive, positive_rows=True))
-        self.blocks.extend(_Block(n) for n in negatives)
+            self.blocks.append(_Block("pp", positive))
+        self.blocks.extend(_Block("an", n) for n in negatives)
         self.batch, self.n_cand = anchor.x.shape[0], positive.x.shape[0]
         self.n_score_cols = sum(b.cols.x.shape[0] for b in self.blocks)
         self.logit_scale = LOG2E / options.temperature
@@ -175,38 +193,89 @@ class _Problem:
         # Shifted base-2 logits below this are dropped: their terms, and their products with embedding
         # components down to 2^-23, would be subnormal.
         self.cutoff = math.log2(torch.finfo(self.dtype).tiny) + 24.0
+        self.counters = torch.zeros(len(STATS_FIELDS), dtype=torch.float64, device=anchor.x.device) \
+            if need_stats else None
 
-    def rows(self, start: int, stop: int) -> tuple[_Rows, _Rows]:
-        """Rows ``start:stop`` as anchors, and as PP's rows (this rank's positives ``offset + start:stop``)."""
-        anchor, positive = self.columns[0], self.columns[1]
-        lo, hi = self.options.offset + start, self.options.offset + stop
+    def _column(self, student: Tensor, guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
+        dims = self.dims
+        x, norm = normalize(student[:, : dims.top], self.dtype)
+        floor_top = norm.squeeze(1).clamp_min(EPS)
+        prefix = [torch.linalg.vector_norm(student[:, :d], dim=1, dtype=self.dtype) for d in dims.sizes[:-1]]
+        rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])
+        kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
+        grad = torch.zeros_like(x) if need_grads else None
+        radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
+        return _Column(x, norm, rho, kappa, normalize(guide, self.dtype)[0], ids, grad, radial)
 
-        def grad(column: _Column, a: int, b: int) -> Tensor | None:
-            return None if column.grad is None else column.grad[a:b]
+    def count(self, field: str, value: Tensor) -> None:
+        self.counters[STATS_FIELDS.index(field)] += value
 
-        as_anchor = _Rows(anchor.x[start:stop], anchor.g[start:stop], positive.ids[lo:hi], grad(anchor, start, stop))
-        as_positive = _Rows(positive.x[lo:hi], positive.g[lo:hi], anchor.ids[start:stop], grad(positive, lo, hi))
-        return as_anchor, as_positive
+    def gradients(self, embeddings: Sequence[Tensor]) -> list[Tensor]:
+        """d(loss)/d(embeddings) from the accumulated dL/d x_hat and radial sums, in each embedding's dtype.
+
+        Segment s of row i gets ``(grad[s] - x_hat[s] * sum_{d >= d_s} kappa_d c_d) / max(||x[:top]||, eps)``;
+        with one dimension ``c = x_hat . grad`` (``normalize_backward_``). Components past ``top`` get 0.
+        """
+        out = []
+        for column, e in zip(self.columns, embeddings):
+            grad = column.grad
+            if column.radial is None:
+                normalize_backward_(column.x, column.norm, grad)
+            else:
+                suffix = (column.kappa * column.radial).flip(0).cumsum(0).flip(0)  # row s: sum over d >= d_s
+                for (lo, hi), coefficient in zip(self.dims.segments, suffix):
+                    grad[:, lo:hi].addcmul_(column.x[:, lo:hi], coefficient.unsqueeze(1), value=-1.0)
+                grad.div_(column.norm.clamp_min(EPS))
+            if e.shape[1] > self.dims.top:
+                grad = torch.cat([grad, grad.new_zeros(grad.shape[0], e.shape[1] - self.dims.top)], dim=1)
+            out.append(grad.to(e.dtype))
+        return out
+
+
+@dataclass
+class _Rows:
+    """The rows of a row block as one score block sees them."""
+
+    x: Tensor  # normalised student rows (R x top)
+    g: Tensor  # normalised guide rows (R x Dg)
+    rho: Tensor  # n_dims x R
+    partner_ids: Tensor  # tie id of theta's partner, R
+    grad: Tensor | None
+    radial: Tensor | None
+
+    @classmethod
+    def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor) -> _Rows:
+        def part(t: Tensor | None, dim: int = 0) -> Tensor | None:
+            return None if t is None else t.narrow(dim, start, stop - start)
+
+        return cls(part(column.x), part(column.g), part(column.rho, 1), partner_ids, part(column.grad),
+                   part(column.radial, 1))
 
 
 class _RowBlock:
-    """One row block: its threshold, its positive logits, and the masked, shifted logits of column ranges."""
+    """One row block: its thresholds, its positive logits, and the softmax terms of column ranges."""
 
     def __init__(self, problem: _Problem, start: int, stop: int) -> None:
         self.problem, self.start, self.stop = problem, start, stop
-        options = problem.options
-        self.anchor_rows, self.positive_rows = problem.rows(start, stop)
-        positive = problem.columns[1]
+        options, dims = problem.options, problem.dims
+        anchor, positive = problem.columns[0], problem.columns[1]
         lo, hi = options.offset + start, options.offset + stop
-        # theta_i and the positive logit: anchor i against its label, candidate offset + i.
-        theta = (self.anchor_rows.g * positive.g[lo:hi]).sum(dim=1, keepdim=True)
-        self.positive = (self.anchor_rows.x * positive.x[lo:hi]).sum(dim=1) * problem.logit_scale
+        self.anchor_rows = _Rows.of(anchor, start, stop, positive.ids[lo:hi])
+        self.positive_rows = _Rows.of(positive, lo, hi, anchor.ids[start:stop])
+        label_rows = self.positive_rows
+        # theta_i and the positive logits: anchor i against its label, candidate offset + i.
+        theta = (self.anchor_rows.g * label_rows.g).sum(dim=1, keepdim=True)
         self.limit = threshold(theta, options.margin, options.relative)
         self.theta_masked = theta > self.limit
+        dots = torch.stack([(self.anchor_rows.x[:, a:b] * label_rows.x[:, a:b]).sum(dim=1) for a, b in dims.segments])
+        self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * problem.logit_scale  # n_dims x R
         self.local = torch.arange(stop - start, device=theta.device)
+        if problem.counters is not None:
+            problem.count("theta_sum", theta.sum())
+            problem.count("threshold_sum", self.limit.sum())
 
     def rows_of(self, block: _Block) -> _Rows:
-        return self.positive_rows if block.positive_rows else self.anchor_rows
+        return self.positive_rows if block.kind == "pp" else self.anchor_rows
 
     def labels(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``block`` (none unless it is AP)."""
@@ -216,89 +285,131 @@ class _RowBlock:
         inside = (cols >= 0) & (cols < hi - lo)
         return self.local[inside], cols[inside]
 
-    def shifted_logits(self, block: _Block, lo: int, hi: int, shift: Tensor) -> Tensor:
-        """Base-2 logits minus ``shift`` of this row block against columns ``lo:hi``; -inf where masked.
+    def masked_logits(self, block: _Block, lo: int, hi: int, shift: Tensor, unmasked: Tensor | None = None
+                      ) -> list[Tensor]:
+        """Per dimension, the base-2 logits minus ``shift`` (n_dims x R) against columns ``lo:hi``; -inf where masked.
 
         The label of row i (AP column ``offset + i``) is never masked, but its logit is carried apart
-        (``self.positive``), so here it is -inf too.
+        (``self.positive``), so here it is -inf too. ``unmasked``, if given, gets each row's count of
+        entries left (R): the statistics, taken on the first sweep only.
         """
+        problem, dims = self.problem, self.problem.dims
         rows, cols = self.rows_of(block), block.cols
         guide = rows.g @ cols.g[lo:hi].T
         mask = guide_mask(guide, self.limit, self.theta_masked, cols.ties, rows.partner_ids, lo)
         del guide
         mask[self.labels(block, lo, hi)] = True
-        logits = torch.addmm(-shift.unsqueeze(1), rows.x, cols.x[lo:hi].T, alpha=self.problem.logit_scale)
-        return logits.masked_fill_(mask, float("-inf"))
+        if unmasked is not None:
+            masked = mask.sum(dim=1)
+            problem.count(f"masked_{block.kind}", masked.sum() - self.labels(block, lo, hi)[0].shape[0])
+            unmasked += (hi - lo) - masked
+        if len(dims) == 1:  # the scale and shift ride on the product
+            logits = torch.addmm(-shift[0].unsqueeze(1), rows.x, cols.x[lo:hi].T, alpha=problem.logit_scale)
+            return [logits.masked_fill_(mask, float("-inf"))]
+        out = []
+        prefix = None
+        for m, (a, b) in enumerate(dims.segments):
+            part = rows.x[:, a:b] @ cols.x[lo:hi, a:b].T
+            prefix = part.masked_fill_(mask, float("-inf")) if prefix is None else prefix.add_(part)
+            row_scale = rows.rho[m] * problem.logit_scale
+            # logits = row_scale * (prefix * rho_col - shift / row_scale): two passes instead of three
+            out.append(torch.addcmul((-shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0))
+                       .mul_(row_scale.unsqueeze(1)))
+        return out
 
-    def accumulate(self, block: _Block, weights: Tensor, lo: int, hi: int, row_scale: Tensor) -> None:
-        """Add ``diag(row_scale) @ weights`` (dL/d cosine of the tile) into its rows' and columns' gradients."""
+    def terms(self, block: _Block, lo: int, hi: int, shift: Tensor, unmasked: Tensor | None = None) -> list[Tensor]:
+        """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff."""
+        out = self.masked_logits(block, lo, hi, shift, unmasked)
+        for t in out:
+            torch.nn.functional.threshold_(t, self.problem.cutoff, float("-inf"))
+            t.exp2_()
+        return out
+
+    def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor], shift: Tensor, others: Tensor,
+                   row_weight: Tensor) -> None:
+        """Add one tile's gradients, from its softmax ``terms``, into its rows' and columns' accumulators.
+
+        dL/d cos_d = w_d * (softmax_d - onehot) / (tau * B) = ``row_weight[d]`` * terms, the label's term
+        being -others_d (exact, where softmax - 1 would cancel). Per dimension the tile's weights on the
+        prefix dot products are ``dL/dcos_d * rho_d,i * rho_d,j``; segment s takes their sum over d >= d_s.
+        """
         rows, cols = self.rows_of(block), block.cols
-        rows.grad.addcmul_(weights @ cols.x[lo:hi], row_scale.unsqueeze(1))
-        cols.grad[lo:hi].addmm_(weights.T, rows.x * row_scale.unsqueeze(1))
+        label_rows, label_cols = self.labels(block, lo, hi)
+        if rows.radial is None:  # one dimension: the row weight is applied after the products
+            tile = terms[0]
+            tile[label_rows, label_cols] = -others[0, label_rows]
+            rows.grad.addcmul_(tile @ cols.x[lo:hi], row_weight[0].unsqueeze(1))
+            cols.grad[lo:hi].addmm_(tile.T, rows.x * row_weight[0].unsqueeze(1))
+            return
+        inv_scale = 1.0 / self.problem.logit_scale
+        summed = None
+        for m in reversed(range(len(terms))):
+            tile = terms[m]
+            # sum over the tile of dL/dcos * cos, by rows and by columns, with cos = (logit + shift) /
+            # logit_scale and logit * 2^logit = xlogy(term, term) / ln 2 (0 where masked)
+            entropy = torch.special.xlogy(tile, tile).div_(LN2)
+            entropy[label_rows, label_cols] = -others[m, label_rows] * (self.positive[m, label_rows] - shift[m, label_rows])
+            tile[label_rows, label_cols] = -others[m, label_rows]
+            rows.radial[m] += row_weight[m] * (entropy.sum(dim=1) + shift[m] * tile.sum(dim=1)) * inv_scale
+            cols.radial[m, lo:hi] += (entropy.T @ row_weight[m] + tile.T @ (row_weight[m] * shift[m])) * inv_scale
+            del entropy
+            weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1)).mul_(cols.rho[m, lo:hi].unsqueeze(0))
+            summed = weights if summed is None else summed.add_(weights)
+            a, b = self.problem.dims.segments[m]
+            rows.grad[:, a:b].addmm_(summed, cols.x[lo:hi, a:b])
+            cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
 
 
-def _spans(block: _Block, cols: int | None):
+def _spans(block: _Block, cols: int | None) -> list[tuple[int, int]]:
     """The column ranges ``(lo, hi)`` of ``block``: all of it, or chunks of ``cols``."""
     n = block.cols.x.shape[0]
     step = n if cols is None else cols
     return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
 
-def _softmax_terms(problem: _Problem, block_rows: _RowBlock, cols: int | None, shift: Tensor, keep: bool):
-    """``2^(z - shift)`` of every unmasked non-label entry: their row sums, and the tiles if ``keep``.
-
-    Shifted logits below ``problem.cutoff`` are dropped (module docstring, on subnormal numbers).
-    """
+def _sweep(problem: _Problem, rb: _RowBlock, cols: int | None, shift: Tensor, keep: bool, count: bool):
+    """Row sums of the softmax terms of every tile (n_dims x R), and the tiles themselves if ``keep``."""
     others = torch.zeros_like(shift)
+    unmasked = torch.zeros_like(rb.local) if count else None
     tiles = []
     for b in problem.blocks:
         for lo, hi in _spans(b, cols):
-            tile = block_rows.shifted_logits(b, lo, hi, shift)
-            torch.nn.functional.threshold_(tile, problem.cutoff, float("-inf"))
-            others += tile.exp2_().sum(dim=1)
+            terms = rb.terms(b, lo, hi, shift, unmasked)
+            others += torch.stack([t.sum(dim=1) for t in terms])
             if keep:
-                tiles.append((b, lo, hi, tile))
+                tiles.append((b, lo, hi, terms))
+    if count:
+        problem.count("positive_only", (unmasked == 0).sum())
     return others, tiles
 
 
-def _row_block(problem: _Problem, block_rows: _RowBlock, cols: int | None) -> Tensor:
-    """Loss sum of one row block; accumulates its gradients when they are wanted.
+def _row_block(problem: _Problem, rb: _RowBlock, cols: int | None) -> Tensor:
+    """Weighted loss sum of one row block; accumulates its gradients when they are wanted.
 
     With ``cols`` None, the tiles against all columns are kept from the sums to the gradients (one
     pass); otherwise column chunks of ``cols`` are recomputed for the gradients (two passes). Logits are
-    shifted by the positive's, so that the positive's term is 1 and, usually, the loss is log1p of the
-    others' sum; only when that sum overflows (a candidate scores ~128 base-2 units above the positive)
-    is the shift raised to the row maximum, found by one more sweep.
+    shifted by the positive's, so that the positive's term is 1 and the loss is usually log1p of the
+    others' sum; only when that sum overflows (a candidate ~128 base-2 units above the positive) is the
+    shift raised to the row maximum, found by one more sweep.
     """
     one_pass, want_grads = cols is None, problem.columns[0].grad is not None
-    shift = block_rows.positive
-    others, tiles = _softmax_terms(problem, block_rows, cols, shift, keep=one_pass and want_grads)
+    shift = rb.positive
+    others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=problem.counters is not None)
     if not bool(torch.isfinite(others).all()):
-        peak = torch.stack([block_rows.shifted_logits(b, lo, hi, shift).amax(dim=1)
-                            for b in problem.blocks for lo, hi in _spans(b, cols)]).amax(dim=0)
-        shift = shift + peak.clamp_min(0.0)
-        others, tiles = _softmax_terms(problem, block_rows, cols, shift, keep=one_pass and want_grads)
-    gap = (shift - block_rows.positive) * LN2
-    loss = (gap + torch.log1p(others + torch.expm1(-gap))).sum()
+        peaks = [torch.stack(rb.masked_logits(b, lo, hi, shift)).amax(dim=2)
+                 for b in problem.blocks for lo, hi in _spans(b, cols)]
+        shift = shift + torch.stack(peaks).amax(dim=0).clamp_min(0.0)
+        others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
+    gap = (shift - rb.positive) * LN2
+    weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
+    loss = (weights * (gap + torch.log1p(others + torch.expm1(-gap)))).sum()
     if want_grads:
-        # dL/d cosine = (softmax - onehot) / (tau * B): the tiles times grad_scale / total per row, where
-        # the label's entry is -others (exact, where softmax - 1 would cancel).
-        row_scale = problem.grad_scale / (others + torch.exp(-gap))
+        row_weight = weights * problem.grad_scale / (others + torch.exp(-gap))
         if not one_pass:
-            tiles = ((b, lo, hi, _softmax_terms_tile(problem, block_rows, b, lo, hi, shift))
-                     for b in problem.blocks for lo, hi in _spans(b, cols))
-        for b, lo, hi, tile in tiles:
-            rows, labels = block_rows.labels(b, lo, hi)
-            tile[rows, labels] = -others[rows]
-            block_rows.accumulate(b, tile, lo, hi, row_scale)
+            tiles = ((b, lo, hi, rb.terms(b, lo, hi, shift)) for b in problem.blocks for lo, hi in _spans(b, cols))
+        for b, lo, hi, terms in tiles:
+            rb.accumulate(b, lo, hi, terms, shift, others, row_weight)
     return loss
-
-
-def _softmax_terms_tile(problem: _Problem, block_rows: _RowBlock, block: _Block, lo: int, hi: int,
-                        shift: Tensor) -> Tensor:
-    tile = block_rows.shifted_logits(block, lo, hi, shift)
-    torch.nn.functional.threshold_(tile, problem.cutoff, float("-inf"))
-    return tile.exp2_()
 
 
 @torch.no_grad()
@@ -308,28 +419,25 @@ def gist_loss_and_grads(
     options: GistOptions,
     *,
     need_grads: bool,
-    block_bytes: int | None = None,
-) -> tuple[Tensor, list[Tensor] | None]:
-    """Loss and, if ``need_grads``, d(loss)/d(embeddings) for ``embeddings = [anchor, positive, *negatives]``.
+    need_stats: bool = False,
+) -> tuple[Tensor, list[Tensor] | None, Tensor | None]:
+    """Loss, d(loss)/d(embeddings) if ``need_grads`` and the mask counters if ``need_stats``.
 
-    Shapes: anchor B x D, positive and negatives N x D, guide columns likewise in Dg; anchor i's label
-    is candidate ``options.offset + i``. ``block_bytes`` bounds the score buffers held at once (None: a
-    default from ``plan``). The loss is float64 for float64 inputs and float32 otherwise; the gradients
-    have the dtype of their embedding.
+    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
+    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. ``options.block_bytes``
+    bounds the score buffers held at once (``plan``). The loss is float64 for float64 inputs and float32
+    otherwise; the gradients have the dtype of their embedding; the counters are float64, in the order of
+    ``cgist.numerics.STATS_FIELDS``.
     """
-    problem = _Problem(embeddings, guide_embeddings, options, need_grads)
+    problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats)
     itemsize = torch.finfo(problem.dtype).bits // 8
     widest = max(b.cols.x.shape[0] for b in problem.blocks)
-    schedule = plan(problem.batch, problem.n_score_cols, widest, itemsize, block_bytes, problem.hats[0].device)
-    loss = torch.zeros((), dtype=problem.dtype, device=problem.hats[0].device)
+    device = problem.columns[0].x.device
+    schedule = plan(problem.batch, problem.n_score_cols, widest, itemsize, options.block_bytes, device,
+                    len(problem.dims))
+    loss = torch.zeros((), dtype=problem.dtype, device=device)
     for start in range(0, problem.batch, schedule.rows):
-        block_rows = _RowBlock(problem, start, min(start + schedule.rows, problem.batch))
-        loss += _row_block(problem, block_rows, schedule.cols)
+        loss += _row_block(problem, _RowBlock(problem, start, min(start + schedule.rows, problem.batch)),
+                           schedule.cols)
     loss = loss / problem.batch
-    if not need_grads:
-        return loss, None
-    grads = [
-        normalize_backward_(x_hat, norm, column.grad).to(e.dtype)
-        for x_hat, norm, column, e in zip(problem.hats, problem.norms, problem.columns, embeddings)
-    ]
-    return loss, grads
+    return loss, (problem.gradients(embeddings) if need_grads else None), problem.counters

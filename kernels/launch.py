@@ -197,13 +197,17 @@ def gist_backward(state: ForwardState) -> list[Tensor]:
 
 
 def gist_loss_and_grads(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, need_grads: bool
-) -> tuple[Tensor, list[Tensor] | None]:
-    """Loss and, if ``need_grads``, d(loss)/d(embeddings) for ``embeddings = [anchor, positive, *negatives]``.
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, need_grads: bool,
+    need_stats: bool = False,
+) -> tuple[Tensor, list[Tensor] | None, Tensor | None]:
+    """Loss, d(loss)/d(embeddings) if ``need_grads``, and the mask counters if ``need_stats``.
 
-    Shapes: anchor B x D, positive and negatives N x D, guide columns likewise in Dg; anchor i's label
-    is candidate ``options.offset + i``. Inputs are assumed validated by ``cgist.gist_loss``. The loss is
-    float64 for float64 inputs and float32 otherwise; the gradients have the dtype of their embedding.
+    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
+    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. Inputs are assumed
+    validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
+    gradients have the dtype of their embedding.
     """
+    if need_stats or options.matryoshka_dims is not None:
+        raise NotImplementedError("the Triton backend does not compute statistics or Matryoshka dimensions yet")
     loss, state = gist_forward(embeddings, guide_embeddings, options)
-    return loss, (gist_backward(state) if need_grads else None)
+    return loss, (gist_backward(state) if need_grads else None), None

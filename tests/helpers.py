@@ -16,7 +16,6 @@ It imports only torch, pytest and cgist: the model builders that need sentence-t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,11 +105,13 @@ def shape_id(batch: int, n_cand: int, dim: int, dim_g: int, k: int) -> str:
     return f"B{batch}-N{n_cand}-D{dim}-Dg{dim_g}-k{k}"
 
 
+#: The fields of ``GistOptions`` that are arguments of sentence-transformers' ``CachedGISTEmbedLoss``.
+LOSS_FIELDS = ("temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives")
+
+
 def loss_kwargs(options: GistOptions) -> dict:
-    """``options`` as keyword arguments of ``CachedGISTEmbedLoss`` / ``FusedCachedGISTLoss``: all but the offset."""
-    kwargs = dataclasses.asdict(options)
-    del kwargs["offset"]
-    return kwargs
+    """``options`` as keyword arguments of ``CachedGISTEmbedLoss`` / ``FusedCachedGISTLoss``."""
+    return {name: getattr(options, name) for name in LOSS_FIELDS}
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).

@@ -309,8 +309,9 @@ class _CountSyncs(TorchFunctionMode):
 def test_validation_costs_one_host_sync(k):
     student, guide = STUDENT[:2] + [STUDENT[2]] * k, GUIDE[:2] + [GUIDE[2]] * k
     with _CountSyncs() as syncs:
-        GistOptions(temperature=0.05, margin=0.1, margin_strategy="relative", contrast_anchors=True, contrast_positives=True)
-        check_embeddings(student, guide, B)
+        options = GistOptions(temperature=0.05, margin=0.1, margin_strategy="relative", contrast_anchors=True,
+                              contrast_positives=True, offset=B)
+        check_embeddings(student, guide, options)
     assert syncs.count == 1
 
 

@@ -71,7 +71,7 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     finally:
         torch.set_float32_matmul_precision(previous)
 
-    (loss, grads), (loss2, grads2) = runs
+    (loss, grads, _), (loss2, grads2, _) = runs
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and loss.dim() == 0
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
     rtol, atol = TOL["triton"][precision]

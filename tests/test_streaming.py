@@ -14,8 +14,8 @@ from cgist.streaming import gist_loss_and_grads
 
 def _check(student, guide, options=GistOptions(), *, block_bytes=None):
     """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs."""
-    extra = {} if block_bytes is None else {"block_bytes": block_bytes}
-    loss, grads = gist_loss_and_grads(student, guide, options, need_grads=True, **extra)
+    options = options.replace(block_bytes=block_bytes)
+    loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
 
     leaves = [s.detach().double().requires_grad_() for s in student]
     expected = gist_loss_reference(leaves, [g.double() for g in guide], options)
@@ -30,8 +30,8 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None):
         scale = want.abs().max().clamp_min(1e-30)
         torch.testing.assert_close(got.double() / scale, want / scale, rtol=grad_tol, atol=grad_tol)
     # The no-grad call returns the same loss and no gradients.
-    loss_only, none = gist_loss_and_grads(student, guide, options, need_grads=False, **extra)
-    assert none is None and torch.equal(loss_only, loss)
+    loss_only, none, no_stats = gist_loss_and_grads(student, guide, options, need_grads=False)
+    assert none is None and no_stats is None and torch.equal(loss_only, loss)
     return expected
 
 
@@ -132,7 +132,7 @@ def test_everything_masked_but_the_positive(strategy, margin):
     for g in guide:  # positive guide scores, so the relative threshold -4*theta is below them too
         g.abs_()
     options = GistOptions(margin=margin, margin_strategy=strategy, offset=9)
-    loss, grads = gist_loss_and_grads(student, guide, options, need_grads=True, block_bytes=1)
+    loss, grads, _ = gist_loss_and_grads(student, guide, options.replace(block_bytes=1), need_grads=True)
     assert loss.item() == 0.0
     for g in grads:
         assert torch.isfinite(g).all() and g.abs().max().item() == 0.0
@@ -173,7 +173,7 @@ def test_never_allocates_batch_by_candidates():
     B, N, D = 64, 128, 8
     student, guide = make_inputs(B, N, D, D, 1, dtype=torch.float32, seed=8)
     with _LargestAllocation() as probe:
-        gist_loss_and_grads(student, guide, GistOptions(), need_grads=True, block_bytes=64 * 1024)
+        gist_loss_and_grads(student, guide, GistOptions(block_bytes=64 * 1024), need_grads=True)
     inputs = max(t.numel() for t in student + guide)
     assert probe.largest < B * N, f"largest intermediate has {probe.largest} elements, B*N = {B * N}"
     assert probe.largest >= inputs  # sanity: the probe saw the normalised copies
