@@ -6,12 +6,13 @@ backward, the accumulation dtype, the guide threshold, the guide-mask rule and t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "compute_dtype", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
+__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -20,6 +21,38 @@ EPS = 1e-8
 #: one float64 vector: entries masked per block (AP without its label; AN over all negative columns),
 #: anchors whose candidates are all masked but the label, and the sums over anchors of theta_i and T_i.
 STATS_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_only", "theta_sum", "threshold_sum")
+
+#: Smallest default budget, bytes of score buffers held at once.
+MIN_BLOCK_BYTES = 16 * 2**20
+#: The default budget never exceeds this share of the memory available to the process.
+MEMORY_SHARE = 8
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable (physical memory elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
+    """The score-buffer budget when none is given (``block_bytes=None``), shared by both backends.
+
+    At least ``MIN_BLOCK_BYTES``, grown to ``floor_bytes`` (what a backend needs for blocks of an
+    efficient shape), but never above an eighth of the memory available on ``device``, nor above 1 GiB
+    on CUDA.
+    """
+    cap = available_bytes(device) // MEMORY_SHARE
+    if device.type == "cuda":
+        cap = min(cap, 2**30)
+    return max(min(max(MIN_BLOCK_BYTES, floor_bytes), cap), 1)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

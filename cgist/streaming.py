@@ -38,7 +38,6 @@ less than the number of columns times the smallest normal float.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,44 +45,15 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    EPS, STATS_FIELDS, TieIndex, compute_dtype, guide_mask, normalize, normalize_backward_, threshold, tie_ids,
+    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize, normalize_backward_, threshold, tie_ids,
 )
 from .options import GistOptions
 
-__all__ = ["ROW_FLOOR", "Plan", "default_block_bytes", "gist_loss_and_grads", "plan"]
+__all__ = ["ROW_FLOOR", "Plan", "gist_loss_and_grads", "plan"]
 
 #: Rows per block that the default budget grows to reach (measured, see ``plan``).
 ROW_FLOOR = 256
-#: Smallest default budget, bytes of score buffers held at once.
-MIN_BLOCK_BYTES = 16 * 2**20
-#: The default budget never exceeds this share of the memory available to the process.
-MEMORY_SHARE = 8
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
-
-
-def _available_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable (physical memory elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
-    """The budget used when none is given: enough for ``floor_bytes``, capped by available memory.
-
-    ``floor_bytes`` is what ``ROW_FLOOR`` rows need in one pass. On CUDA the cap is also 1 GiB.
-    """
-    cap = _available_bytes(device) // MEMORY_SHARE
-    if device.type == "cuda":
-        cap = min(cap, 2**30)
-    return max(min(max(MIN_BLOCK_BYTES, floor_bytes), cap), 1)
 
 
 @dataclass(frozen=True)
