@@ -236,21 +236,26 @@ def listing(directory: Path) -> list[tuple[str, int]]:
 @pytest.mark.parametrize(
     "change, message",
     [
-        (("--batch-size", "6"), "--batch-size was 8 there but is 6 here"),
-        (("--mini-batch-size", "2"), "--mini-batch-size was 4 there but is 2 here"),
-        (("--margin", "0.1"), "--margin was 0.0 there but is 0.1 here"),
-        (("--lr", "1e-3"), "--lr was 0.01 there but is 0.001 here"),
-        (("--guide", "{student}"), "--guide was"),
-        (("--data", "{other data}"), "the data differ"),
+        (("--batch-size", "6"), "--batch-size differs from the checkpoint's: 6 here, 8 in "),
+        (("--mini-batch-size", "2"), "--mini-batch-size differs from the checkpoint's: 2 here, 4 in "),
+        (("--margin", "0.1"), "--margin differs from the checkpoint's: 0.1 here, 0.0 in "),
+        (("--lr", "1e-3"), "--lr differs from the checkpoint's: 0.001 here, 0.01 in "),
+        (("--guide", "{student}"), "--guide differs from the checkpoint's: {student} here, {guide} in "),
+        (("--data", "{other data}"), "--data differs from the checkpoint's (compared by content): sha256:"),
+        (("--no-contrast-anchors", None), "--no-contrast-anchors differs from the checkpoint's: given here, not given"),
     ],
-    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data"],
+    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors"],
 )
 def test_resume_refuses_other_options(change, message, setup, finished, tmp_path, capsys):
     option, value = change
-    value = value.replace("{student}", str(setup["root"] / "student"))
-    if value == "{other data}":
-        value = str(write_jsonl(tmp_path / "pairs.jsonl", stdlib_pairs(60, seed=3)))
-    argv = replace_option(replace_option(setup["argv"], "--max-steps", "2"), option, value)
+    argv = replace_option(setup["argv"], "--max-steps", "2")
+    if value is None:
+        argv = [*argv, option]
+    else:
+        if value == "{other data}":
+            value = str(write_jsonl(tmp_path / "pairs.jsonl", stdlib_pairs(60, seed=3)))
+        argv = replace_option(argv, option, value.replace("{student}", str(setup["root"] / "student")))
+    message = message.format(student=setup["root"] / "student", guide=setup["root"] / "guide")
     before = listing(finished)
     status, err = run_cli([*argv, "--output-dir", str(finished), "--resume"], capsys)
     assert status == 2, err

@@ -261,14 +261,14 @@ def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
         "--model": _model_id(args.model),
         "--guide": _model_id(args.guide),
         "--max-seq-length": args.max_seq_length,
-        "--data": data,
         "--max-pairs": args.max_pairs,
         "--eval-fraction": args.eval_fraction,
         "--seed": args.seed,
+        "--data": data,  # after the options that change the data, so that those are named first
         "--batch-size": args.batch_size,
         "--mini-batch-size": args.mini_batch_size,
         "--epochs": args.epochs or 1.0,
-        "--max-steps": max_steps(args),
+        "--max-steps": max_steps(args) if max_steps(args) > 0 else None,
         "--lr": args.lr,
         "--warmup-ratio": args.warmup_ratio,
         **{f"--{name.replace('_', '-')}": value for name, value in loss_options(args).items()
@@ -283,20 +283,18 @@ def _shown(value: object) -> str:
         return "unset"
     if isinstance(value, bool):
         return "given" if value else "not given"
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return value[:19]  # "sha256:" and 12 hex digits
     return str(value)
 
 
 def check_resume(saved: dict[str, object], current: dict[str, object], checkpoint: Path) -> None:
     """UsageError naming the first option whose value differs from the one ``checkpoint`` was trained with."""
     for name, value in current.items():
-        if saved.get(name) == value:
-            continue
-        if name == "--data":
-            change = f"the data differ from those it was trained on ({value} here, {saved.get(name)} there)"
-        else:
-            change = f"{name} was {_shown(saved.get(name))} there but is {_shown(value)} here"
-        raise UsageError(f"--resume: {change} ({checkpoint}); resume with the same options, or start afresh "
-                         "with --overwrite")
+        if saved.get(name) != value:
+            what = f"{name} differs from the checkpoint's" + (" (compared by content)" if name == "--data" else "")
+            raise UsageError(f"--resume: {what}: {_shown(value)} here, {_shown(saved.get(name))} in {checkpoint}; "
+                             "resume with the same options, or start afresh with --overwrite")
 
 
 def _names(token: str, flag: str) -> bool:
