@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
+import random
 from typing import Literal
 
 import torch
@@ -14,8 +16,11 @@ from torch import Tensor
 
 from .function import BACKENDS, gist_loss_with_options
 from .options import GistOptions
+from .stats import GistStats
 
-__all__ = ["FusedCachedGISTLoss"]
+__all__ = ["FusedCachedGISTLoss", "FusedMatryoshka"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_equal_batches(batch_size: int, device: torch.device) -> None:
@@ -53,6 +58,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         contrast_positives: bool = True,
         gather_across_devices: bool = False,
         backend: Literal["auto", "torch", "triton"] = "auto",
+        block_bytes: int | None = None,
     ) -> None:
         """
         A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
@@ -86,6 +92,15 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
                 every rank must then hold the same number of anchors.
             backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+            block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
+                device (at most an eighth of its free memory).
+
+        With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
+        computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
+        the same loss, gradients and ``n_dims_per_step`` sampling as sentence-transformers' loop over dimensions.
+
+        After each training call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked; add
+        ``cgist.GuideStatsCallback(loss)`` to the trainer's callbacks to log it as ``guide/...``.
 
         References:
             - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
@@ -130,6 +145,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             margin_strategy=margin_strategy,
             contrast_anchors=contrast_anchors,
             contrast_positives=contrast_positives,
+            block_bytes=block_bytes,
         )
         for name, value, expected in (
             ("mini_batch_size", mini_batch_size, "an int"),
@@ -162,6 +178,16 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             gather_across_devices=gather_across_devices,
         )
         self.backend = backend
+        self.last_stats: GistStats | None = None
+        self._training_stats: list[GistStats] = []
+        self._warned_positive_only = False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
+        # dimensions; take that decoration over and compute the dimensions in one pass instead.
+        if name == "calculate_loss":
+            value = FusedMatryoshka.take_over(self, value)
+        super().__setattr__(name, value)
 
     def calculate_loss(
         self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
@@ -171,29 +197,66 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in
         ``reps`` and a detached scalar is returned; under ``torch.no_grad`` only the loss is computed.
         """
+        return self._loss_stage(reps, reps_guided, with_backward=with_backward)
+
+    def _loss_stage(
+        self,
+        reps: list[list[Tensor]],
+        reps_guided: list[list[Tensor]],
+        *,
+        with_backward: bool,
+        dims: tuple[tuple[int, float], ...] | None = None,
+    ) -> Tensor:
+        """``calculate_loss``, over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given."""
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
         anchors, *candidates = (torch.cat(r) for r in reps)
         anchors_guide, *candidates_guide = (torch.cat(r) for r in reps_guided)
-        offset = 0
+        options = self.options
         if self.gather_across_devices:
             check_equal_batches(anchors.shape[0], anchors.device)
             candidates = [all_gather_with_grad(c) for c in candidates]
             candidates_guide = [all_gather_with_grad(c) for c in candidates_guide]
-            offset = get_rank() * anchors.shape[0]
-        loss = gist_loss_with_options(
-            [anchors, *candidates],
-            [anchors_guide, *candidates_guide],
-            self.options.replace(offset=offset) if offset else self.options,
-            backend=self.backend,
+            options = options.replace(offset=get_rank() * anchors.shape[0])
+        if dims is not None:
+            options = options.replace(matryoshka_dims=tuple(d for d, _ in dims),
+                                      matryoshka_weights=tuple(w for _, w in dims))
+        training = with_backward and torch.is_grad_enabled()
+        loss, stats = gist_loss_with_options(
+            [anchors, *candidates], [anchors_guide, *candidates_guide], options, backend=self.backend,
+            return_stats=True,
         )
+        self.last_stats = stats
+        if training:
+            self._training_stats.append(stats)
+            self._check_positive_only(stats)
         if with_backward:
             loss.backward()
             loss = loss.detach()
         return loss
 
+    def _check_positive_only(self, stats: GistStats) -> None:
+        """Warn once when more than half of a step's anchors are left with only their positive."""
+        if self._warned_positive_only or stats.positive_only_fraction <= 0.5:
+            return
+        self._warned_positive_only = True
+        logger.warning(
+            "%.0f%% of this step's anchors have every candidate but their positive masked by the guide "
+            "(margin=%s, margin_strategy=%r): their loss carries no contrast. The margin masks too much for this "
+            "guide; lower it (this warning is shown once).",
+            100 * stats.positive_only_fraction, self.options.margin, self.options.margin_strategy,
+        )
+
+    def pop_training_stats(self) -> list[GistStats]:
+        """The statistics of the training calls since the last call of this method (for logging)."""
+        stats, self._training_stats = self._training_stats, []
+        return stats
+
     def get_config_dict(self) -> dict:
-        return {**super().get_config_dict(), "backend": self.backend}
+        config = {**super().get_config_dict(), "backend": self.backend}
+        if self.options.block_bytes is not None:
+            config["block_bytes"] = self.options.block_bytes
+        return config
 
     @property
     def citation(self) -> str:
@@ -216,3 +279,46 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
     primaryClass={cs.LG}
 }
 """
+
+
+class FusedMatryoshka:
+    """``calculate_loss`` of a ``FusedCachedGISTLoss`` under ``MatryoshkaLoss``: every dimension in one pass.
+
+    It stands in for sentence-transformers' ``CachedLossDecorator`` and keeps its attributes (``fn``,
+    ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``). Each call picks the dimensions with the
+    same random call as that decorator (``random.sample`` over the dimension indices when ``n_dims_per_step``
+    is below their number), then computes ``sum_d w_d * L_d`` and its gradients in one loss-stage call.
+    """
+
+    def __init__(self, loss: FusedCachedGISTLoss, decorator: object) -> None:
+        self.loss = loss
+        self.fn = decorator.fn
+        self.matryoshka_dims = tuple(decorator.matryoshka_dims)
+        self.matryoshka_weights = tuple(decorator.matryoshka_weights)
+        self.n_dims_per_step = decorator.n_dims_per_step
+
+    @staticmethod
+    def take_over(loss: FusedCachedGISTLoss, value: object) -> object:
+        """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
+
+        Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then
+        runs once per dimension, as in sentence-transformers, which is slower but the same.
+        """
+        try:
+            from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
+        except ImportError:
+            return value
+        fn = getattr(value, "fn", None)
+        if not (isinstance(value, CachedLossDecorator) and getattr(fn, "__self__", None) is loss
+                and getattr(fn, "__func__", None) is FusedCachedGISTLoss.calculate_loss
+                and all(hasattr(value, a) for a in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"))):
+            return value
+        return FusedMatryoshka(loss, value)
+
+    def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
+                 ) -> Tensor:
+        indices: range | list[int] = range(len(self.matryoshka_dims))
+        if 0 < self.n_dims_per_step < len(indices):
+            indices = random.sample(indices, self.n_dims_per_step)
+        dims = tuple((self.matryoshka_dims[i], float(self.matryoshka_weights[i])) for i in indices)
+        return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=dims)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .numerics import STATS_FIELDS
@@ -69,18 +71,35 @@ class GistStats:
         """The share of anchors left with only their positive."""
         return self.positive_only / self.anchors
 
+    def _sums(self, keys: Sequence[str]) -> list[float]:
+        """Everything as sums over anchors: masked and candidates per block in ``keys``, then the rest."""
+        return [*(self.masked.get(k, 0) for k in keys), *(self.candidates.get(k, 0) for k in keys),
+                self.positive_only, self.anchors, self.theta_mean * self.anchors, self.threshold_mean * self.anchors]
+
+    @classmethod
+    def _from_sums(cls, keys: Sequence[str], sums: Sequence[float]) -> GistStats:
+        n = len(keys)
+        positive_only, anchors, theta_sum, threshold_sum = sums[2 * n :]
+        return cls(
+            masked={k: int(v) for k, v in zip(keys, sums[:n])},
+            candidates={k: int(v) for k, v in zip(keys, sums[n : 2 * n])},
+            positive_only=int(positive_only),
+            anchors=int(anchors),
+            theta_mean=theta_sum / anchors,
+            threshold_mean=threshold_sum / anchors,
+        )
+
     @staticmethod
     def mean(stats: Sequence[GistStats]) -> GistStats:
         """The statistics of several calls as one: counts summed, means weighted by anchors."""
         if not stats:
             raise ValueError("GistStats.mean needs at least one GistStats")
         keys = [k for k in BLOCKS if any(k in s.candidates for s in stats)]
-        anchors = sum(s.anchors for s in stats)
-        return GistStats(
-            masked={k: sum(s.masked.get(k, 0) for s in stats) for k in keys},
-            candidates={k: sum(s.candidates.get(k, 0) for s in stats) for k in keys},
-            positive_only=sum(s.positive_only for s in stats),
-            anchors=anchors,
-            theta_mean=sum(s.theta_mean * s.anchors for s in stats) / anchors,
-            threshold_mean=sum(s.threshold_mean * s.anchors for s in stats) / anchors,
-        )
+        return GistStats._from_sums(keys, [sum(column) for column in zip(*(s._sums(keys) for s in stats))])
+
+    def sum_over_ranks(self, device: torch.device) -> GistStats:
+        """The statistics of every rank of the default process group as one (a collective: every rank calls it)."""
+        keys = list(self.candidates)
+        total = torch.tensor(self._sums(keys), dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        return GistStats._from_sums(keys, total.tolist())

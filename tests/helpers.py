@@ -7,6 +7,7 @@ API:
     make_inputs(...)              random student and guide columns [anchor, positive, *negatives].
     shape_id(...)                 the readable test id of a shape, ``B13-N26-D40-Dg24-k1``.
     loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
+    oracle_stats(...)             the GistStats counts read off the dense oracle's masked scores.
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
 
@@ -23,7 +24,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from cgist import GistOptions
+from cgist import GistOptions, GistStats
+from cgist.numerics import normalize, threshold
+from cgist.reference import gist_scores
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -157,3 +160,28 @@ def one_thread() -> Iterator[None]:
     """Every test of a module that imports this fixture runs on one thread (``single_thread``)."""
     with single_thread():
         yield
+
+
+def oracle_stats(embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor], options: GistOptions) -> GistStats:
+    """What the guide masked, counted from ``cgist.reference.gist_scores`` in float64 (masked entries are -inf)."""
+    student = [e.detach().double() for e in embeddings]
+    guide = [g.double() for g in guide_embeddings]
+    scores = gist_scores(student, guide, options)
+    batch, n_cand, k = student[0].shape[0], student[1].shape[0], len(student) - 2
+    widths = [("ap", n_cand)] + [("aa", batch)] * options.contrast_anchors + [("pp", n_cand)] * options.contrast_positives
+    widths += [("an", n_cand * k)] if k else []
+    masked, candidates, start = {}, {}, 0
+    for key, width in widths:
+        masked[key] = int(torch.isinf(scores[:, start : start + width]).sum())
+        candidates[key] = batch * (width - (key == "ap"))
+        start += width
+    rows = torch.arange(batch)
+    theta = (normalize(guide[0])[0] * normalize(guide[1])[0][rows + options.offset]).sum(dim=1)
+    return GistStats(
+        masked=masked,
+        candidates=candidates,
+        positive_only=int((torch.isinf(scores).sum(dim=1) == scores.shape[1] - 1).sum()),
+        anchors=batch,
+        theta_mean=float(theta.mean()),
+        threshold_mean=float(threshold(theta, options.margin, options.relative).mean()),
+    )

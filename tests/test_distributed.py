@@ -15,6 +15,7 @@ contrasts only the anchors of its own rank, so the two differ.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -30,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TOL, loss_kwargs, precision
+from helpers import TOL, loss_kwargs, oracle_stats, precision
 
-from cgist import GistOptions
+from cgist import GistOptions, GistStats
 from cgist.reference import gist_loss_reference, gist_scores
 
 WORLD = 2
@@ -130,7 +131,11 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
     reps_guided = [list(g[_rows(rank)].split(MINI)) for g in guide_embeddings]
     emb_loss = loss_fn.calculate_loss(reps, reps_guided, with_backward=True)
     emb_grads = [torch.cat([x.grad for x in column]) for column in reps]
-    return {"loss": loss.detach(), "grads": grads, "emb_loss": emb_loss.detach(), "emb_grads": emb_grads}
+    result = {"loss": loss.detach(), "grads": grads, "emb_loss": emb_loss.detach(), "emb_grads": emb_grads}
+    if hasattr(loss_fn, "last_stats"):  # the statistics of that call, and summed over ranks as the callback does
+        result["stats"] = dataclasses.asdict(loss_fn.last_stats)
+        result["stats_all_ranks"] = dataclasses.asdict(loss_fn.last_stats.sum_over_ranks(torch.device("cpu")))
+    return result
 
 
 def _worker(rank: int, port: int, workdir: Path) -> None:
@@ -298,6 +303,27 @@ def test_embedding_grads_match_oracle(runs, case):
         ours = run[case.id]["cgist"]
         _check(ours["emb_loss"], losses[rank].detach(), case.dtype, f"rank {rank} loss")
         _check(ours["emb_grads"], [x.grad[_rows(rank)] for x in leaves], case.dtype, f"rank {rank} embedding grads")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_statistics_count_on_the_rank_that_scores(runs, case):
+    """Each rank counts its anchors against all gathered candidates; summed over ranks, the whole batch."""
+    embeddings, guide_embeddings = _embeddings(case)
+    expected = [
+        oracle_stats([embeddings[0][_rows(r)], *embeddings[1:]], [guide_embeddings[0][_rows(r)], *guide_embeddings[1:]],
+                     case.options.replace(offset=r * LOCAL))
+        for r in range(WORLD)
+    ]
+    assert sum(sum(e.masked.values()) for e in expected) > 0, "the case masks nothing"
+    for rank, run in enumerate(runs):
+        stats = GistStats(**run[case.id]["cgist"]["stats"])
+        assert (stats.masked, stats.candidates, stats.positive_only) == (
+            expected[rank].masked, expected[rank].candidates, expected[rank].positive_only)
+        assert stats.theta_mean == pytest.approx(expected[rank].theta_mean, rel=1e-6)
+        combined, want = GistStats(**run[case.id]["cgist"]["stats_all_ranks"]), GistStats.mean(expected)
+        assert (combined.masked, combined.candidates, combined.positive_only, combined.anchors) == (
+            want.masked, want.candidates, want.positive_only, want.anchors)
+        assert combined.theta_mean == pytest.approx(want.theta_mean, rel=1e-6)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.options.contrast_anchors], ids=lambda c: c.id)

@@ -98,10 +98,12 @@ def student(tmp_path_factory) -> SentenceTransformer:
 
 
 def _run(loss, model: SentenceTransformer, columns: list[list[str]], seed: int) -> tuple[torch.Tensor, dict]:
-    """Seed, run ``loss`` forward and backward on ``columns``; return the loss and every parameter gradient."""
+    """Seed torch and Python's random (MatryoshkaLoss samples dimensions with it), run ``loss`` forward and
+    backward on ``columns``; return the loss and every parameter gradient."""
     model.zero_grad(set_to_none=True)
     features = [model.preprocess(texts) for texts in columns]
     torch.manual_seed(seed)
+    random.seed(seed)
     value = loss(features, None)
     value.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -223,8 +225,9 @@ def test_citation_names_gistembed_and_gradcache(student, guide):
 def test_constructor_has_the_parameters_and_defaults_of_sentence_transformers():
     ours = dict(inspect.signature(FusedCachedGISTLoss.__init__).parameters)
     theirs = dict(inspect.signature(CachedGISTEmbedLoss.__init__).parameters)
-    backend = ours.pop("backend")
+    backend, block_bytes = ours.pop("backend"), ours.pop("block_bytes")
     assert backend.default == "auto" and backend.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert block_bytes.default is None and block_bytes.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert [(p.name, p.default, p.kind) for p in ours.values()] == [(p.name, p.default, p.kind) for p in theirs.values()]
 
 
@@ -232,12 +235,13 @@ def test_config_dict_round_trip(student, guide):
     loss = FusedCachedGISTLoss(
         student, guide, temperature=0.05, mini_batch_size=3, mini_batch_num_tokens=64, margin_strategy="relative",
         margin=0.2, contrast_anchors=False, contrast_positives=False, gather_across_devices=True, backend="torch",
+        block_bytes=2**20,
     )
     config = loss.get_config_dict()
-    assert config["backend"] == "torch"
+    assert config["backend"] == "torch" and config["block_bytes"] == 2**20
     assert FusedCachedGISTLoss(student, **config).get_config_dict() == config
-    # Apart from the backend, the same keys and values as sentence-transformers' own loss.
-    shared = {key: value for key, value in config.items() if key != "backend"}
+    # Apart from the backend and the budget, the same keys and values as sentence-transformers' own loss.
+    shared = {key: value for key, value in config.items() if key not in ("backend", "block_bytes")}
     assert CachedGISTEmbedLoss(student, **shared).get_config_dict() == shared
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, TOL, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
+from helpers import DEVICE, DTYPES, TOL, loss_kwargs, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -319,3 +319,58 @@ def test_real_valued_duplicate_of_positive_is_a_tie(where, dtype, backend):
         torch.testing.assert_close(loss.double().cpu(), expected, rtol=0, atol=atol, msg=lambda m: f"seed {seed}: {m}")
         checked += 1
     assert checked >= 4, f"only {checked} clean tie cases"
+
+
+# Small losses keep their relative precision -------------------------------------------------------------------
+
+
+def _precise_loss(student: list[torch.Tensor], guide: list[torch.Tensor], options: GistOptions) -> float:
+    """The loss in float64, formed as mean_i log1p(sum over unmasked j != label of exp(z_ij - z_pos)).
+
+    Written so that it is accurate to float64's relative precision however small the loss (the oracle's
+    cross entropy carries the absolute rounding of numbers near 1/tau instead).
+    """
+    scores = gist_scores([s.double() for s in student], [g.double() for g in guide], options) / options.temperature
+    rows = torch.arange(scores.shape[0])
+    positive = scores[rows, rows + options.offset]
+    others = torch.exp(scores - positive.unsqueeze(1))
+    others[rows, rows + options.offset] = 0.0
+    return float(torch.log1p(others.sum(dim=1)).mean())
+
+
+@st.composite
+def strong_positives(draw) -> tuple[list[torch.Tensor], list[torch.Tensor], GistOptions]:
+    """fp32 inputs whose positives are near copies of their anchors, a few unrelated candidates, tau >= 0.05."""
+    batch, world = draw(st.integers(1, 4)), draw(st.integers(1, 2))
+    dim, guide_dim, k = draw(st.integers(4, 32)), draw(st.integers(2, 16)), draw(st.integers(0, 2))
+    options = GistOptions(
+        temperature=draw(st.floats(0.05, 1.0)), margin=draw(st.sampled_from([0.0, 0.05, -0.02])),
+        contrast_anchors=draw(st.booleans()), contrast_positives=draw(st.booleans()),
+        offset=batch * draw(st.integers(0, world - 1)),
+    )
+    student, guide = make_inputs(batch, batch * world, dim, guide_dim, k, seed=draw(st.integers(0, 2**32 - 1)))
+    labels = slice(options.offset, options.offset + batch)
+    closeness = 10.0 ** draw(st.floats(-3.0, -1.0))
+    student[1][labels] = student[0] + closeness * student[1][labels]
+    return [s.float() for s in student], [g.float() for g in guide], options
+
+
+def _small_loss_case(backend: str, budget: int) -> object:
+    @settings(CI, max_examples=budget)
+    @given(case=strong_positives())
+    def test(case) -> None:
+        student, guide, options = case
+        expected = _precise_loss(student, guide, options)
+        assume(0.0 < expected < 1e-3)
+        event(f"loss < 1e-{min(12, int(-math.log10(expected)))}")
+        got = float(cgist.gist_loss([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide],
+                                    backend=backend, **loss_kwargs(options), offset=options.offset))
+        # A logit is known to ~D float32 roundings over tau; the loss, a sum of exp(logit gaps), to that relative.
+        bound = TOL["fuzz"]["fp32"] * (1.0 + 1.0 / options.temperature)
+        assert abs(got - expected) <= bound * expected, f"relative error {abs(got - expected) / expected:.3g} > {bound:.3g}"
+
+    return test
+
+
+test_torch_small_losses_keep_relative_precision = _small_loss_case("torch", 150)
+test_triton_small_losses_keep_relative_precision = _small_loss_case("triton", 20)

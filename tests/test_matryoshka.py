@@ -1,0 +1,197 @@
+"""Matryoshka: ``MatryoshkaLoss(FusedCachedGISTLoss)`` and ``gist_loss(matryoshka_dims=...)`` in one pass.
+
+Against sentence-transformers' ``MatryoshkaLoss(CachedGISTEmbedLoss)`` on real models (float64: the
+loss and every parameter gradient, dropout on and off, weights, ``n_dims_per_step``, negatives, both
+strategies), and the functional form against the oracle applied per dimension.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import TOL, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
+from helpers_models import guide_model, tiny_model
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+from test_loss import MINI_BATCH, _run, _texts
+
+import cgist
+from cgist import FusedCachedGISTLoss, GistOptions
+from cgist.loss import FusedMatryoshka
+from cgist.reference import gist_loss_reference
+
+
+@pytest.fixture(scope="module")
+def guide():
+    return guide_model(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
+
+
+class _Counting:
+    """Counts the loss-stage calls of a loss (its ``gist_loss_with_options`` or its ``calculate_loss``)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = cgist.loss.gist_loss_with_options
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cgist.loss, "gist_loss_with_options", counted)
+
+
+def _compare(student, guide, columns, *, dims, weights=None, n_dims_per_step=-1, train=False, **options):
+    """ST's MatryoshkaLoss over CachedGISTEmbedLoss and over FusedCachedGISTLoss: same loss, same gradients."""
+    results = []
+    student.train(train)
+    try:
+        for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):
+            inner = cls(student, guide, mini_batch_size=MINI_BATCH, **options)
+            loss = MatryoshkaLoss(student, inner, dims, matryoshka_weights=weights, n_dims_per_step=n_dims_per_step)
+            results.append((inner, *_run(loss, student, columns, seed=99)))
+    finally:
+        student.eval()
+    (_, want, want_grads), (fused, got, grads) = results
+    assert isinstance(fused.calculate_loss, FusedMatryoshka), "the Matryoshka decoration was not taken over"
+    tol = TOL["models"]["fp64"]
+    torch.testing.assert_close(got, want, **tol)
+    assert set(grads) == set(want_grads) and any(g.abs().max() > 0 for g in want_grads.values())
+    for name in sorted(want_grads):
+        torch.testing.assert_close(grads[name], want_grads[name], **tol, msg=lambda m: f"grad of {name}: {m}")
+    return got
+
+
+MODEL_CASES = [
+    pytest.param(dict(dims=[32, 16, 8]), id="d32-16-8-eval"),
+    pytest.param(dict(dims=[32, 16, 8], train=True), id="d32-16-8-dropout"),
+    pytest.param(dict(dims=[8, 32, 20], weights=[0.5, 2.0, 1.0], margin=0.1), id="d8-32-20-weighted-m0.1"),
+    pytest.param(dict(dims=[32, 24, 16, 4], n_dims_per_step=2, train=True, margin=0.05), id="d32-24-16-4-n2-dropout"),
+    pytest.param(dict(dims=[16, 12], margin=0.2, margin_strategy="relative", contrast_anchors=False), id="d16-12-rel-noAA"),
+]
+
+
+@pytest.mark.parametrize("negatives", [0, 2], ids=["k0", "k2"])
+@pytest.mark.parametrize("kwargs", MODEL_CASES)
+def test_matryoshka_loss_matches_sentence_transformers(student, guide, kwargs, negatives):
+    _compare(student, guide, _texts(negatives, seed=5), **kwargs)
+
+
+def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
+    """The fused path calls the loss stage once for all dimensions; sentence-transformers' loop once per dimension."""
+    counting = _Counting(monkeypatch)
+    inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
+    loss = MatryoshkaLoss(student, inner, [32, 16, 8, 4])
+    _run(loss, student, _texts(1, seed=6), seed=0)
+    assert counting.calls == 1
+
+
+def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, guide, monkeypatch):
+    """If the decoration is not the one the takeover knows, the per-dimension loop runs, with the same results."""
+    monkeypatch.setattr(FusedMatryoshka, "take_over", staticmethod(lambda loss, value: value))
+    columns, dims = _texts(1, seed=7), [32, 16, 8]
+    want = []
+    for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):
+        inner = cls(student, guide, mini_batch_size=MINI_BATCH, margin=0.1)
+        want.append(_run(MatryoshkaLoss(student, inner, dims), student, columns, seed=3))
+        if cls is FusedCachedGISTLoss:
+            assert not isinstance(inner.calculate_loss, FusedMatryoshka)
+    counting = _Counting(monkeypatch)
+    _run(MatryoshkaLoss(student, FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
+         student, columns, seed=3)
+    assert counting.calls == len(dims)
+    (st_loss, st_grads), (loss, grads) = want
+    tol = TOL["models"]["fp64"]
+    torch.testing.assert_close(loss, st_loss, **tol)
+    for name in st_grads:
+        torch.testing.assert_close(grads[name], st_grads[name], **tol)
+
+
+def test_sampled_dimensions_follow_the_same_random_calls(student, guide, monkeypatch):
+    """Seeded alike, n_dims_per_step picks the same dimensions as sentence-transformers, step after step."""
+    picked = []
+    real = cgist.loss.FusedCachedGISTLoss._loss_stage
+
+    def spy(self, reps, reps_guided, *, with_backward, dims=None):
+        picked.append(tuple(d for d, _ in dims))
+        return real(self, reps, reps_guided, with_backward=with_backward, dims=dims)
+
+    monkeypatch.setattr(cgist.loss.FusedCachedGISTLoss, "_loss_stage", spy)
+    dims = [32, 24, 16, 8, 4]
+    inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
+    loss = MatryoshkaLoss(student, inner, dims, n_dims_per_step=2)
+    random.seed(11)
+    expected = [tuple(sorted(dims, reverse=True)[i] for i in random.sample(range(5), 2)) for _ in range(3)]
+    random.seed(11)
+    features = [student.preprocess(t) for t in _texts(0, seed=8)]
+    for _ in range(3):
+        loss(features, None)
+    assert picked == expected and len(set(picked)) > 1
+
+
+# The functional form -----------------------------------------------------------------------------------------
+
+FUNCTIONAL = [  # B, N, D, Dg, k, dims, weights, options
+    pytest.param(13, 26, 40, 24, 1, (40, 20, 8), (1.0, 0.5, 2.0), dict(offset=13, margin=0.1), id="B13-N26-D40-k1-d40-20-8"),
+    pytest.param(7, 21, 33, 65, 2, (5, 33), None, dict(offset=7, margin=-0.2, margin_strategy="relative"), id="B7-N21-D33-k2-d5-33"),
+    pytest.param(11, 11, 24, 16, 0, (3, 17, 9), (0.3, 1.0, 1.0), dict(temperature=0.5), id="B11-N11-D24-k0-d3-17-9"),
+    pytest.param(9, 9, 16, 8, 1, (12,), None, dict(margin=0.05), id="B9-N9-D16-k1-d12"),
+]
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("name", ["fp64", "fp32"])
+@pytest.mark.parametrize("B, N, D, Dg, k, dims, weights, options", FUNCTIONAL)
+def test_gist_loss_matches_the_oracle_per_dimension(B, N, D, Dg, k, dims, weights, options, name, block_bytes):
+    dtype = {"fp64": torch.float64, "fp32": torch.float32}[name]
+    student, guide = make_inputs(B, N, D, Dg, k, dtype, seed=B + k)
+    base = GistOptions(**options)
+    leaves = [s.double().requires_grad_() for s in student]
+    expected = sum(w * gist_loss_reference([x[:, :d] for x in leaves], [g.double() for g in guide], base)
+                   for d, w in zip(dims, weights or [1.0] * len(dims)))
+    expected_grads = torch.autograd.grad(expected, leaves)
+
+    inputs = [s.detach().requires_grad_() for s in student]
+    loss = cgist.gist_loss(inputs, guide, matryoshka_dims=dims, matryoshka_weights=weights, block_bytes=block_bytes,
+                           backend="torch", **options)
+    loss.backward()
+    tol = TOL["streaming"][name]
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=tol[0], atol=tol[0])
+    for got, want in zip(inputs, expected_grads):
+        scale = want.abs().max()
+        torch.testing.assert_close(got.grad.double() / scale, want / scale, rtol=tol[1], atol=tol[1])
+
+
+@pytest.mark.parametrize("dims, error, match", [
+    pytest.param((41,), ValueError, r"matryoshka_dims \[41\] exceed the student embedding dimension D=40", id="d>D"),
+    pytest.param((0, 8), ValueError, r"matryoshka_dims must be positive, got 0", id="d=0"),
+    pytest.param((-3,), ValueError, r"matryoshka_dims must be positive, got -3", id="d<0"),
+    pytest.param((16, 8, 16), ValueError, r"matryoshka_dims must be distinct, got \[16, 8, 16\] \(repeated: \[16\]\)",
+                 id="duplicate"),
+    pytest.param((), TypeError, r"matryoshka_dims must be a non-empty sequence of ints", id="empty"),
+    pytest.param((8.0,), TypeError, r"matryoshka_dims must hold ints, got float 8.0", id="float"),
+])
+def test_bad_dimensions_are_rejected(dims, error, match):
+    student, guide = make_inputs(5, 5, 40, 8, 0, seed=1)
+    with pytest.raises(error, match=match):
+        cgist.gist_loss(student, guide, matryoshka_dims=dims)
+
+
+@pytest.mark.parametrize("weights, error, match", [
+    pytest.param((1.0,), ValueError, r"matryoshka_weights must have one weight per dimension \(2\)", id="short"),
+    pytest.param((1.0, float("nan")), ValueError, r"matryoshka_weights must be finite, got nan", id="nan"),
+    pytest.param((1.0, "2"), TypeError, r"matryoshka_weights must be a real number, got str", id="str"),
+])
+def test_bad_weights_are_rejected(weights, error, match):
+    with pytest.raises(error, match=match):
+        GistOptions(matryoshka_dims=(16, 8), matryoshka_weights=weights)
+
+
+def test_weights_need_dimensions():
+    with pytest.raises(ValueError, match="matryoshka_weights needs matryoshka_dims"):
+        GistOptions(matryoshka_weights=(1.0,))

@@ -1,0 +1,190 @@
+"""cgist.stats and the statistics of the loss stage: ``gist_loss(return_stats=True)``, ``last_stats``,
+``GuideStatsCallback`` and the positive-only warning.
+
+The counts must equal those read off the dense oracle's masked scores (``helpers.oracle_stats``), with
+ties, offsets and every flag, in one pass and in two.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import make_inputs, oracle_stats
+from torch.overrides import TorchFunctionMode
+
+import cgist
+from cgist import GistOptions, GistStats
+
+CASES = [  # B, N, D, Dg, k, options
+    pytest.param(13, 26, 40, 24, 1, dict(offset=13, margin=0.1), id="B13-N26-k1-o13-m0.1"),
+    pytest.param(13, 39, 40, 24, 2, dict(offset=20, margin=0.3, margin_strategy="relative"), id="B13-N39-k2-o20-rel"),
+    pytest.param(9, 9, 16, 12, 0, dict(margin=-0.3), id="B9-N9-k0-m-0.3"),  # masks nothing, self-pairs kept
+    pytest.param(9, 18, 16, 12, 1, dict(offset=9, margin=3.0), id="B9-N18-k1-m3"),  # masks all but the positive
+    pytest.param(11, 22, 16, 12, 1, dict(offset=5, margin=0.05, contrast_anchors=False), id="B11-N22-k1-noAA"),
+    pytest.param(11, 22, 16, 12, 2, dict(offset=11, margin=0.05, contrast_positives=False), id="B11-N22-k2-noPP"),
+    pytest.param(7, 7, 16, 12, 1, dict(contrast_anchors=False, contrast_positives=False, margin=0.1), id="B7-k1-AP+AN"),
+]
+
+
+def _with_ties(guide: list[torch.Tensor], offset: int) -> list[torch.Tensor]:
+    """Copies of positives among the other columns (exact ties with theta at margin 0)."""
+    guide = [g.clone() for g in guide]
+    guide[0][1] = guide[1][offset + 4]
+    guide[1][0] = guide[1][offset + 2]
+    if len(guide) > 2:
+        guide[2][3] = guide[1][offset + 3]
+    return guide
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1], ids=["one-pass", "two-pass"])
+@pytest.mark.parametrize("B, N, D, Dg, k, options", CASES)
+def test_counts_equal_the_oracle(B, N, D, Dg, k, options, block_bytes):
+    student, guide = make_inputs(B, N, D, Dg, k, seed=B + N + k)
+    guide = _with_ties(guide, options.get("offset", 0))
+    _, stats = cgist.gist_loss(student, guide, backend="torch", return_stats=True, block_bytes=block_bytes, **options)
+    expected = oracle_stats(student, guide, GistOptions(**options))
+    assert stats.masked == expected.masked and stats.candidates == expected.candidates
+    assert stats.positive_only == expected.positive_only and stats.anchors == B
+    assert stats.theta_mean == pytest.approx(expected.theta_mean, rel=1e-12, abs=1e-12)
+    assert stats.threshold_mean == pytest.approx(expected.threshold_mean, rel=1e-12, abs=1e-12)
+
+
+def test_the_cases_cover_partial_full_and_empty_masks():
+    """The catalogue exercises what it claims: some rows with only their positive, and blocks masked in part."""
+    seen_positive_only = seen_partial = False
+    for case in CASES:
+        B, N, D, Dg, k, options = case.values
+        student, guide = make_inputs(B, N, D, Dg, k, seed=B + N + k)
+        stats = oracle_stats(student, _with_ties(guide, options.get("offset", 0)), GistOptions(**options))
+        seen_positive_only |= stats.positive_only == B
+        seen_partial |= any(0 < stats.masked[key] < stats.candidates[key] for key in stats.masked)
+    assert seen_positive_only and seen_partial
+
+
+def test_blocks_switched_off_are_absent():
+    student, guide = make_inputs(5, 5, 8, 8, 0, seed=2)
+    _, stats = cgist.gist_loss(student, guide, contrast_anchors=False, return_stats=True)
+    assert set(stats.masked) == set(stats.candidates) == {"ap", "pp"}
+    assert stats.candidates == {"ap": 5 * 4, "pp": 5 * 5}
+
+
+def test_matryoshka_counts_the_shared_mask_once():
+    student, guide = make_inputs(9, 18, 24, 12, 1, seed=3)
+    _, flat = cgist.gist_loss(student, guide, offset=9, margin=0.1, return_stats=True)
+    _, nested = cgist.gist_loss(student, guide, offset=9, margin=0.1, matryoshka_dims=(24, 12, 6), return_stats=True)
+    assert nested == flat
+
+
+class _CountSyncs(TorchFunctionMode):
+    SYNCING = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "nonzero", "numpy", "cpu", "equal"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+def test_statistics_cost_one_host_sync():
+    student, guide = make_inputs(13, 26, 16, 12, 1, seed=4)
+    counts = []
+    for return_stats in (False, True):
+        with _CountSyncs() as syncs:
+            cgist.gist_loss(student, guide, offset=13, margin=0.1, return_stats=return_stats)
+        counts.append(syncs.count)
+    assert counts[1] - counts[0] == 1
+
+
+def test_mean_weights_by_anchors_and_sums_counts():
+    a = GistStats(masked={"ap": 3, "an": 1}, candidates={"ap": 10, "an": 20}, positive_only=1, anchors=2,
+                  theta_mean=0.5, threshold_mean=0.4)
+    b = GistStats(masked={"ap": 1, "aa": 2}, candidates={"ap": 30, "aa": 9}, positive_only=0, anchors=6,
+                  theta_mean=0.1, threshold_mean=0.0)
+    mean = GistStats.mean([a, b])
+    assert mean.masked == {"ap": 4, "aa": 2, "an": 1} and mean.candidates == {"ap": 40, "aa": 9, "an": 20}
+    assert mean.positive_only == 1 and mean.anchors == 8
+    assert mean.theta_mean == pytest.approx((0.5 * 2 + 0.1 * 6) / 8) and mean.threshold_mean == pytest.approx(0.1)
+    assert mean.masked_fraction("ap") == pytest.approx(0.1) and mean.positive_only_fraction == pytest.approx(1 / 8)
+    with pytest.raises(ValueError, match="at least one"):
+        GistStats.mean([])
+
+
+# In the trainer ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from helpers_models import tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return tiny_model(root / "student", dtype=torch.float32), tiny_model(root / "guide", dtype=torch.float32, seed=1)
+
+
+def _dataset(n: int = 16) -> Dataset:
+    words = "river bank money loan rain cloud city street car train song music old new quick slow".split()
+    anchors = [" ".join(words[(i * 3 + j) % len(words)] for j in range(4)) for i in range(n)]
+    positives = [" ".join(words[(i * 5 + j) % len(words)] for j in range(6)) for i in range(n)]
+    return Dataset.from_dict({"anchor": anchors, "positive": positives})
+
+
+def test_last_stats_of_a_training_call(models):
+    model, guide = models
+    loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=4, margin=0.05)
+    features = [model.preprocess(texts) for texts in (_dataset(8)["anchor"], _dataset(8)["positive"])]
+    loss(features, None).backward()
+    assert isinstance(loss.last_stats, GistStats) and loss.last_stats.anchors == 8
+    assert set(loss.last_stats.candidates) == {"ap", "aa", "pp"}
+    assert len(loss.pop_training_stats()) == 1 and loss.pop_training_stats() == []
+    with torch.no_grad():  # evaluation: last_stats follows, the training statistics do not
+        loss(features, None)
+    assert loss.pop_training_stats() == []
+
+
+def test_callback_logs_guide_keys_ahead_of_reporting(models, tmp_path):
+    """A 2-step trainer run: the guide/ keys are in the log history, and a reporting callback listed before the
+    guide callback (as the trainer lists its integrations) sees them too."""
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Reporter(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    model, guide = models
+    loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=4, margin=0.05)
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=True, seed=0,
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=_dataset(), loss=loss,
+                                         callbacks=[Reporter(), cgist.GuideStatsCallback(loss)])
+    trainer.train()
+    keys = {"guide/masked_ap", "guide/masked_aa", "guide/masked_pp", "guide/positive_only", "guide/theta_mean"}
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 2 and all(keys <= set(entry) for entry in logged)
+    assert [keys <= set(entry) for entry in seen if "loss" in entry] == [True, True]
+    assert all(0.0 <= entry["guide/masked_aa"] <= 1.0 for entry in logged)
+
+
+def test_callback_needs_a_fused_loss():
+    with pytest.raises(TypeError, match="loss must be a FusedCachedGISTLoss, got str"):
+        cgist.GuideStatsCallback("loss")
+
+
+def test_warns_once_when_most_anchors_keep_only_their_positive(models, caplog):
+    model, guide = models
+    loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=4, margin=5.0)  # masks every candidate
+    features = [model.preprocess(texts) for texts in (_dataset(8)["anchor"], _dataset(8)["positive"])]
+    with caplog.at_level(logging.WARNING, logger="cgist.loss"):
+        for _ in range(2):
+            loss(features, None).backward()
+    warnings = [r for r in caplog.records if "have every candidate but their positive masked" in r.getMessage()]
+    assert len(warnings) == 1 and "100%" in warnings[0].getMessage()
+    assert loss.last_stats.positive_only == 8
