@@ -29,6 +29,7 @@ from cgist.cli import main
 from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, read_record
 from cgist.data import stdlib_pairs
 from cgist.loss import FusedCachedGISTLoss
+from cgist.stats import GistStats
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
@@ -43,6 +44,7 @@ import sys, time
 from pathlib import Path
 from cgist.cli import main
 from cgist.loss import FusedCachedGISTLoss
+from cgist.stats import GistStats
 
 go, waiting, checkpoints = (Path(a) for a in sys.argv[1:4])
 calculate_loss = FusedCachedGISTLoss.calculate_loss
@@ -340,9 +342,10 @@ def test_non_finite_from_a_huge_learning_rate(setup, tmp_path, capsys):
     assert "--lr (now 1e+06)" in line
 
 
-@pytest.mark.parametrize("fault", ["loss", "gradient"])
+@pytest.mark.parametrize("fault", ["loss", "stats", "gradient"])
 def test_non_finite_injected(fault, setup, tmp_path, capsys, monkeypatch):
-    """A NaN made inside step 3: in the loss value, or in the gradients that reach the student."""
+    """A NaN made inside step 3: in the loss value, in the loss stage's statistics, or in the gradients that reach
+    the student."""
     calculate_loss = FusedCachedGISTLoss.calculate_loss
     calls = []
 
@@ -353,14 +356,18 @@ def test_non_finite_injected(fault, setup, tmp_path, capsys, monkeypatch):
             return loss
         if fault == "gradient":
             reps[0][0].grad.fill_(float("nan"))
-            return loss
-        return loss * float("nan")
+        elif fault == "stats":
+            self.last_stats = GistStats(masked={}, candidates={}, positive_only=0, anchors=8, theta_mean=0.5,
+                                        threshold_mean=float("nan"))
+        else:
+            loss = loss * float("nan")
+        return loss
 
     monkeypatch.setattr(FusedCachedGISTLoss, "calculate_loss", faulty_calculate_loss)
     out = tmp_path / "run"
     argv = replace_option(setup["argv"], "--save-steps", "1")
     status, err = run_cli([*argv, "--output-dir", str(out)], capsys)
     line = assert_stopped_without_model(status, err, out, step=3)
-    what = "the training loss" if fault == "loss" else "the gradient norm"
+    what = {"loss": "the training loss", "stats": "the loss stage's threshold_mean", "gradient": "the gradient norm"}[fault]
     assert f"error: {what} is nan at step 3; " in line
     assert calls == [True, True, True]  # stopped within the step, before any later one

@@ -135,8 +135,10 @@ class NonFiniteGuard(TrainerCallback):
     """Raises :class:`NonFiniteLoss` when the loss stage meets or makes a NaN or infinity.
 
     Checked in every training step, before the optimizer step: the embeddings that enter
-    ``loss.calculate_loss``, the loss it returns, and the student's gradients after clipping. So no update is
-    ever made from a non-finite value, and no checkpoint holds one. Pass the guard to the trainer as a callback.
+    ``loss.calculate_loss``, the loss it returns, the mean guide scores of ``loss.last_stats`` (the
+    ``cgist.GistStats`` of that call, when the loss keeps one) and the student's gradients after clipping. So no
+    update is ever made from a non-finite value, and no checkpoint holds one. Pass the guard to the trainer as a
+    callback.
     """
 
     def __init__(self, loss: FusedCachedGISTLoss, model: SentenceTransformer) -> None:
@@ -154,6 +156,11 @@ class NonFiniteGuard(TrainerCallback):
             value = float(result)
             if not math.isfinite(value):
                 raise NonFiniteLoss(self.step, "the training loss", value)
+            stats = getattr(loss, "last_stats", None)  # a cgist.GistStats of this call, where the loss keeps one
+            for what in ("theta_mean", "threshold_mean"):
+                value = getattr(stats, what, 0.0)
+                if not math.isfinite(value):
+                    raise NonFiniteLoss(self.step, f"the loss stage's {what}", value)
             return result
 
         loss.calculate_loss = checked_calculate_loss
