@@ -104,7 +104,7 @@ class TieIndex:
 
 
 def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: TieIndex, partner_ids: Tensor,
-               lo: int = 0) -> Tensor:
+               lo: int = 0, out: Tensor | None = None) -> Tensor:
     """True where a score is masked: its guide score is strictly above the row's threshold ``limit``.
 
     ``guide`` holds the guide scores of rows against columns ``lo:lo + guide.shape[1]`` of a block whose
@@ -112,9 +112,10 @@ def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: TieInde
     same row vector with the partner whose id is ``partner_ids[i]`` (the positive for anchor rows, the
     anchor for positive rows). A column equal to that partner is a tie with theta_i and is masked
     exactly when ``theta_masked[i]`` (theta_i > T_i), whatever the rounding of its guide score.
-    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1, ``partner_ids`` rows.
+    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1, ``partner_ids`` rows. The mask is
+    written into ``out`` if given.
     """
-    mask = guide > limit
+    mask = torch.gt(guide, limit) if out is None else torch.gt(guide, limit, out=out)
     rows, cols = ties.pairs(partner_ids, lo, lo + guide.shape[1])
     mask[rows, cols] = theta_masked[rows, 0]
     return mask

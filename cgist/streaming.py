@@ -53,15 +53,22 @@ __all__ = ["ROW_FLOOR", "Plan", "gist_loss_and_grads", "plan"]
 
 #: Rows per block that the default budget grows to reach (measured, see ``plan``).
 ROW_FLOOR = 256
+#: Columns per tile: a row block's tile then stays in the core's cache through its element-wise passes.
+TILE_COLS = 1024
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How a call is tiled: ``rows`` per row block, and ``cols`` per column chunk (None: one pass)."""
+    """How a call is tiled: ``rows`` per row block, ``cols`` per column tile, and whether in one pass.
+
+    In one pass a row block keeps the tiles of all its columns from the softmax sums to the gradients; in two
+    passes it recomputes them.
+    """
 
     rows: int
-    cols: int | None
+    cols: int
+    one_pass: bool
 
 
 def plan(batch: int, n_score_cols: int, widest_block: int, itemsize: int, block_bytes: int | None,
@@ -85,9 +92,9 @@ def plan(batch: int, n_score_cols: int, widest_block: int, itemsize: int, block_
         block_bytes = default_block_bytes(device, floor * per_row)
     rows = min(batch, block_bytes // per_row)
     if rows >= floor:
-        return Plan(rows, None)
-    per_col = (n_dims + 2) * itemsize + 2  # a chunk's terms of each dimension, guide scores, scratch, mask
-    return Plan(floor, max(1, block_bytes // (floor * per_col)))
+        return Plan(rows, TILE_COLS, True)
+    per_col = (n_dims + 2) * itemsize + 2  # a tile's terms of each dimension, guide scores, scratch, mask
+    return Plan(floor, max(1, min(TILE_COLS, block_bytes // (floor * per_col))), False)
 
 
 class _Dims:
@@ -114,7 +121,7 @@ class _Dims:
 class _Column:
     """One embedding column: normalised student and guide rows, tie ids and the gradient accumulators."""
 
-    x: Tensor  # student rows over the first ``top`` components, normalised there (rows x top)
+    x1: Tensor  # student rows over the first ``top`` components, normalised there, and a last column of ones
     norm: Tensor  # ||x[:top]|| (rows x 1)
     rho: Tensor  # per dimension (ascending), rho_d of each row (n_dims x rows)
     kappa: Tensor  # per dimension, rho_d^2, or 0 where ||x[:d]|| < eps (no radial gradient there)
@@ -125,6 +132,7 @@ class _Column:
 
     def __post_init__(self) -> None:
         self.ties = TieIndex(self.ids)
+        self.x = self.x1[:, :-1]  # the normalised rows (rows x top)
 
 
 @dataclass
@@ -137,6 +145,44 @@ class _Block:
     @property
     def has_label(self) -> bool:
         return self.kind == "ap"
+
+
+class _Workspace:
+    """Buffers that every row block reuses, so that its large tiles are neither allocated nor paged in again.
+
+    ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
+    (two passes); ``guide`` and ``mask``: one tile's guide scores and mask; ``prefix``: one tile's scratch
+    (Matryoshka prefix products, and their gradient's entropy terms); ``rows``: a row block's R x top product.
+    """
+
+    def __init__(self, problem: _Problem, schedule: Plan) -> None:
+        device, dtype = problem.columns[0].x.device, problem.dtype
+        rows, self.one_pass = schedule.rows, schedule.one_pass
+        sizes = [b.cols.x.shape[0] for b in problem.blocks]
+        self.starts = dict(zip(map(id, problem.blocks), [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]))
+        self.rows = rows
+        self.stride = rows * (sum(sizes) if self.one_pass else schedule.cols)
+        widest = rows * min(schedule.cols, max(sizes))
+        self.flat = {
+            "terms": torch.empty(len(problem.dims) * self.stride, dtype=dtype, device=device),
+            "guide": torch.empty(widest, dtype=dtype, device=device),
+            "mask": torch.empty(widest, dtype=torch.bool, device=device),
+            "rows": torch.empty(rows * problem.dims.top, dtype=dtype, device=device),
+        }
+        if len(problem.dims) > 1:
+            self.flat["prefix"] = torch.empty(widest, dtype=dtype, device=device)
+
+    def view(self, name: str, shape: tuple[int, int], start: int = 0) -> Tensor:
+        """A contiguous ``shape`` view of buffer ``name`` from element ``start``."""
+        return self.flat[name][start : start + shape[0] * shape[1]].view(shape)
+
+    def terms(self, dim: int, block: _Block, lo: int, shape: tuple[int, int]) -> Tensor:
+        """The term buffer of dimension ``dim`` for the tile of ``block`` from column ``lo``.
+
+        In one pass every tile of a row block has its own place; in two passes they all share one.
+        """
+        start = self.rows * (self.starts[id(block)] + lo) if self.one_pass else 0
+        return self.view("terms", shape, dim * self.stride + start)
 
 
 class _Problem:
@@ -168,14 +214,18 @@ class _Problem:
 
     def _column(self, student: Tensor, guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
         dims = self.dims
-        x, norm = normalize(student[:, : dims.top], self.dtype)
+        # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
+        x1 = torch.ones(student.shape[0], dims.top + 1, dtype=self.dtype, device=student.device)
+        x = x1[:, :-1].copy_(student[:, : dims.top])
+        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        x.div_(norm.clamp_min(EPS))
         floor_top = norm.squeeze(1).clamp_min(EPS)
         prefix = [torch.linalg.vector_norm(student[:, :d], dim=1, dtype=self.dtype) for d in dims.sizes[:-1]]
         rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])
         kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
         radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
-        return _Column(x, norm, rho, kappa, normalize(guide, self.dtype)[0], ids, grad, radial)
+        return _Column(x1, norm, rho, kappa, normalize(guide, self.dtype)[0], ids, grad, radial)
 
     def count(self, field: str, value: Tensor) -> None:
         self.counters[STATS_FIELDS.index(field)] += value
@@ -261,30 +311,35 @@ class _RowBlock:
 
         The label of row i (AP column ``offset + i``) is never masked, but its logit is carried apart
         (``self.positive``), so here it is -inf too. ``unmasked``, if given, gets each row's count of
-        entries left (R): the statistics, taken on the first sweep only.
+        entries left (R): the statistics, taken on the first sweep only. The results are views of the
+        workspace's term buffers for this block.
         """
-        problem, dims = self.problem, self.problem.dims
+        problem, dims, work = self.problem, self.problem.dims, self.problem.work
         rows, cols = self.rows_of(block), block.cols
-        guide = rows.g @ cols.g[lo:hi].T
-        mask = guide_mask(guide, self.limit, self.theta_masked, cols.ties, rows.partner_ids, lo)
-        del guide
+        shape = (rows.x.shape[0], hi - lo)
+        guide = torch.mm(rows.g, cols.g[lo:hi].T, out=work.view("guide", shape))
+        mask = guide_mask(guide, self.limit, self.theta_masked, cols.ties, rows.partner_ids, lo,
+                          out=work.view("mask", shape))
         mask[self.labels(block, lo, hi)] = True
         if unmasked is not None:
             masked = mask.sum(dim=1)
             problem.count(f"masked_{block.kind}", masked.sum() - self.labels(block, lo, hi)[0].shape[0])
             unmasked += (hi - lo) - masked
-        if len(dims) == 1:  # the scale and shift ride on the product
-            logits = torch.addmm(-shift[0].unsqueeze(1), rows.x, cols.x[lo:hi].T, alpha=problem.logit_scale)
-            return [logits.masked_fill_(mask, float("-inf"))]
-        out = []
-        prefix = None
+        out = [work.terms(m, block, lo, shape) for m in range(len(dims))]
+        if len(dims) == 1:
+            # The scale and the shift ride on the product: [scale * x_hat, -shift] . [k_hat, 1].
+            rows1 = torch.cat([rows.x * problem.logit_scale, -shift[0].unsqueeze(1)], dim=1)
+            return [torch.mm(rows1, cols.x1[lo:hi].T, out=out[0]).masked_fill_(mask, float("-inf"))]
+        prefix = work.view("prefix", shape)
         for m, (a, b) in enumerate(dims.segments):
-            part = rows.x[:, a:b] @ cols.x[lo:hi, a:b].T
-            prefix = part.masked_fill_(mask, float("-inf")) if prefix is None else prefix.add_(part)
+            if m == 0:
+                torch.mm(rows.x[:, a:b], cols.x[lo:hi, a:b].T, out=prefix).masked_fill_(mask, float("-inf"))
+            else:
+                prefix.addmm_(rows.x[:, a:b], cols.x[lo:hi, a:b].T)
             row_scale = rows.rho[m] * problem.logit_scale
             # logits = row_scale * (prefix * rho_col - shift / row_scale): two passes instead of three
-            out.append(torch.addcmul((-shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0))
-                       .mul_(row_scale.unsqueeze(1)))
+            torch.addcmul((-shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0), out=out[m])
+            out[m].mul_(row_scale.unsqueeze(1))
         return out
 
     def terms(self, block: _Block, lo: int, hi: int, shift: Tensor, unmasked: Tensor | None = None) -> list[Tensor]:
@@ -308,7 +363,8 @@ class _RowBlock:
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
             tile[label_rows, label_cols] = -others[0, label_rows]
-            rows.grad.addcmul_(tile @ cols.x[lo:hi], row_weight[0].unsqueeze(1))
+            rows.grad.addcmul_(torch.mm(tile, cols.x[lo:hi], out=self.problem.work.view("rows", rows.x.shape)),
+                               row_weight[0].unsqueeze(1))
             cols.grad[lo:hi].addmm_(tile.T, rows.x * row_weight[0].unsqueeze(1))
             return
         inv_scale = 1.0 / self.problem.logit_scale
@@ -317,7 +373,7 @@ class _RowBlock:
             tile = terms[m]
             # sum over the tile of dL/dcos * cos, by rows and by columns, with cos = (logit + shift) /
             # logit_scale and logit * 2^logit = xlogy(term, term) / ln 2 (0 where masked)
-            entropy = torch.special.xlogy(tile, tile).div_(LN2)
+            entropy = torch.special.xlogy(tile, tile, out=self.problem.work.view("prefix", tile.shape)).div_(LN2)
             entropy[label_rows, label_cols] = -others[m, label_rows] * (self.positive[m, label_rows] - shift[m, label_rows])
             tile[label_rows, label_cols] = -others[m, label_rows]
             rows.radial[m] += row_weight[m] * (entropy.sum(dim=1) + shift[m] * tile.sum(dim=1)) * inv_scale
@@ -330,14 +386,13 @@ class _RowBlock:
             cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
 
 
-def _spans(block: _Block, cols: int | None) -> list[tuple[int, int]]:
-    """The column ranges ``(lo, hi)`` of ``block``: all of it, or chunks of ``cols``."""
+def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
+    """The column ranges ``(lo, hi)`` of ``block``'s tiles, ``cols`` wide."""
     n = block.cols.x.shape[0]
-    step = n if cols is None else cols
-    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+    return [(lo, min(lo + cols, n)) for lo in range(0, n, cols)]
 
 
-def _sweep(problem: _Problem, rb: _RowBlock, cols: int | None, shift: Tensor, keep: bool, count: bool):
+def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, keep: bool, count: bool):
     """Row sums of the softmax terms of every tile (n_dims x R), and the tiles themselves if ``keep``."""
     others = torch.zeros_like(shift)
     unmasked = torch.zeros_like(rb.local) if count else None
@@ -353,16 +408,16 @@ def _sweep(problem: _Problem, rb: _RowBlock, cols: int | None, shift: Tensor, ke
     return others, tiles
 
 
-def _row_block(problem: _Problem, rb: _RowBlock, cols: int | None) -> Tensor:
+def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     """Weighted loss sum of one row block; accumulates its gradients when they are wanted.
 
-    With ``cols`` None, the tiles against all columns are kept from the sums to the gradients (one
-    pass); otherwise column chunks of ``cols`` are recomputed for the gradients (two passes). Logits are
+    In one pass the tiles against all columns are kept from the sums to the gradients; in two passes they
+    are recomputed for the gradients. Logits are
     shifted by the positive's, so that the positive's term is 1 and the loss is usually log1p of the
     others' sum; only when that sum overflows (a candidate ~128 base-2 units above the positive) is the
     shift raised to the row maximum, found by one more sweep.
     """
-    one_pass, want_grads = cols is None, problem.columns[0].grad is not None
+    one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
     shift = rb.positive
     others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=problem.counters is not None)
     if not bool(torch.isfinite(others).all()):
@@ -405,9 +460,10 @@ def gist_loss_and_grads(
     device = problem.columns[0].x.device
     schedule = plan(problem.batch, problem.n_score_cols, widest, itemsize, options.block_bytes, device,
                     len(problem.dims))
+    problem.work = _Workspace(problem, schedule)
     loss = torch.zeros((), dtype=problem.dtype, device=device)
     for start in range(0, problem.batch, schedule.rows):
         loss += _row_block(problem, _RowBlock(problem, start, min(start + schedule.rows, problem.batch)),
-                           schedule.cols)
+                           schedule)
     loss = loss / problem.batch
     return loss, (problem.gradients(embeddings) if need_grads else None), problem.counters
