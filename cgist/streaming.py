@@ -71,30 +71,31 @@ class Plan:
     one_pass: bool
 
 
-def plan(batch: int, n_score_cols: int, widest_block: int, itemsize: int, block_bytes: int | None,
-         device: torch.device = torch.device("cpu"), n_dims: int = 1) -> Plan:
-    """Choose the schedule for B = ``batch`` anchor rows against ``n_score_cols`` columns in all.
+def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsize: int, block_bytes: int | None,
+         device: torch.device = torch.device("cpu")) -> Plan:
+    """Choose the schedule for B = ``batch`` anchor rows against score blocks of ``block_widths`` columns.
 
-    One pass holds, per row, the softmax terms of every column for each of the ``n_dims`` Matryoshka
-    dimensions, plus one block's guide scores, mask and a scratch tile:
-    ``(n_dims * n_score_cols + 2 * widest_block) * itemsize + widest_block * 2`` bytes. The rows per block are the budget
-    divided by that; with the default budget (``block_bytes=None``) the budget first grows so that
-    ``ROW_FLOOR`` rows fit, unless that exceeds an eighth of the available memory. When fewer than
-    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per
-    block and as many columns per chunk as the budget allows (at least one).
+    The budget bounds the workspace (``_Workspace``), per row: the softmax terms of every kept column for
+    each of the ``n_dims`` dimensions, one tile's guide scores and mask (plus a scratch tile with several
+    dimensions), and an R x ``top`` product. One pass keeps all ``sum(block_widths)`` columns. The rows per
+    block are the budget divided by that; with the default budget (``block_bytes=None``) it first grows so
+    that ``ROW_FLOOR`` rows fit, unless that exceeds an eighth of the available memory. When fewer than
+    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
+    as many columns per tile as the budget allows (at least one, at most ``TILE_COLS``).
 
-    Measured (2 threads, D = Dg = 384, k = 1, B = 4096, fp32): see the README's CPU performance section;
-    128 rows ran 1.4x slower than 256, and 512 or 1024 rows gained less than 5% over 256.
+    Measured (2 threads, D = Dg = 384, k = 1, fp32): see the README's CPU performance section.
     """
-    per_row = (n_dims * n_score_cols + 2 * widest_block) * itemsize + widest_block * 2
+    tile = min(TILE_COLS, max(block_widths))
+    scratch = itemsize + 1 + (itemsize if n_dims > 1 else 0)  # guide, mask[, scratch] per tile column
+    one_pass_row = n_dims * sum(block_widths) * itemsize + tile * scratch + top * itemsize
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
-        block_bytes = default_block_bytes(device, floor * per_row)
-    rows = min(batch, block_bytes // per_row)
+        block_bytes = default_block_bytes(device, floor * one_pass_row)
+    rows = min(batch, block_bytes // one_pass_row)
     if rows >= floor:
-        return Plan(rows, TILE_COLS, True)
-    per_col = (n_dims + 2) * itemsize + 2  # a tile's terms of each dimension, guide scores, scratch, mask
-    return Plan(floor, max(1, min(TILE_COLS, block_bytes // (floor * per_col))), False)
+        return Plan(rows, tile, True)
+    cols = (block_bytes // floor - top * itemsize) // (n_dims * itemsize + scratch)
+    return Plan(floor, max(1, min(tile, cols)), False)
 
 
 class _Dims:
@@ -421,9 +422,12 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     shift = rb.positive
     others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=problem.counters is not None)
     if not bool(torch.isfinite(others).all()):
-        peaks = [torch.stack(rb.masked_logits(b, lo, hi, shift)).amax(dim=2)
-                 for b in problem.blocks for lo, hi in _spans(b, cols)]
-        shift = shift + torch.stack(peaks).amax(dim=0).clamp_min(0.0)
+        peak = torch.zeros_like(shift)
+        for b in problem.blocks:
+            for lo, hi in _spans(b, cols):
+                for m, logits in enumerate(rb.masked_logits(b, lo, hi, shift)):
+                    torch.maximum(peak[m], logits.amax(dim=1), out=peak[m])
+        shift = shift + peak
         others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
     gap = (shift - rb.positive) * LN2
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
@@ -456,10 +460,9 @@ def gist_loss_and_grads(
     """
     problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats)
     itemsize = torch.finfo(problem.dtype).bits // 8
-    widest = max(b.cols.x.shape[0] for b in problem.blocks)
     device = problem.columns[0].x.device
-    schedule = plan(problem.batch, problem.n_score_cols, widest, itemsize, options.block_bytes, device,
-                    len(problem.dims))
+    schedule = plan(problem.batch, [b.cols.x.shape[0] for b in problem.blocks], problem.dims.top, len(problem.dims),
+                    itemsize, options.block_bytes, device)
     problem.work = _Workspace(problem, schedule)
     loss = torch.zeros((), dtype=problem.dtype, device=device)
     for start in range(0, problem.batch, schedule.rows):

@@ -169,11 +169,36 @@ class _LargestAllocation(TorchDispatchMode):
         return out
 
 
-def test_never_allocates_batch_by_candidates():
+@pytest.mark.parametrize("dims", [None, (8, 4)], ids=["flat", "matryoshka"])
+@pytest.mark.parametrize("block_bytes", [64 * 1024, 1], ids=["64KiB", "1B"])
+def test_allocations_stay_within_the_budget_and_the_inputs(block_bytes, dims):
+    """No single allocation exceeds the score budget or the size of an input column (B x N never appears)."""
     B, N, D = 64, 128, 8
     student, guide = make_inputs(B, N, D, D, 1, dtype=torch.float32, seed=8)
+    options = GistOptions(block_bytes=block_bytes, matryoshka_dims=dims)
     with _LargestAllocation() as probe:
-        gist_loss_and_grads(student, guide, GistOptions(block_bytes=64 * 1024), need_grads=True)
+        gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
     inputs = max(t.numel() for t in student + guide)
-    assert probe.largest < B * N, f"largest intermediate has {probe.largest} elements, B*N = {B * N}"
-    assert probe.largest >= inputs  # sanity: the probe saw the normalised copies
+    bound = max(block_bytes // 4, N * (D + 1))  # the budget in fp32 elements, or a normalised column [x_hat, 1]
+    assert probe.largest <= bound, f"largest intermediate has {probe.largest} elements, bound {bound}"
+    assert probe.largest < B * N and probe.largest >= inputs  # sanity: the probe saw the normalised copies
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1], ids=["one-pass", "two-pass"])
+def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
+    """A candidate ~290 base-2 units above the positive (cos 1 against -1 at tau 0.01): in float32 2^(z - z_pos)
+    overflows, so the row block is redone shifted by its maximum; the loss is finite and matches the oracle."""
+    from cgist import streaming
+
+    student, guide = make_inputs(6, 12, 10, 8, 1, dtype=torch.float32, seed=12)
+    student[1][6:] = -student[0]  # each positive opposite its anchor
+    student[2][2] = student[0][2]  # a negative equal to anchor 2
+    guide[2][2] = -guide[0][2]  # that the guide does not mask
+    calls = []
+    real = streaming._RowBlock.masked_logits
+    monkeypatch.setattr(streaming._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
+    assert float(expected.detach()) > 100  # the case is what it claims
+    n_tiles = sum(len(streaming._spans(b, streaming.TILE_COLS if block_bytes is None else 1))
+                  for b in streaming._Problem(student, guide, GistOptions(offset=6), True, False).blocks)
+    assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
