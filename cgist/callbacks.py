@@ -43,6 +43,8 @@ class GuideStatsCallback(TrainerCallback):
         if not isinstance(loss, FusedCachedGISTLoss):
             raise TypeError(f"loss must be a FusedCachedGISTLoss, got {type(loss).__name__}")
         self.loss = loss
+        #: The statistics of every logged training step so far, as one.
+        self.total: GistStats | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._run_first()
@@ -70,6 +72,7 @@ class GuideStatsCallback(TrainerCallback):
         merged = GistStats.mean(stats)
         if self.loss.gather_across_devices and dist.is_available() and dist.is_initialized():
             merged = merged.sum_over_ranks(self.loss.model.device)
+        self.total = merged if self.total is None else GistStats.mean([self.total, merged])
         entries = stats_logs(merged)
         logs.update(entries)
         # The trainer recorded a copy of these logs in its history before calling the callbacks.

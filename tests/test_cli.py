@@ -226,6 +226,11 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
     assert 0 < summary["timing"]["loss_s"] < summary["timing"]["step_s"]
     assert summary["memory"]["peak_rss_mib"] > 0
     assert "FusedCachedGISTLoss" in (out / "README.md").read_text()
+    # The guide's statistics over the two steps: a summary row, and the logged entries in the saved summary.
+    guide_keys = {"guide/masked_ap", "guide/masked_aa", "guide/masked_pp", "guide/positive_only", "guide/theta_mean"}
+    assert set(summary["guide"]) == guide_keys and all(0 <= summary["guide"][k] <= 1 for k in guide_keys - {"guide/theta_mean"})
+    row = next(line for line in stdout.splitlines() if line.startswith("guide (mean over the run's steps)"))
+    assert "masked AP " in row and "AA " in row and "PP " in row and "mean theta" in row
 
     before = load_file(str(next(student_dir.glob("**/model.safetensors"))))
     after = load_file(str(next(out.glob("**/model.safetensors"))))

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
     from ..loss import FusedCachedGISTLoss
 
-__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_summary", "peak_memory"]
+__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_summary", "peak_memory"]
 
 # Metric key suffixes of InformationRetrievalEvaluator and their names in the summary table.
 METRICS = {"mrr@10": "MRR@10", "recall@1": "Recall@1", "ndcg@10": "NDCG@10"}
@@ -85,6 +85,14 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return peak
 
 
+def format_guide(guide: dict[str, float]) -> str:
+    """The run's mean guide statistics as one line: masked share per block, positive-only share, mean theta."""
+    blocks = ", ".join(f"{key.removeprefix('guide/masked_').upper()} {100 * value:.1f}%"
+                       for key, value in guide.items() if key.startswith("guide/masked_"))
+    return (f"guide (mean over the run's steps): masked {blocks}; only the positive left for "
+            f"{100 * guide['guide/positive_only']:.1f}% of anchors; mean theta {guide['guide/theta_mean']:.3f}")
+
+
 def format_summary(summary: dict) -> str:
     """The before/after metric table and the timing, memory and output lines of a finished run."""
     rows = [("metric (held-out)", "before", "after")]
@@ -107,6 +115,7 @@ def format_summary(summary: dict) -> str:
         f"({timing['loss_s']:.2f} s of {timing['step_s']:.1f} s in FusedCachedGISTLoss.calculate_loss)",
         "peak memory: " + ", ".join(f"{k.removeprefix('peak_').removesuffix('_mib')} {v:.0f} MiB"
                                     for k, v in summary["memory"].items()),
+        *([format_guide(summary["guide"])] if summary.get("guide") else []),
         f"saved to: {summary['output_dir']}",
         f"checkpoints: {', '.join(summary['checkpoints'])} in {summary['output_dir']}/checkpoints "
         f"({timing['checkpoint_s']:.1f} s spent writing checkpoints)",

@@ -165,6 +165,7 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     import torch
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
+    from ..callbacks import GuideStatsCallback, stats_logs
     from ..data import DataError, retrieval_task, split_pairs
     from ..loss import FusedCachedGISTLoss
     from .trainer import CheckpointTrainer, NonFiniteGuard, NonFiniteLoss, StopNow, StopRequest
@@ -212,9 +213,10 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     timer = StageTimer(loss, device)
     guard = NonFiniteGuard(loss, model)  # wraps the timed loss, so the checks stay out of the loss-stage time
     stop = StopRequest()
+    guide_stats = GuideStatsCallback(loss)
     trainer = CheckpointTrainer(
         model=model, args=_trainer_arguments(args, checkpoints, device), train_dataset=train_set, loss=loss,
-        callbacks=[timer.callback, guard, stop.callback],
+        callbacks=[timer.callback, guard, stop.callback, guide_stats],
         record={"options": options, "before": before}, keep=args.save_total_limit,
     )
     train_start = time.perf_counter()
@@ -265,6 +267,7 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
                 **timer.timing(),
             },
             "memory": peak_memory(device),
+            "guide": stats_logs(guide_stats.total) if guide_stats.total is not None else {},
             "output_dir": str(output),
             "args": {k: v for k, v in vars(args).items() if k != "command"},
         }
