@@ -69,7 +69,7 @@ def launch_values(kernel, precision: str, dim: int, dim_g: int, config: triton.C
     values = dict(
         q_ptr=emb, qg_ptr=emb, k_ptr=emb, kg_ptr=emb, rq_ptr=vec, rqg_ptr=vec, rk_ptr=vec, rkg_ptr=vec,
         col_id_ptr=ids, partner_id_ptr=ids, thr_ptr=vec, theta_masked_ptr=torch.empty(1, dtype=torch.int8),
-        pos_ptr=vec, m_ptr=vec, l_ptr=vec, lse_ptr=vec, scalars_ptr=vec, grad_ptr=vec,
+        pos_ptr=vec, m_ptr=vec, l_ptr=vec, rw_ptr=vec, scalars_ptr=vec, grad_ptr=vec,
         n_rows=rows, n_cols=cols, dim=dim, dim_g=dim_g, offset=0, partner_start=0, b_bucket=rows, n_bucket=cols,
         stride_q=dim, stride_qg=dim_g, stride_k=dim, stride_kg=dim_g, stride_grad=dim,
         has_label=1, relative=0, accumulate=1, ACC=TL_DTYPES[acc], PRECISION=dot_precision,

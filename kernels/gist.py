@@ -35,7 +35,7 @@ import triton.language as tl
 __all__ = ["gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "pack_scalars", "tile_configs"]
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
-SCALE, MARGIN, GRAD_SCALE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SCALE, MARGIN = tl.constexpr(0), tl.constexpr(1)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -49,13 +49,12 @@ def _configs(tiles) -> list[triton.Config]:
 
 #: Tensor-core tiles (bf16, fp16, tf32).
 MMA_CONFIGS = _configs([
-    (64, 64, 32, 4, 3),
+    (64, 64, 32, 4, 2),
     (128, 64, 32, 8, 3),
     (32, 64, 32, 4, 2),  # small batches: more programs per SM
 ])
 #: IEEE fp32 / fp64 dots run on the FMA units; their operands live in registers, so smaller tiles.
 FMA_CONFIGS = _configs([
-    (32, 32, 16, 2, 2),
     (64, 32, 16, 4, 2),
 ])
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
@@ -80,14 +79,13 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
     return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"])
 
 
-def pack_scalars(temperature: float, margin: float, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``[log2(e) / tau, margin, 1 / (tau * B)]`` as a tensor of the accumulation dtype.
+def pack_scalars(temperature: float, margin: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[log2(e) / tau, margin]`` as a tensor of the accumulation dtype.
 
     A tensor rather than kernel arguments, so that float64 runs keep full precision (Python floats
     reach a kernel as float32).
     """
-    return torch.tensor([math.log2(math.e) / temperature, margin, 1.0 / (temperature * batch)], dtype=dtype,
-                        device=device)
+    return torch.tensor([math.log2(math.e) / temperature, margin], dtype=dtype, device=device)
 
 
 @triton.jit
@@ -157,20 +155,36 @@ def _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr):
 
 
 @triton.jit
+def _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr):
+    """The forward's running max and sum of each row, and its row weight, each (BLOCK_M,)."""
+    shift = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
+    others = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
+    row_weight = tl.load(rw_ptr + offs_m, mask=mask_m, other=0.0)
+    return shift, others, row_weight
+
+
+@triton.jit
 def _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
                    has_label):
-    """``z`` (BLOCK_M, BLOCK_N) with -inf where the guide score is strictly above the row threshold or out of range.
+    """``z`` (BLOCK_M, BLOCK_N) with -inf where the guide score is strictly above the row threshold, at the label, or out of range.
 
     A column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties with theta_i and
     is masked iff ``theta_masked`` (theta_i > T_i). With ``has_label`` (the AP block) column
-    ``offset + i`` of row i is never masked. The column ids are loaded here, after the tile's
-    products, so that they are not live during them.
+    ``offset + i`` of row i is the label: it is never masked, but it is carried apart from the other
+    terms (its logit is the positive's), so it is -inf here too. The column ids are loaded here, after
+    the tile's products, so that they are not live during them.
     """
     col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
     keep = tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
-    keep = keep | ((offs_n[None, :] == offs_m[:, None] + offset) & (has_label != 0))
+    keep = keep & ~_is_label(offs_m, offs_n, mask_m, offset, has_label)
     keep = keep & mask_m[:, None] & mask_n[None, :]
     return tl.where(keep, z, float("-inf"))
+
+
+@triton.jit
+def _is_label(offs_m, offs_n, mask_m, offset, has_label):
+    """True at the label of each row of the tile (column ``offset + i`` of the AP block), (BLOCK_M, BLOCK_N)."""
+    return (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None] & (has_label != 0)
 
 
 @triton.jit
@@ -197,11 +211,15 @@ def _online_lse(m_i, l_i, z):
 
 
 @triton.jit
-def _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label):
-    """dL/ds of one tile (BLOCK_M, BLOCK_N): ``(softmax - onehot(label)) * grad_scale``; 0 where masked."""
-    p = tl.exp2(z - lse[:, None])
-    is_label = (offs_n[None, :] == offs_m[:, None] + offset) & mask_m[:, None] & (has_label != 0)
-    return tl.where(is_label, p - 1.0, p) * grad_scale
+def _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label):
+    """dL/ds of one tile (BLOCK_M, BLOCK_N) from its masked logits z (label at -inf); 0 where masked.
+
+    With ``total = others + 2^(positive - shift)`` the row's softmax denominator in units of
+    ``2^shift`` and ``row_weight = 1 / (tau * B * total)``, an entry gets ``2^(z - shift) * row_weight``
+    and the label ``-others * row_weight``: exactly softmax - 1, with no cancellation.
+    """
+    p = tl.exp2(z - shift[:, None]) * row_weight[:, None]
+    return tl.where(_is_label(offs_m, offs_n, mask_m, offset, has_label), (-others * row_weight)[:, None], p)
 
 
 @triton.jit
@@ -248,10 +266,11 @@ def gist_fwd_kernel(
 ):
     """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
 
-    Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits. The AP
+    Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits other than
+    the label, which is carried apart so that a small loss keeps its relative precision. The AP
     launch (``has_label``) comes first: it computes ``theta_i`` and the positive logit from the label
     tiles, stores the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positive, and seeds
-    ``m_i`` with the positive logit. ``col_id_ptr`` holds the tie ids of the columns and
+    ``m_i`` with the positive logit (so ``l`` starts at 0). ``col_id_ptr`` holds the tie ids of the columns and
     ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -303,7 +322,7 @@ def gist_fwd_kernel(
 @triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
 def gist_bwd_rows_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, lse_ptr, scalars_ptr, grad_ptr,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
     n_rows, n_cols, dim, dim_g, offset, partner_start,
     stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -311,25 +330,26 @@ def gist_bwd_rows_kernel(
 ):
     """Backward row pass of one block: ``grad[i] (+)= sum_j dS[i, j] * k_hat[j]``, grad = dL/dq_hat (n_rows x dim).
 
-    Recomputes each tile and its mask exactly as the forward; ``lse`` is the base-2 row LSE.
+    Recomputes each tile and its mask exactly as the forward; ``m`` and ``l`` are the forward's running
+    max and sum of the row (label excluded) and ``rw`` its row weight (see ``_score_grad``).
     Unless ``accumulate``, the first column tile overwrites ``grad`` instead of adding to it.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     scale = tl.load(scalars_ptr + SCALE)
-    grad_scale = tl.load(scalars_ptr + GRAD_SCALE)
     rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
     thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
-    lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_cols
+        # loaded in the loop (cached), so that they are not live during the products
+        shift, others, row_weight = _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr)
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
         z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
                          col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
                          stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
+        ds = _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
         _add_product(grad_ptr, offs_m, mask_m, stride_grad, accumulate + start_n > 0,
                      ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_k, dim, BLOCK_K, ACC, PRECISION)
 
@@ -337,7 +357,7 @@ def gist_bwd_rows_kernel(
 @triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
 def gist_bwd_cols_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, lse_ptr, scalars_ptr, grad_ptr,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
     n_rows, n_cols, dim, dim_g, offset, partner_start,
     stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -351,7 +371,6 @@ def gist_bwd_cols_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_cols
     scale = tl.load(scalars_ptr + SCALE)
-    grad_scale = tl.load(scalars_ptr + GRAD_SCALE)
     rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
     rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
     for start_m in range(0, n_rows, BLOCK_M):
@@ -359,11 +378,11 @@ def gist_bwd_cols_kernel(
         mask_m = offs_m < n_rows
         rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
         thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
-        lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
+        shift, others, row_weight = _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr)
         z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
                          col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
                          stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        ds = _score_grad(z, lse, grad_scale, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
+        ds = _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
         _add_product(grad_ptr, offs_n, mask_n, stride_grad, accumulate + start_m > 0,
                      tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_q, dim,
                      BLOCK_K, ACC, PRECISION)

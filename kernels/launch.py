@@ -7,7 +7,10 @@ the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..
 * forward: the AP launch stores the threshold, the flag ``theta_i > T_i``, the positive logit and the
   first running max/sum of each row; the other blocks fold into that state. Guide ties are decided by
   identity: equal normalised guide rows get equal int32 ids (``cgist.numerics.tie_ids``), and each
-  launch reads the ids of its columns and of its rows' partners. The loss is ``mean(m + log2 l - z_pos) * ln 2``.
+  launch reads the ids of its columns and of its rows' partners. The label is kept out of the running
+  sum ``l`` (base 2, shifted by the running max ``m``, which starts at the positive logit ``z_pos``), so
+  each row's loss is ``(m - z_pos) ln 2 + log1p(l + expm1((z_pos - m) ln 2))``: a small loss keeps its
+  relative precision instead of inheriting the rounding of a logit near 1/tau.
 * backward: the row pass and the column pass of each block add into fp32 (fp64) buffers of
   gradients with respect to the normalised embeddings; the first pass to reach a buffer overwrites
   it. Launches run in order on one stream, so the sums are deterministic without atomics. The
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ForwardState", "gist_backward", "gist_forward", "gist_loss_and_grads"]
 
+LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
@@ -111,11 +115,19 @@ class ForwardState:
     blocks: list[_Block]
     thr: Tensor
     theta_masked: Tensor
-    lse: Tensor
+    pos: Tensor  # base-2 positive logit of each row
+    run_max: Tensor  # running max m of each row (at least the positive)
+    run_sum: Tensor  # sum of 2^(z - m) over the unmasked entries other than the label
     scalars: Tensor
     flags: dict
     tiles: dict
     offset: int
+    temperature: float
+
+    def row_weight(self) -> Tensor:
+        """``1 / (tau * B * total)``, with ``total = l + 2^(z_pos - m)`` the softmax denominator over ``2^m``."""
+        batch = self.pos.shape[0]
+        return 1.0 / ((self.temperature * batch) * (self.run_sum + torch.exp2(self.pos - self.run_max)))
 
 
 @torch.no_grad()
@@ -151,7 +163,7 @@ def gist_forward(
         blocks.append(_Block(positive.rows(offset, offset + batch), positive, False, anchor.ids, 0))
     blocks.extend(_Block(anchor, negative, False, positive.ids, offset) for negative in negatives)
 
-    scalars = pack_scalars(options.temperature, options.margin, batch, acc, device)
+    scalars = pack_scalars(options.temperature, options.margin, acc, device)
     thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
     theta_masked = torch.empty(batch, dtype=torch.int8, device=device)
     flags = dict(
@@ -167,26 +179,27 @@ def gist_forward(
             )
     config = gist_fwd_kernel.best_config
     tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    lse = run_max + torch.log2(run_sum)
-    loss = ((lse - pos).sum() * math.log(2.0) / batch).to(acc)
-    return loss, ForwardState(embeddings, sides, norms, blocks, thr, theta_masked, lse, scalars, flags, tiles,
-                              offset)
+    gap = (run_max - pos) * LN2
+    loss = (gap + torch.log1p(run_sum + torch.expm1(-gap))).sum() / batch
+    return loss, ForwardState(embeddings, sides, norms, blocks, thr, theta_masked, pos, run_max, run_sum, scalars,
+                              flags, tiles, offset, options.temperature)
 
 
 @torch.no_grad()
 def gist_backward(state: ForwardState) -> list[Tensor]:
     """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state."""
-    acc = state.lse.dtype
+    acc = state.pos.dtype
+    row_weight = state.row_weight()
     grads_hat = [torch.empty(x.shape, dtype=acc, device=x.device) for x in state.embeddings]
     written: set[int] = set()
-    with _launch_device(state.lse.device):
+    with _launch_device(state.pos.device):
         for block in state.blocks:
             args = block.kernel_args(state.thr, state.theta_masked, state.scalars, state.offset)
             for kernel, side, tile in ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"),
                                        (gist_bwd_cols_kernel, block.cols, "BLOCK_N")):
                 out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
                 kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                    **args, lse_ptr=state.lse, grad_ptr=out, stride_grad=out.stride(0),
+                    **args, m_ptr=state.run_max, l_ptr=state.run_sum, rw_ptr=row_weight, grad_ptr=out, stride_grad=out.stride(0),
                     accumulate=int(side.grad in written), **state.flags, **state.tiles,
                 )
                 written.add(side.grad)

@@ -162,6 +162,36 @@ def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
     assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
 
 
+def _precise_loss(student, guide, options):
+    """The loss in float64 as mean_i log1p(sum over unmasked j != label of exp(z_ij - z_pos)): exact however small."""
+    scores = gist_scores([s.double() for s in student], [g.double() for g in guide], options) / options.temperature
+    rows = torch.arange(scores.shape[0])
+    positive = scores[rows, rows + options.offset]
+    others = torch.exp(scores - positive.unsqueeze(1))
+    others[rows, rows + options.offset] = 0.0
+    return torch.log1p(others.sum(dim=1)).mean()
+
+
+@pytest.mark.parametrize("closeness", [1e-1, 1e-2, 1e-3], ids=lambda c: f"closeness{c:g}")
+def test_small_loss_keeps_relative_precision(closeness):
+    """fp32 positives that are near copies of their anchors: a loss far below float32's rounding of 1/tau.
+
+    Summing the label's term into the running sum would leave an absolute error of ~2^-24 in the loss,
+    a relative error far above the bound at these losses.
+    """
+    batch, n_cand, offset = 7, 14, 7
+    student, guide = make_inputs(batch, n_cand, 24, 12, 1, seed=3)
+    student[1][offset : offset + batch] = student[0] + closeness * student[1][offset : offset + batch]
+    student, guide = [s.float() for s in student], [g.float() for g in guide]
+    options = GistOptions(temperature=0.05, margin=0.05, offset=offset)
+    expected = float(_precise_loss(student, guide, options))
+    assert 0.0 < expected < 1e-4
+    loss, _, _ = gist_loss_and_grads([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
+                                     need_grads=False)
+    bound = 64 * torch.finfo(torch.float32).eps * (1.0 + 1.0 / options.temperature)
+    assert abs(float(loss) - expected) <= bound * expected, f"relative error {abs(float(loss) - expected) / expected:.3g}"
+
+
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32", "fp32"])
 @pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "offset"), [
