@@ -282,13 +282,36 @@ def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.double().requires_grad_() for t in tensors]
 
 
+def _rank_parameter_grads(student, guide_embeddings, case: Case, rank: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` receives in float64: d(sum_r L_r)/d(params) through its own rows' embeddings only."""
+    student.zero_grad(set_to_none=True)
+    columns = []
+    for texts in _texts(case, slice(None)):
+        parts = [student(student.preprocess(texts[_rows(r)]))["sentence_embedding"] for r in range(WORLD)]
+        columns.append(torch.cat([p if r == rank else p.detach() for r, p in enumerate(parts)]))
+    torch.stack(_oracle(case, columns, guide_embeddings[: len(columns)])).sum().backward()
+    grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad(set_to_none=True)
+    return grads
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_matches_sentence_transformers(runs, case):
-    """Each rank's loss and every student parameter gradient equal ST's with gathering, run the same way."""
+def test_matches_sentence_transformers(runs, oracle_models, case):
+    """Each rank's loss and every student parameter gradient equal ST's with gathering, run the same way.
+
+    In float32 the parameter gradients of the two carry their own roundings, of sums that largely cancel
+    between the ranks (sentence-transformers' is the larger: at the label, softmax - 1 cancels), so there
+    both are held to the float32 tolerance against the exact (float64) gradients that the rank receives.
+    """
+    float32 = case.dtype == torch.float32
     for rank, run in enumerate(runs):
         ours, theirs = run[case.id]["cgist"], run[case.id]["st"]
-        for key in ("loss", "grads", "emb_loss", "emb_grads"):
+        for key in ("loss", "emb_loss", "emb_grads", *(() if float32 else ("grads",))):
             _check(ours[key], theirs[key], case.dtype, f"rank {rank} {key}")
+        if float32:
+            exact = _rank_parameter_grads(*oracle_models, case, rank)
+            _check(ours["grads"], exact, case.dtype, f"rank {rank} grads against the exact ones")
+            _check(theirs["grads"], exact, case.dtype, f"rank {rank} sentence-transformers' grads against the exact ones")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
