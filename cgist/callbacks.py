@@ -46,7 +46,7 @@ class GuideStatsCallback(TrainerCallback):
         #: The statistics of every logged training step so far, as one.
         self.total: GistStats | None = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
         self._run_first()
         self.loss.pop_training_stats()  # statistics of calls before training (evaluation) do not count
 
@@ -65,7 +65,7 @@ class GuideStatsCallback(TrainerCallback):
                 holder.insert(0, self)
                 return
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         stats = self.loss.pop_training_stats()
         if logs is None or not stats:
             return

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from datasets import Dataset
 
+__all__ = ["DataError", "load_pairs", "retrieval_task", "split_pairs", "stdlib_files", "stdlib_pairs"]
+
 # Packages whose code is tests, demos, GUI or vendored tooling rather than library API.
 SKIPPED_PACKAGES = frozenset(
     {"test", "tests", "idlelib", "idle_test", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip",

@@ -159,7 +159,7 @@ class GistLossFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor, _grad_counters: Tensor):
+    def backward(ctx, grad_output: Tensor, _grad_counters: Tensor) -> tuple[Tensor | None, ...]:
         grads = [g * grad_output.to(g.dtype) for g in ctx.saved_tensors]
         return (None, None, None, None, None, *grads, *([None] * ctx.n_guides))
 

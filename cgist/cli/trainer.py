@@ -60,7 +60,7 @@ class CheckpointTrainer(SentenceTransformerTrainer):
 
 
 class _SaveAtEpochEnd(TrainerCallback):
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         control.should_save = True
 
 
@@ -106,11 +106,11 @@ class _StopCallback(TrainerCallback):
     def __init__(self, request: StopRequest) -> None:
         self.request = request
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.request.signum is not None:
             control.should_save = control.should_training_stop = True
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.request.signum is not None:  # the signal came while this step's checkpoint was being written
             control.should_training_stop = True
 
@@ -165,11 +165,11 @@ class NonFiniteGuard(TrainerCallback):
 
         loss.calculate_loss = checked_calculate_loss
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.step = state.global_step + 1
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any):
+                              **kwargs: Any) -> None:
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
