@@ -4,6 +4,7 @@ This script measures (providers, setup, timing, memory, the per-process runner, 
 ``loss_stage_report`` writes and draws what it measured.
 
     python bench/loss_stage.py --device cpu|cuda [--quick] [--out DIR] [--interpret] [--threads T]
+    python bench/loss_stage.py --matryoshka [--matryoshka-dims 384,192,96,48] ...   # the Matryoshka comparison
     python bench/loss_stage.py --from-csv bench/results/loss_stage_cpu.csv   # redraw plot and table only
 
 Every provider gets the same cached embeddings (``common.make_embeddings``: fixed seed, float32,
@@ -17,22 +18,40 @@ guide dim 384) cut into GradCache mini-batch leaves, and runs one loss-stage ste
 * ``gemm``          only the matrix products that any loss stage must do for these shapes (``gemm_step``):
                     the limit that the ``x gemm`` column divides by.
 
+These providers are measured only when ``--providers`` names them:
+
+* ``cgist-torch-nostats``  ``cgist-torch``'s work without the guide's mask statistics: the same ``torch.cat``
+                    of the leaves, then ``cgist.gist_loss(..., backend="torch")`` (``return_stats=False``) and
+                    its ``.backward()``; ``cgist-torch`` over it is the statistics' overhead, a line under the table;
+* ``mat-fused``     the loss stage of ``MatryoshkaLoss(model, FusedCachedGISTLoss(backend="torch"), dims)``: the
+                    inner loss's decorated ``calculate_loss``, as the trainer calls it, all dimensions in one pass;
+* ``mat-loop``      the same with ``FusedMatryoshka``'s takeover disabled: sentence-transformers' loop over the
+                    dimensions, one ``FusedCachedGISTLoss.calculate_loss`` each;
+* ``mat-st-cos_sim`` ``MatryoshkaLoss`` over ``st-cos_sim``'s loss.
+
+``--matryoshka`` selects the three ``mat-*`` providers and ``gemm`` (and adds ``_matryoshka`` to the file
+names). Their dimensions are ``--matryoshka-dims`` (default D, D/2, D/4, D/8 for each D), recorded in
+the rows' ``note`` as ``matryoshka_dims=...``; the table leaves their ratios against ``st`` and
+``st-cos_sim`` (a single dimension) blank and says under it how many times faster ``mat-fused`` is than
+the other two.
+
 On CPU each (provider, size) runs in a fresh process: it builds the inputs, rewinds the RSS high-water
 mark, runs once (the peak RSS above the baseline is ``peak_mb``; the run doubles as warm-up) and then
 times further calls with ``perf_counter``. On CUDA the points run in this process; time comes from
 ``triton.testing.do_bench`` and memory from ``torch.cuda.max_memory_allocated`` above the inputs.
 
-A provider is skipped at a size (a row with a ``note``) when the time measured at the previous size,
-scaled by (B / B_prev)^2, exceeds ``--budget`` seconds per call, or, on CPU, when its scaled peak
-memory would not fit in half of the available RAM. Results: ``loss_stage_<device>[_quick].csv`` and
-``.png`` (log-log time and peak memory against B) under ``--out``, and a markdown table printed last
-(also saved as ``.md``) with speed ratios against ``st`` and ``st-cos_sim`` and each time as a
-multiple of the ``gemm`` time at the same size.
+A provider is skipped at a size (a row whose ``note`` says why) when the time measured at the previous
+size, scaled by (B / B_prev)^2, exceeds ``--budget`` seconds per call, or, on CPU, when its scaled peak
+memory would not fit in half of the available RAM. Results: ``loss_stage_<device>[_quick][_matryoshka].csv``
+and ``.png`` (log-log time and peak memory against B) under ``--out``, and a markdown table printed last
+(also saved as ``.md``) with speed ratios against ``st`` and ``st-cos_sim``, each time as a multiple of
+the ``gemm`` time at the same size, and the Matryoshka speed-ups and the statistics' overhead under it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -48,9 +67,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import loss_stage_report  # noqa: E402
 
+#: The default providers.
 PROVIDERS = ("st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm")
 BASELINES = ("st", "st-cos_sim")
 LIMIT = "gemm"
+NOSTATS = "cgist-torch-nostats"
+MATRYOSHKA = ("mat-st-cos_sim", "mat-loop", "mat-fused")
+#: Every provider, in table and plot order.
+ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, "cgist-triton", "dense", *MATRYOSHKA, LIMIT)
+#: Providers whose version is sentence-transformers'.
+ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim")
 OP = "fwd+bwd"
 GUIDE_DIM = 384
 MARGIN = 0.05
@@ -59,10 +85,13 @@ MINI_BATCH_SIZE = 32
 GEMM_ROWS = 256
 ROOT = Path(__file__).resolve().parent.parent
 LEGEND = loss_stage_report.Legend(
-    order=PROVIDERS,
+    order=ALL_PROVIDERS,
     baselines=BASELINES,
     limit=LIMIT,
     featured=("cgist-torch", "cgist-triton"),
+    separate=MATRYOSHKA,
+    speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")),),
+    overheads=(("statistics", "cgist-torch", NOSTATS),),
     header=f"Loss stage {OP}, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32",
     title=f"CachedGIST loss stage, {OP}",
 )
@@ -70,7 +99,7 @@ LEGEND = loss_stage_report.Legend(
 
 @dataclass(frozen=True)
 class Point:
-    """One measurement: a provider at one size."""
+    """One measurement: a provider at one size (and, for the ``mat-*`` providers, its Matryoshka dimensions)."""
 
     impl: str
     B: int
@@ -80,6 +109,7 @@ class Point:
     N: int = 0
     Dg: int = GUIDE_DIM
     dtype: str = "float32"
+    matryoshka_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.N:
@@ -118,36 +148,76 @@ def triton_unavailable(device: str, interpret: bool) -> str | None:
     return None
 
 
-def make_step(impl: str) -> Callable[[list[list]], object]:
-    """A callable ``step(reps, reps_guided)`` running one loss stage of ``impl`` with backward."""
-    from sentence_transformers import util
-    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+class EmbeddingWidth:
+    """The model that ``MatryoshkaLoss`` is given here: over a gradient-cache loss it only asks its width.
 
+    The loss stage never runs a model; the width given is the largest Matryoshka dimension (the
+    constructor model's 384 would refuse dimensions above it).
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def get_embedding_dimension(self) -> int:
+        return self.dim
+
+
+def on_concatenated(loss_of: Callable[[list, list], object]) -> Callable[[list[list], list[list]], object]:
+    """A step computing ``loss_of(student columns, guide columns)`` on the concatenated leaves, then its backward."""
+    import torch
+
+    def step(reps, reps_guided):
+        loss = loss_of([torch.cat(r) for r in reps], [torch.cat(r) for r in reps_guided])
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[list]], object]:
+    """A callable ``step(reps, reps_guided)`` running one loss stage of ``impl`` with backward.
+
+    The ``mat-*`` providers wrap their loss in ``MatryoshkaLoss`` over ``matryoshka_dims`` and step with
+    the inner loss's decorated ``calculate_loss``, which is what the trainer calls.
+    """
+    from unittest import mock
+
+    from sentence_transformers import util
+    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+    from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
+
+    import cgist
     from cgist import FusedCachedGISTLoss
+    from cgist.loss import FusedMatryoshka
     from cgist.options import GistOptions
     from cgist.reference import gist_loss_reference
 
     options = dict(margin=MARGIN, mini_batch_size=MINI_BATCH_SIZE)
-    if impl in BASELINES:
+    if impl in ST_PROVIDERS:
         loss = CachedGISTEmbedLoss(constructor_model(), constructor_model(), **options)
-        if impl == "st-cos_sim":
+        if impl != "st":
             loss.sim_matrix = util.cos_sim
-    elif impl.startswith("cgist-"):
-        loss = FusedCachedGISTLoss(constructor_model(), constructor_model(), backend=impl.removeprefix("cgist-"), **options)
+    elif impl in ("cgist-torch", "cgist-triton", "mat-fused", "mat-loop"):
+        backend = impl.removeprefix("cgist-") if impl.startswith("cgist-") else "torch"
+        loss = FusedCachedGISTLoss(constructor_model(), constructor_model(), backend=backend, **options)
+    elif impl == NOSTATS:
+        return on_concatenated(functools.partial(cgist.gist_loss, margin=MARGIN, backend="torch"))
     elif impl == "dense":
-        import torch
-
-        def dense(reps, reps_guided):
-            loss = gist_loss_reference(
-                [torch.cat(r) for r in reps], [torch.cat(r) for r in reps_guided], GistOptions(margin=MARGIN)
-            )
-            loss.backward()
-            return loss.detach()
-
-        return dense
+        return on_concatenated(lambda student, guide: gist_loss_reference(student, guide, GistOptions(margin=MARGIN)))
     else:
-        stages = tuple(p for p in PROVIDERS if p != LIMIT)
+        stages = tuple(p for p in ALL_PROVIDERS if p != LIMIT)
         raise ValueError(f"impl must be a loss stage, one of {stages}, got {impl!r} ({LIMIT}: gemm_step)")
+    if impl in MATRYOSHKA:
+        if not matryoshka_dims:
+            raise ValueError(f"{impl} needs matryoshka_dims")
+        # mat-loop: without the takeover, MatryoshkaLoss's own decoration (its loop over dimensions) stays
+        takeover = mock.patch.object(FusedMatryoshka, "take_over", staticmethod(lambda loss, value: value))
+        with takeover if impl == "mat-loop" else contextlib.nullcontext():
+            MatryoshkaLoss(EmbeddingWidth(max(matryoshka_dims)), loss, list(matryoshka_dims))
+        expected = FusedMatryoshka if impl == "mat-fused" else CachedLossDecorator
+        if not isinstance(loss.calculate_loss, expected):
+            raise RuntimeError(f"{impl}: MatryoshkaLoss left a {type(loss.calculate_loss).__name__} "
+                               f"as calculate_loss, expected a {expected.__name__}")
     return functools.partial(loss.calculate_loss, with_backward=True)
 
 
@@ -213,7 +283,7 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     device = torch.device(point.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    step = None if point.impl == LIMIT else make_step(point.impl)
+    step = None if point.impl == LIMIT else make_step(point.impl, point.matryoshka_dims)
     student, guide = common.make_embeddings(
         point.B, point.N, point.D, point.Dg, point.k, seed=settings.seed, device=device
     )
@@ -240,8 +310,14 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
 
 
 def row_head(point: Point) -> dict[str, object]:
-    """The identifying columns of a row."""
-    return {"impl": point.impl, "op": OP, **{k: v for k, v in asdict(point).items() if k != "impl"}}
+    """The identifying columns of a row (the Matryoshka dimensions go in its note: :func:`point_note`)."""
+    return {"impl": point.impl, "op": OP,
+            **{k: v for k, v in asdict(point).items() if k not in ("impl", "matryoshka_dims")}}
+
+
+def point_note(point: Point) -> str:
+    """What a row's note records of ``point`` beyond the schema: ``matryoshka_dims=d1,d2,...`` or nothing."""
+    return f"matryoshka_dims={','.join(map(str, point.matryoshka_dims))}" if point.matryoshka_dims else ""
 
 
 def _child(point: Point, settings: Settings, conn) -> None:
@@ -305,7 +381,7 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
     """Why ``point`` should be skipped given the provider's row at the previous size, or None."""
     if prev is None:
         return None
-    if prev.get("note"):
+    if not loss_stage_report.timed(prev):
         return f"skipped: {prev['impl']} did not complete at B={prev['B']}"
     scale = (point.B / prev["B"]) ** 2
     est_s = prev["median_ms"] * scale / 1e3
@@ -319,7 +395,7 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
 
 def family(impl: str) -> str:
     """The key of ``impl``'s version string in :func:`versions`."""
-    return "st" if impl in BASELINES else "torch" if impl == LIMIT else "cgist"
+    return "st" if impl in ST_PROVIDERS else "torch" if impl == LIMIT else "cgist"
 
 
 def versions() -> dict[str, str]:
@@ -366,9 +442,9 @@ def sweep(args: argparse.Namespace, points: Sequence[Point], settings: Settings)
             else:
                 result = measure_in_subprocess(ctx, point, settings, timeout_s=args.timeout)
             note = result if isinstance(result, str) else None
-        row = result if note is None else {**row_head(point), "note": note}
+        row = result if note is None else {**row_head(point)}
         row["version"] = version[family(point.impl)]
-        row.setdefault("note", "")
+        row["note"] = "; ".join(n for n in (note, point_note(point)) if n)
         if not note or not note.startswith("skipped"):
             last[key] = row  # a skip keeps the last measured row, so later sizes extrapolate from it
         rows.append(row)
@@ -379,12 +455,31 @@ def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def default_matryoshka_dims(dim: int) -> tuple[int, ...]:
+    """D, D/2, D/4, D/8 (rounded down; those below 1 or repeated left out)."""
+    return tuple(dict.fromkeys(d for d in (dim, dim // 2, dim // 4, dim // 8) if d >= 1))
+
+
 def build_points(args: argparse.Namespace) -> list[Point]:
     """Grid of (D, k, provider, B), B ascending so that each size can extrapolate from the last."""
+
+    def dims_of(impl: str, dim: int) -> tuple[int, ...]:
+        if impl not in MATRYOSHKA:
+            return ()
+        if not args.matryoshka_dims:
+            return default_matryoshka_dims(dim)
+        return tuple(sorted(args.matryoshka_dims, reverse=True))  # largest first, as MatryoshkaLoss orders them
+
     return [
-        Point(impl, b, d, k, args.device)
+        Point(impl, b, d, k, args.device, matryoshka_dims=dims_of(impl, d))
         for d in args.dims for k in args.negatives for impl in args.providers for b in sorted(args.sizes)
     ]
+
+
+def output_stem(args: argparse.Namespace) -> str:
+    """``loss_stage_<device>``, then ``_quick`` and ``_matryoshka`` for those options."""
+    return "_".join(["loss_stage", args.device, *(["quick"] if args.quick else []),
+                     *(["matryoshka"] if args.matryoshka else [])])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -396,8 +491,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=parse_ints, help="comma-separated B values (N = B)")
     parser.add_argument("--dims", type=parse_ints, help="comma-separated student dims D")
     parser.add_argument("--negatives", type=parse_ints, help="comma-separated negative column counts k")
-    parser.add_argument("--providers", type=lambda s: s.split(","), default=list(PROVIDERS),
-                        help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--providers", type=lambda s: s.split(","), default=list(PROVIDERS),
+                        help=f"comma-separated subset of {','.join(ALL_PROVIDERS)} (default: {','.join(PROVIDERS)})")
+    chosen.add_argument("--matryoshka", action="store_true",
+                        help=f"the providers {','.join((*MATRYOSHKA, LIMIT))}; file names end in _matryoshka")
+    parser.add_argument("--matryoshka-dims", type=parse_ints,
+                        help="comma-separated dims of the mat-* providers, at most every D (default: D,D/2,D/4,D/8)")
     parser.add_argument("--budget", type=float, help="skip a point whose estimated seconds per call exceed this")
     parser.add_argument("--repeats", type=int, help="most timed calls per point on CPU (at least 3 are made)")
     parser.add_argument("--point-seconds", type=float, help="CPU: timed calls per point ~ this / seconds per call")
@@ -418,12 +518,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    unknown = sorted(set(args.providers) - set(PROVIDERS))
+    if args.matryoshka:
+        args.providers = [*MATRYOSHKA, LIMIT]
+    unknown = sorted(set(args.providers) - set(ALL_PROVIDERS))
     if unknown:
-        parser.error(f"--providers: unknown {unknown}; expected a subset of {list(PROVIDERS)}")
+        parser.error(f"--providers: unknown {unknown}; expected a subset of {list(ALL_PROVIDERS)}")
     for name in ("sizes", "dims"):
         if not getattr(args, name) or min(getattr(args, name)) < 1:
             parser.error(f"--{name} must be positive integers, got {getattr(args, name)}")
+    if args.matryoshka_dims is not None:
+        dims = args.matryoshka_dims
+        if not set(args.providers) & set(MATRYOSHKA):
+            parser.error(f"--matryoshka-dims needs a Matryoshka provider ({', '.join(MATRYOSHKA)})")
+        if not dims or min(dims) < 1 or len(set(dims)) < len(dims) or max(dims) > min(args.dims):
+            parser.error(f"--matryoshka-dims must be distinct positive integers up to every D (--dims {args.dims}), "
+                         f"got {dims}")
     if not args.negatives or min(args.negatives) < 0:
         parser.error(f"--negatives must be integers >= 0, got {args.negatives}")
     if args.budget <= 0 or args.repeats < 1 or args.point_seconds <= 0 or args.timeout <= 0:
@@ -452,8 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget_s=args.budget, max_repeats=args.repeats, point_s=args.point_seconds, threads=args.threads, seed=args.seed
     )
     rows = sweep(args, build_points(args), settings)
-    stem = f"loss_stage_{args.device}" + ("_quick" if args.quick else "")
-    loss_stage_report.publish(rows, args.out, stem, args.device, LEGEND)
+    loss_stage_report.publish(rows, args.out, output_stem(args), args.device, LEGEND)
     return 0
 
 

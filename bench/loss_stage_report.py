@@ -5,7 +5,12 @@ Nothing here measures. :func:`publish` writes the rows of a sweep (``<stem>.csv`
 ``<stem>.png`` (log-log time and peak memory against B) and ``<stem>.md`` next to the CSV and prints
 the table last. The table has one ratio column per baseline (its time over the row's: how many times
 faster the row is) and one against the limit (the row's time over the limit's: how many times the
-bare GEMM time the row takes), each at the same (B, D, k).
+bare GEMM time the row takes), each at the same (B, D, k). Under the table, at each (B, D, k), come the
+legend's comparisons (:func:`comparisons`): one provider's speed-ups over others that do its work, and
+the overhead of one provider over another that leaves part of its work out.
+
+A row is timed when it has a ``median_ms``; its ``note`` then records what the schema has no column
+for (the Matryoshka dimensions). An untimed row's note says why it has no time.
 
 What the report knows of the providers (their order, which are baselines, which is the limit, the
 header words) comes in a :class:`Legend` from the measuring script.
@@ -23,8 +28,8 @@ from pathlib import Path
 import common
 
 __all__ = [
-    "Legend", "acceptance", "load_rows", "machine", "markdown_table", "plot", "publish", "ratio", "redraw",
-    "report", "times_limit",
+    "Legend", "acceptance", "comparisons", "load_rows", "machine", "markdown_table", "plot", "publish", "ratio",
+    "redraw", "report", "timed", "times_limit",
 ]
 
 _Row = Mapping[str, object]
@@ -41,6 +46,12 @@ class Legend:
         featured: providers with a summary line (:func:`acceptance`) when all baselines ran.
         header: what was measured, the start of the table's header line (the machine follows).
         title: the start of the plot's title (device and machine follow).
+        separate: providers doing other work than the baselines (several Matryoshka dimensions): their
+            "vs" cells stay blank.
+        speedups: ``(provider, others)`` pairs: a line under the table with the provider's speed-up over
+            each of ``others`` (which do the same work).
+        overheads: ``(what, provider, without)`` triples: a line under the table with ``provider``'s time
+            over ``without``'s, ``without`` being ``provider`` less ``what``.
     """
 
     order: tuple[str, ...]
@@ -49,6 +60,9 @@ class Legend:
     featured: tuple[str, ...]
     header: str
     title: str
+    separate: tuple[str, ...] = ()
+    speedups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    overheads: tuple[tuple[str, str, str], ...] = ()
 
 
 def _times(value: float) -> str:
@@ -56,20 +70,21 @@ def _times(value: float) -> str:
     return f"{float(f'{value:.3g}'):.15g}x"
 
 
-def _timed(row: _Row | None) -> bool:
-    return row is not None and not row.get("note")
+def timed(row: _Row | None) -> bool:
+    """Whether ``row`` is a measured row (it has a time), not a skip or a failure."""
+    return row is not None and row.get("median_ms") not in (None, "")
 
 
 def ratio(base: _Row | None, row: _Row) -> str:
     """Speed-up of ``row`` over ``base`` as text, blank when either is missing."""
-    if not (_timed(base) and _timed(row)):
+    if not (timed(base) and timed(row)):
         return ""
     return _times(base["median_ms"] / row["median_ms"])
 
 
 def times_limit(limit: _Row | None, row: _Row) -> str:
     """``row``'s time as a multiple of ``limit``'s as text, blank when either is missing."""
-    if not (_timed(limit) and _timed(row)):
+    if not (timed(limit) and timed(row)):
         return ""
     return _times(row["median_ms"] / limit["median_ms"])
 
@@ -84,18 +99,42 @@ def markdown_table(rows: Sequence[_Row], legend: Legend) -> str:
     ]
     for r in sorted(rows, key=lambda r: (r["D"], r["k"], r["B"], legend.order.index(r["impl"]))):
         at = (r["B"], r["D"], r["k"])
-        timed = not r["note"]
+        done = timed(r)
         cells = [
             *at, r["impl"],
-            f"{r['median_ms']:.1f}" if timed else "",
-            f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}" if timed else "",
-            f"{r['peak_mb']:.1f}" if timed else "",
-            *(ratio(by_size.get((*at, b)), r) for b in legend.baselines),
+            f"{r['median_ms']:.1f}" if done else "",
+            f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}" if done else "",
+            f"{r['peak_mb']:.1f}" if done else "",
+            *("" if r["impl"] in legend.separate else ratio(by_size.get((*at, b)), r) for b in legend.baselines),
             times_limit(by_size.get((*at, legend.limit)), r),
             r["note"],
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def comparisons(rows: Sequence[_Row], legend: Legend) -> list[str]:
+    """The legend's speed-up and overhead lines, at each (B, D, k) where their rows are timed.
+
+    A speed-up line names the provider's note (its Matryoshka dimensions) when it has one.
+    """
+    by_size = {(r["B"], r["D"], r["k"], r["impl"]): r for r in rows if timed(r)}
+    lines = []
+    for at in sorted({(r["B"], r["D"], r["k"]) for r in rows}, key=lambda at: (at[1], at[2], at[0])):
+        where = "B={}, D={}, k={}".format(*at)
+        for impl, others in legend.speedups:
+            r = by_size.get((*at, impl))
+            faster = [f"{ratio(by_size[(*at, o)], r)} faster than {o}" for o in others if (*at, o) in by_size]
+            if r is not None and faster:
+                note = f" ({r['note']})" if r.get("note") else ""
+                lines.append(f"{impl} at {where}{note}: {', '.join(faster)}")
+        for what, impl, without in legend.overheads:
+            r, base = by_size.get((*at, impl)), by_size.get((*at, without))
+            if r is not None and base is not None:
+                extra = 100 * (r["median_ms"] / base["median_ms"] - 1)
+                lines.append(f"{what} overhead at {where}: {extra:+.1f}% "
+                             f"({impl} {r['median_ms']:.1f} ms, {without} {base['median_ms']:.1f} ms)")
+    return lines
 
 
 def plot(rows: Sequence[_Row], path: Path, title: str, legend: Legend) -> Path:
@@ -110,7 +149,7 @@ def plot(rows: Sequence[_Row], path: Path, title: str, legend: Legend) -> Path:
     for (dim, k), (ax_t, ax_m) in zip(shapes, axes):
         for impl in legend.order:
             done = sorted((r["B"], r["median_ms"], r["peak_mb"]) for r in rows
-                          if (r["impl"], r["D"], r["k"]) == (impl, dim, k) and not r["note"])
+                          if (r["impl"], r["D"], r["k"]) == (impl, dim, k) and timed(r))
             if not done:
                 continue
             bs, ms, mb = zip(*done)
@@ -134,7 +173,7 @@ def plot(rows: Sequence[_Row], path: Path, title: str, legend: Legend) -> Path:
 
 def acceptance(rows: Sequence[_Row], legend: Legend, size: tuple[int, int, int] = (1024, 384, 1)) -> list[str]:
     """One line per featured provider at ``size`` (B, D, k): speed-ups and peak memory against the baselines."""
-    by_impl = {r["impl"]: r for r in rows if (r["B"], r["D"], r["k"]) == size and not r["note"]}
+    by_impl = {r["impl"]: r for r in rows if (r["B"], r["D"], r["k"]) == size and timed(r)}
     lines = []
     for impl in legend.featured:
         if impl not in by_impl or not all(b in by_impl for b in legend.baselines):
@@ -175,19 +214,17 @@ def load_rows(path: Path) -> list[dict[str, object]]:
 
 
 def report(rows: Sequence[_Row], out: Path, stem: str, device: str, legend: Legend) -> None:
-    """Write ``<stem>.png`` and ``<stem>.md`` under ``out`` and print the table last."""
+    """Write ``<stem>.png`` and ``<stem>.md`` (header line, table, comparisons) under ``out``; print the latter last."""
     where = machine(device)
     png_path = plot(rows, out / f"{stem}.png", f"{legend.title}, {device}: {where}", legend)
-    table = markdown_table(rows, legend)
-    header = f"{legend.header} on {where}"
-    (out / f"{stem}.md").write_text(f"{header}\n\n{table}\n")
+    under = "\n".join(comparisons(rows, legend))
+    text = "\n\n".join(part for part in (f"{legend.header} on {where}", markdown_table(rows, legend), under) if part)
+    (out / f"{stem}.md").write_text(f"{text}\n")
     print(f"wrote {png_path}")
     for line in acceptance(rows, legend):
         print(line)
     print()
-    print(header)
-    print()
-    print(table)
+    print(text)
 
 
 def publish(rows: Sequence[_Row], out: Path, stem: str, device: str, legend: Legend) -> None:
