@@ -56,6 +56,8 @@ ROW_FLOOR = 256
 #: Columns per tile: a row block's tile then stays in the core's cache through its element-wise passes.
 TILE_COLS = 1024
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+#: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
+LARGEST_SUM = 2.0**64
 
 
 @dataclass(frozen=True)
@@ -413,15 +415,15 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     """Weighted loss sum of one row block; accumulates its gradients when they are wanted.
 
     In one pass the tiles against all columns are kept from the sums to the gradients; in two passes they
-    are recomputed for the gradients. Logits are
-    shifted by the positive's, so that the positive's term is 1 and the loss is usually log1p of the
-    others' sum; only when that sum overflows (a candidate ~128 base-2 units above the positive) is the
-    shift raised to the row maximum, found by one more sweep.
+    are recomputed for the gradients. Logits are shifted by the positive's, so that the positive's term is
+    1 and the loss is usually log1p of the others' sum. Only when that sum exceeds ``2^64`` (a candidate
+    64 base-2 units above the positive; its products with the logits or the embeddings could overflow
+    further on) is the shift raised to the row maximum, found by one more sweep, and the sums taken again.
     """
     one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
     shift = rb.positive
     others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=problem.counters is not None)
-    if not bool(torch.isfinite(others).all()):
+    if not bool((others <= LARGEST_SUM).all()):  # also catches inf and NaN
         peak = torch.zeros_like(shift)
         for b in problem.blocks:
             for lo, hi in _spans(b, cols):

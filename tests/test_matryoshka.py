@@ -195,3 +195,30 @@ def test_bad_weights_are_rejected(weights, error, match):
 def test_weights_need_dimensions():
     with pytest.raises(ValueError, match="matryoshka_weights needs matryoshka_dims"):
         GistOptions(matryoshka_weights=(1.0,))
+
+
+@pytest.mark.parametrize("block_bytes", [None, 1], ids=["one-pass", "two-pass"])
+def test_small_dimension_with_candidates_far_above_the_positive(block_bytes):
+    """fp32, dims (24, 5), tau 0.01: in the 5-dim scores every negative sits ~122 base-2 units above the
+    positive (cosine 0.95 against 0.1). Relative to the positive's, the softmax terms (~2^122) are finite but
+    their products in the gradient would overflow, so the row blocks are shifted by their maximum instead:
+    the gradients are finite and equal the oracle's, dimension by dimension."""
+    student, guide = make_inputs(12, 12, 24, 8, 1, torch.float32, seed=21)
+    for column, cosine in ((0, 1.0), (1, 0.1), (2, 0.95)):  # the first 5 components, set exactly
+        student[column][:, :5] = torch.tensor([cosine, (1 - cosine**2) ** 0.5, 0.0, 0.0, 0.0])
+    guide[2] = -guide[0]  # the guide keeps the negatives
+    options = GistOptions(margin=0.05, contrast_anchors=False, contrast_positives=False)
+    leaves = [s.double().requires_grad_() for s in student]
+    expected = sum(gist_loss_reference([x[:, :d] for x in leaves], [g.double() for g in guide], options) for d in (24, 5))
+    expected.backward()
+
+    inputs = [s.detach().requires_grad_() for s in student]
+    loss = cgist.gist_loss(inputs, guide, matryoshka_dims=(24, 5), block_bytes=block_bytes, backend="torch",
+                           margin=0.05, contrast_anchors=False, contrast_positives=False)
+    loss.backward()
+    tol = TOL["streaming"]["fp32"]
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=tol[0], atol=tol[0])
+    for got, leaf in zip(inputs, leaves):
+        assert bool(torch.isfinite(got.grad).all())
+        scale = leaf.grad.abs().max()
+        torch.testing.assert_close(got.grad.double() / scale, leaf.grad / scale, rtol=tol[1], atol=tol[1])
