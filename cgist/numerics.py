@@ -103,21 +103,20 @@ class TieIndex:
         return rows[keep], cols[keep] - lo
 
 
-def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: TieIndex, partner_ids: Tensor,
-               lo: int = 0, out: Tensor | None = None) -> Tensor:
+def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: tuple[Tensor, Tensor],
+               out: Tensor | None = None) -> Tensor:
     """True where a score is masked: its guide score is strictly above the row's threshold ``limit``.
 
-    ``guide`` holds the guide scores of rows against columns ``lo:lo + guide.shape[1]`` of a block whose
-    column ids ``ties`` indexes. Row i's scores pair a row vector with each column; theta_i pairs the
-    same row vector with the partner whose id is ``partner_ids[i]`` (the positive for anchor rows, the
-    anchor for positive rows). A column equal to that partner is a tie with theta_i and is masked
-    exactly when ``theta_masked[i]`` (theta_i > T_i), whatever the rounding of its guide score.
-    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1, ``partner_ids`` rows. The mask is
-    written into ``out`` if given.
+    Row i's scores pair a row vector with each column; theta_i pairs the same row vector with a partner
+    (the positive for anchor rows, the anchor for positive rows). A column equal to that partner is a tie
+    with theta_i and is masked exactly when ``theta_masked[i]`` (theta_i > T_i), whatever the rounding of
+    its guide score; ``ties`` holds the ``(rows, cols)`` of those entries (``TieIndex.pairs``).
+    Shapes: ``guide`` rows x cols, ``limit`` and ``theta_masked`` rows x 1. The mask is written into
+    ``out`` if given, in its dtype (bool, or 0.0 / 1.0 in a floating one).
     """
     mask = torch.gt(guide, limit) if out is None else torch.gt(guide, limit, out=out)
-    rows, cols = ties.pairs(partner_ids, lo, lo + guide.shape[1])
-    mask[rows, cols] = theta_masked[rows, 0]
+    rows, cols = ties
+    mask[rows, cols] = theta_masked[rows, 0].to(mask.dtype)
     return mask
 
 

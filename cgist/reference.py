@@ -38,7 +38,7 @@ def gist_scores(
     theta_masked = theta > limit
 
     def masked(student: Tensor, guide: Tensor, col_ids: Tensor, partner_ids: Tensor, protect_label=False) -> Tensor:
-        mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids), partner_ids)
+        mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids).pairs(partner_ids, 0, guide.shape[1]))
         if protect_label:
             mask[rows, labels] = False
         return student.masked_fill(mask, float("-inf"))

@@ -58,6 +58,8 @@ TILE_COLS = 1024
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 #: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
 LARGEST_SUM = 2.0**64
+#: Masked entries' logits are lowered by this much: far below any logit and the subnormal cutoff.
+MASKED = 2.0**100
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class _Workspace:
         self.flat = {
             "terms": torch.empty(len(problem.dims) * self.stride, dtype=dtype, device=device),
             "guide": torch.empty(widest, dtype=dtype, device=device),
-            "mask": torch.empty(widest, dtype=torch.bool, device=device),
+            "mask": torch.empty(widest, dtype=dtype, device=device),
             "rows": torch.empty(rows * problem.dims.top, dtype=dtype, device=device),
         }
         if len(problem.dims) > 1:
@@ -265,6 +267,8 @@ class _Rows:
     partner_ids: Tensor  # tie id of theta's partner, R
     grad: Tensor | None
     radial: Tensor | None
+    shifted: Tensor | None = None  # [logit_scale * x, -shift]: the score product's row operand (one dimension)
+    weighted: Tensor | None = None  # x times the rows' score-gradient weight (one dimension)
 
     @classmethod
     def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor) -> _Rows:
@@ -293,12 +297,36 @@ class _RowBlock:
         dots = torch.stack([(self.anchor_rows.x[:, a:b] * label_rows.x[:, a:b]).sum(dim=1) for a, b in dims.segments])
         self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * problem.logit_scale  # n_dims x R
         self.local = torch.arange(stop - start, device=theta.device)
+        self.ties: dict[int, tuple[Tensor, Tensor]] = {}
         if problem.counters is not None:
             problem.count("theta_sum", theta.sum())
             problem.count("threshold_sum", self.limit.sum())
 
     def rows_of(self, block: _Block) -> _Rows:
         return self.positive_rows if block.kind == "pp" else self.anchor_rows
+
+    def set_shift(self, shift: Tensor) -> None:
+        """Shift the logits of the next sweeps by ``shift`` (n_dims x R)."""
+        self.shift = shift
+        if len(self.problem.dims) == 1:
+            for rows in (self.anchor_rows, self.positive_rows):
+                rows.shifted = torch.cat([rows.x * self.problem.logit_scale, -shift[0].unsqueeze(1)], dim=1)
+
+    def set_weights(self, row_weight: Tensor, others: Tensor) -> None:
+        """The score-gradient weight of each row (n_dims x R) and the sums of the others' terms, for ``accumulate``."""
+        self.row_weight, self.others = row_weight, others
+        if len(self.problem.dims) == 1:
+            for rows in (self.anchor_rows, self.positive_rows):
+                rows.weighted = rows.x * row_weight[0].unsqueeze(1)
+
+    def tie_pairs(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the entries of columns ``lo:hi`` that tie with theta (cols counted from ``lo``)."""
+        if id(block) not in self.ties:  # the whole block's, looked up once per row block
+            n = block.cols.x.shape[0]
+            self.ties[id(block)] = block.cols.ties.pairs(self.rows_of(block).partner_ids, 0, n)
+        rows, cols = self.ties[id(block)]
+        inside = (cols >= lo) & (cols < hi)
+        return rows[inside], cols[inside] - lo
 
     def labels(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``block`` (none unless it is AP)."""
@@ -308,53 +336,54 @@ class _RowBlock:
         inside = (cols >= 0) & (cols < hi - lo)
         return self.local[inside], cols[inside]
 
-    def masked_logits(self, block: _Block, lo: int, hi: int, shift: Tensor, unmasked: Tensor | None = None
-                      ) -> list[Tensor]:
-        """Per dimension, the base-2 logits minus ``shift`` (n_dims x R) against columns ``lo:hi``; -inf where masked.
+    def masked_logits(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
+        """Per dimension, the base-2 logits minus the shift (``set_shift``) against columns ``lo:hi``.
 
-        The label of row i (AP column ``offset + i``) is never masked, but its logit is carried apart
-        (``self.positive``), so here it is -inf too. ``unmasked``, if given, gets each row's count of
-        entries left (R): the statistics, taken on the first sweep only. The results are views of the
-        workspace's term buffers for this block.
+        Masked entries are pushed down by ``MASKED``, far below any logit and the subnormal cutoff. The label
+        of row i (AP column ``offset + i``) is never masked, but its logit is carried apart (``self.positive``),
+        so here it is pushed down too. ``unmasked``, if given, gets each row's count of entries left (R): the
+        statistics, taken on the first sweep only. The results are views of the workspace's term buffers.
+        The mask is kept as 0.0 / 1.0 in the compute dtype: on CPUs a comparison into floats, a multiply-add
+        and a float sum run several times faster than a boolean mask, ``masked_fill`` and a boolean count.
         """
         problem, dims, work = self.problem, self.problem.dims, self.problem.work
         rows, cols = self.rows_of(block), block.cols
         shape = (rows.x.shape[0], hi - lo)
         guide = torch.mm(rows.g, cols.g[lo:hi].T, out=work.view("guide", shape))
-        mask = guide_mask(guide, self.limit, self.theta_masked, cols.ties, rows.partner_ids, lo,
+        mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi),
                           out=work.view("mask", shape))
-        mask[self.labels(block, lo, hi)] = True
+        label_rows, label_cols = self.labels(block, lo, hi)
+        mask[label_rows, label_cols] = 1.0
         if unmasked is not None:
             masked = mask.sum(dim=1)
-            problem.count(f"masked_{block.kind}", masked.sum() - self.labels(block, lo, hi)[0].shape[0])
+            problem.count(f"masked_{block.kind}", masked.sum() - label_rows.shape[0])
             unmasked += (hi - lo) - masked
         out = [work.terms(m, block, lo, shape) for m in range(len(dims))]
         if len(dims) == 1:
             # The scale and the shift ride on the product: [scale * x_hat, -shift] . [k_hat, 1].
-            rows1 = torch.cat([rows.x * problem.logit_scale, -shift[0].unsqueeze(1)], dim=1)
-            return [torch.mm(rows1, cols.x1[lo:hi].T, out=out[0]).masked_fill_(mask, float("-inf"))]
+            return [torch.mm(rows.shifted, cols.x1[lo:hi].T, out=out[0]).add_(mask, alpha=-MASKED)]
         prefix = work.view("prefix", shape)
         for m, (a, b) in enumerate(dims.segments):
             if m == 0:
-                torch.mm(rows.x[:, a:b], cols.x[lo:hi, a:b].T, out=prefix).masked_fill_(mask, float("-inf"))
+                torch.mm(rows.x[:, a:b], cols.x[lo:hi, a:b].T, out=prefix).add_(mask, alpha=-MASKED)
             else:
                 prefix.addmm_(rows.x[:, a:b], cols.x[lo:hi, a:b].T)
             row_scale = rows.rho[m] * problem.logit_scale
             # logits = row_scale * (prefix * rho_col - shift / row_scale): two passes instead of three
-            torch.addcmul((-shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0), out=out[m])
+            torch.addcmul((-self.shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0),
+                          out=out[m])
             out[m].mul_(row_scale.unsqueeze(1))
         return out
 
-    def terms(self, block: _Block, lo: int, hi: int, shift: Tensor, unmasked: Tensor | None = None) -> list[Tensor]:
+    def terms(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
         """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff."""
-        out = self.masked_logits(block, lo, hi, shift, unmasked)
+        out = self.masked_logits(block, lo, hi, unmasked)
         for t in out:
             torch.nn.functional.threshold_(t, self.problem.cutoff, float("-inf"))
             t.exp2_()
         return out
 
-    def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor], shift: Tensor, others: Tensor,
-                   row_weight: Tensor) -> None:
+    def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor]) -> None:
         """Add one tile's gradients, from its softmax ``terms``, into its rows' and columns' accumulators.
 
         dL/d cos_d = w_d * (softmax_d - onehot) / (tau * B) = ``row_weight[d]`` * terms, the label's term
@@ -362,13 +391,14 @@ class _RowBlock:
         prefix dot products are ``dL/dcos_d * rho_d,i * rho_d,j``; segment s takes their sum over d >= d_s.
         """
         rows, cols = self.rows_of(block), block.cols
+        shift, others, row_weight = self.shift, self.others, self.row_weight
         label_rows, label_cols = self.labels(block, lo, hi)
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
             tile[label_rows, label_cols] = -others[0, label_rows]
             rows.grad.addcmul_(torch.mm(tile, cols.x[lo:hi], out=self.problem.work.view("rows", rows.x.shape)),
                                row_weight[0].unsqueeze(1))
-            cols.grad[lo:hi].addmm_(tile.T, rows.x * row_weight[0].unsqueeze(1))
+            cols.grad[lo:hi].addmm_(tile.T, rows.weighted)
             return
         inv_scale = 1.0 / self.problem.logit_scale
         summed = None
@@ -397,12 +427,13 @@ def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
 
 def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, keep: bool, count: bool):
     """Row sums of the softmax terms of every tile (n_dims x R), and the tiles themselves if ``keep``."""
+    rb.set_shift(shift)
     others = torch.zeros_like(shift)
-    unmasked = torch.zeros_like(rb.local) if count else None
+    unmasked = torch.zeros_like(shift[0]) if count else None
     tiles = []
     for b in problem.blocks:
         for lo, hi in _spans(b, cols):
-            terms = rb.terms(b, lo, hi, shift, unmasked)
+            terms = rb.terms(b, lo, hi, unmasked)
             others += torch.stack([t.sum(dim=1) for t in terms])
             if keep:
                 tiles.append((b, lo, hi, terms))
@@ -427,7 +458,7 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
         peak = torch.zeros_like(shift)
         for b in problem.blocks:
             for lo, hi in _spans(b, cols):
-                for m, logits in enumerate(rb.masked_logits(b, lo, hi, shift)):
+                for m, logits in enumerate(rb.masked_logits(b, lo, hi)):
                     torch.maximum(peak[m], logits.amax(dim=1), out=peak[m])
         shift = shift + peak
         others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
@@ -435,11 +466,11 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
     loss = (weights * (gap + torch.log1p(others + torch.expm1(-gap)))).sum()
     if want_grads:
-        row_weight = weights * problem.grad_scale / (others + torch.exp(-gap))
+        rb.set_weights(weights * problem.grad_scale / (others + torch.exp(-gap)), others)
         if not one_pass:
-            tiles = ((b, lo, hi, rb.terms(b, lo, hi, shift)) for b in problem.blocks for lo, hi in _spans(b, cols))
+            tiles = ((b, lo, hi, rb.terms(b, lo, hi)) for b in problem.blocks for lo, hi in _spans(b, cols))
         for b, lo, hi, terms in tiles:
-            rb.accumulate(b, lo, hi, terms, shift, others, row_weight)
+            rb.accumulate(b, lo, hi, terms)
     return loss
 
 

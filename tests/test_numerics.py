@@ -69,7 +69,7 @@ def test_guide_mask_masks_strictly_above_the_limit_and_ties_by_the_flag():
     limit = torch.tensor([[0.5], [0.3]], dtype=torch.float64)
     theta_masked = torch.tensor([[True], [False]])
     col_ids, partner_ids = torch.tensor([0, 1, 2]), torch.tensor([1, 2])
-    mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids), partner_ids)
+    mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids).pairs(partner_ids, 0, 3))
     tie = col_ids[None, :] == partner_ids[:, None]
     # Off the ties: strictly greater than the limit (0.5 is not above 0.5). On them: the row's flag, whatever the score.
     assert torch.equal(mask[~tie], (guide > limit)[~tie])
@@ -78,7 +78,7 @@ def test_guide_mask_masks_strictly_above_the_limit_and_ties_by_the_flag():
 
 
 def test_guide_mask_of_a_column_range_finds_the_ties_inside_it():
-    """The same rule on columns lo:hi of a block: ties are looked up by the block's column index."""
+    """The same rule on columns lo:hi of a block: the block's tie index gives the ties inside the range."""
     gen = torch.Generator().manual_seed(14)
     guide = torch.rand(5, 40, dtype=torch.float64, generator=gen)
     limit = torch.rand(5, 1, dtype=torch.float64, generator=gen)
@@ -86,11 +86,11 @@ def test_guide_mask_of_a_column_range_finds_the_ties_inside_it():
     col_ids = torch.randint(0, 12, (40,), generator=gen)  # many repeated ids
     partner_ids = torch.tensor([3, 3, 11, 40, 0])  # 40: no column ties with that row
     ties = TieIndex(col_ids)
-    whole = guide_mask(guide, limit, theta_masked, ties, partner_ids)
+    whole = guide_mask(guide, limit, theta_masked, ties.pairs(partner_ids, 0, 40))
     tie = col_ids[None, :] == partner_ids[:, None]
     assert torch.equal(whole, torch.where(tie, theta_masked, guide > limit)) and int(tie.sum()) > 5
     for lo, hi in [(0, 7), (7, 8), (8, 40), (13, 29)]:
-        part = guide_mask(guide[:, lo:hi], limit, theta_masked, ties, partner_ids, lo)
+        part = guide_mask(guide[:, lo:hi], limit, theta_masked, ties.pairs(partner_ids, lo, hi))
         assert torch.equal(part, whole[:, lo:hi]), (lo, hi)
 
 
