@@ -24,8 +24,11 @@ def gist_scores(
     """All student cosine scores, B x (N + [B] + [N] + k*N), with masked entries set to -inf.
 
     Block order: AP, AA, PP, AN_1..AN_k, as in sentence-transformers. Column ``offset + i`` of AP is the
-    label of row i and is never masked. ``options.temperature`` plays no part.
+    label of row i and is never masked. ``options.temperature`` plays no part. These are the scores of one
+    dimension: with Matryoshka dimensions, score each truncation (``x[:, :d]``) with options without them.
     """
+    if options.matryoshka_dims is not None:
+        raise ValueError("gist_scores scores one dimension; truncate the embeddings and drop matryoshka_dims")
     a, p, *negs = (normalize(e)[0] for e in embeddings)
     ga, gp, *gnegs = (normalize(e)[0] for e in guide_embeddings)
     id_a, id_p, *id_negs = tie_ids(guide_embeddings, ga.dtype)
@@ -58,8 +61,14 @@ def gist_loss_reference(
 ) -> Tensor:
     """Mean over anchors of ``logsumexp(unmasked scores / tau) - s_AP[i, offset + i] / tau``.
 
+    With Matryoshka dimensions, ``sum_d w_d`` times that loss of the embeddings truncated to their first d
+    components (the guide untouched), as sentence-transformers' ``MatryoshkaLoss`` computes it.
     Differentiable by plain autograd with respect to ``embeddings``; the guide gets no gradient.
     """
+    if options.matryoshka_dims is not None:
+        one = options.replace(matryoshka_dims=None, matryoshka_weights=None)
+        return sum(w * gist_loss_reference([e[:, :d] for e in embeddings], guide_embeddings, one)
+                   for d, w in zip(options.matryoshka_dims, options.matryoshka_weights))
     scores = gist_scores(embeddings, [g.detach() for g in guide_embeddings], options) / options.temperature
     labels = torch.arange(options.offset, options.offset + scores.shape[0], device=scores.device)
     return torch.nn.functional.cross_entropy(scores, labels)

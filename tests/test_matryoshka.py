@@ -222,3 +222,14 @@ def test_small_dimension_with_candidates_far_above_the_positive(block_bytes):
         assert bool(torch.isfinite(got.grad).all())
         scale = leaf.grad.abs().max()
         torch.testing.assert_close(got.grad.double() / scale, leaf.grad / scale, rtol=tol[1], atol=tol[1])
+
+
+def test_the_oracle_sums_the_truncated_losses():
+    student, guide = make_inputs(6, 12, 10, 8, 1, seed=4)
+    options = GistOptions(offset=6, margin=0.1, matryoshka_dims=(4, 10), matryoshka_weights=(2.0, 0.5))
+    flat = GistOptions(offset=6, margin=0.1)
+    expected = 2.0 * gist_loss_reference([s[:, :4] for s in student], guide, flat) + 0.5 * gist_loss_reference(
+        student, guide, flat)
+    torch.testing.assert_close(gist_loss_reference(student, guide, options), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="gist_scores scores one dimension"):
+        cgist.reference.gist_scores(student, guide, options)
