@@ -90,7 +90,7 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     Measured (2 threads, D = Dg = 384, k = 1, fp32): see the README's CPU performance section.
     """
     tile = min(TILE_COLS, max(block_widths))
-    scratch = itemsize + 1 + (itemsize if n_dims > 1 else 0)  # guide, mask[, scratch] per tile column
+    scratch = (2 + (n_dims > 1)) * itemsize  # guide, mask[, scratch] per tile column
     one_pass_row = n_dims * sum(block_widths) * itemsize + tile * scratch + top * itemsize
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
@@ -267,7 +267,7 @@ class _Rows:
     partner_ids: Tensor  # tie id of theta's partner, R
     grad: Tensor | None
     radial: Tensor | None
-    shifted: Tensor | None = None  # [logit_scale * x, -shift]: the score product's row operand (one dimension)
+    shifted: Tensor | None = None  # [logit_scale * x, -shift of the top dimension]: the score products' row operand
     weighted: Tensor | None = None  # x times the rows' score-gradient weight (one dimension)
 
     @classmethod
@@ -308,9 +308,8 @@ class _RowBlock:
     def set_shift(self, shift: Tensor) -> None:
         """Shift the logits of the next sweeps by ``shift`` (n_dims x R)."""
         self.shift = shift
-        if len(self.problem.dims) == 1:
-            for rows in (self.anchor_rows, self.positive_rows):
-                rows.shifted = torch.cat([rows.x * self.problem.logit_scale, -shift[0].unsqueeze(1)], dim=1)
+        for rows in (self.anchor_rows, self.positive_rows):
+            rows.shifted = torch.cat([rows.x * self.problem.logit_scale, -shift[-1].unsqueeze(1)], dim=1)
 
     def set_weights(self, row_weight: Tensor, others: Tensor) -> None:
         """The score-gradient weight of each row (n_dims x R) and the sums of the others' terms, for ``accumulate``."""
@@ -359,20 +358,21 @@ class _RowBlock:
             problem.count(f"masked_{block.kind}", masked.sum() - label_rows.shape[0])
             unmasked += (hi - lo) - masked
         out = [work.terms(m, block, lo, shape) for m in range(len(dims))]
-        if len(dims) == 1:
-            # The scale and the shift ride on the product: [scale * x_hat, -shift] . [k_hat, 1].
-            return [torch.mm(rows.shifted, cols.x1[lo:hi].T, out=out[0]).add_(mask, alpha=-MASKED)]
-        prefix = work.view("prefix", shape)
+        # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
+        # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
+        # sums; each smaller dimension is taken from it, rescaled by its rho, when its segment is in.
+        prefix, last = out[-1], len(dims) - 1
         for m, (a, b) in enumerate(dims.segments):
+            cols_part = cols.x1[lo:hi, a:] if m == last else cols.x[lo:hi, a:b]
+            rows_part = rows.shifted[:, a:] if m == last else rows.shifted[:, a:b]
             if m == 0:
-                torch.mm(rows.x[:, a:b], cols.x[lo:hi, a:b].T, out=prefix).add_(mask, alpha=-MASKED)
+                torch.mm(rows_part, cols_part.T, out=prefix).add_(mask, alpha=-MASKED)
             else:
-                prefix.addmm_(rows.x[:, a:b], cols.x[lo:hi, a:b].T)
-            row_scale = rows.rho[m] * problem.logit_scale
-            # logits = row_scale * (prefix * rho_col - shift / row_scale): two passes instead of three
-            torch.addcmul((-self.shift[m] / row_scale).unsqueeze(1), prefix, cols.rho[m, lo:hi].unsqueeze(0),
-                          out=out[m])
-            out[m].mul_(row_scale.unsqueeze(1))
+                prefix.addmm_(rows_part, cols_part.T)
+            if m < last:  # logits = rho_row * (prefix * rho_col - shift / rho_row): two passes instead of three
+                row_rho = rows.rho[m].unsqueeze(1)
+                torch.addcmul(-self.shift[m].unsqueeze(1) / row_rho, prefix, cols.rho[m, lo:hi].unsqueeze(0),
+                              out=out[m]).mul_(row_rho)
         return out
 
     def terms(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
@@ -412,7 +412,9 @@ class _RowBlock:
             rows.radial[m] += row_weight[m] * (entropy.sum(dim=1) + shift[m] * tile.sum(dim=1)) * inv_scale
             cols.radial[m, lo:hi] += (entropy.T @ row_weight[m] + tile.T @ (row_weight[m] * shift[m])) * inv_scale
             del entropy
-            weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1)).mul_(cols.rho[m, lo:hi].unsqueeze(0))
+            weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))
+            if m < len(terms) - 1:  # the top dimension's rho is 1
+                weights.mul_(cols.rho[m, lo:hi].unsqueeze(0))
             summed = weights if summed is None else summed.add_(weights)
             a, b = self.problem.dims.segments[m]
             rows.grad[:, a:b].addmm_(summed, cols.x[lo:hi, a:b])
