@@ -1,38 +1,46 @@
 """Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
 
-Anchor rows are processed in blocks. Each row block is scored against the candidate columns of every
-score block (AP, AA, PP, AN_1..AN_k) with matrix products on normalised copies of the embeddings,
-masked against the guide threshold and reduced to a log-sum-exp; the gradients with respect to the
-normalised embeddings come from the same scores, and one normalisation backward at the end turns them
-into embedding gradients. Nothing of size B x N is ever allocated.
+Anchors are processed in row blocks. A row block is scored against the candidate columns of every score
+block (AP, AA, PP, AN_1..AN_k) in tiles of ``TILE_COLS`` columns: one matrix product for the guide scores,
+which a float comparison turns into the mask, one for the student logits, then ``exp2``. The gradients
+with respect to the normalised embeddings come from the same tiles (two more products per tile), and one
+normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is ever
+allocated: the tiles live in a workspace (``_Workspace``) whose size is the byte budget (``plan``).
 
 Two schedules, chosen per call by ``plan``:
 
-* one pass (the usual case): a row block holds its logits against all C candidate columns at once, so
-  the loss and the gradients come from one set of matrix products;
-* two passes, when even ``ROW_FLOOR`` rows against all columns would not fit the budget: row block x
-  column chunk tiles, an online log-sum-exp over the chunks, then a second sweep that recomputes each
-  tile (the same products, so the same masks) and forms its gradients. Memory is then bounded at any B,
-  for one more set of score products.
+* one pass (the usual case): a row block keeps the tiles of all C candidate columns from the softmax
+  sums to the gradients, so every score is computed once;
+* two passes, when even ``ROW_FLOOR`` rows against all columns would not fit the budget: the sums first,
+  then a second sweep that recomputes each tile (the same products, so the same masks) and forms its
+  gradients. Memory is then bounded at any B, for one more set of score products.
 
-Block shape. A row block of R rows costs two products per score block, R x D @ D x C and its
-transposes; below a few hundred rows they run far below the machine's GEMM rate and the per-block
-overhead of the gradient accumulation dominates (see ``plan``). ``ROW_FLOOR`` rows per block are
-therefore the target, and the default budget grows to reach it, up to a cap from the memory that is
-actually available.
+Block shape. Rows per block below a few hundred make the products thin (and the gradient of the columns
+is read and written once per row block), so ``ROW_FLOOR`` rows are the target and the default budget
+grows to reach them, up to an eighth of the memory available. Tiles of ``TILE_COLS`` columns keep each
+tile's element-wise passes in the core's cache. Both were chosen by measurement (``plan``).
 
-Precision. Logits are in base 2 (``log2(e) / tau`` is folded into the score product), shifted by the
-row maximum, which is seeded with the positive logit. The label is kept out of the running sum, so the
-loss is formed as ``(max - positive) * ln 2 + log1p(sum_others + expm1((positive - max) * ln 2))``: a
-small loss keeps its relative precision instead of inheriting the absolute rounding of a number near
-1/tau.
+Precision. Logits are in base 2 (``log2(e) / tau`` rides on the product) and shifted by each row's
+positive logit, which the product subtracts itself (``[scale * x_hat, -shift] . [k_hat, 1]``). The label
+is kept out of the sum of the other terms, so the loss is ``log1p(others)`` (in general
+``(shift - positive) ln 2 + log1p(others + expm1((positive - shift) ln 2))``): a small loss keeps its
+relative precision instead of inheriting the absolute rounding of a number near 1/tau. The label's score
+gradient is ``-others / total``, exact where ``softmax - 1`` would cancel. When a row's sum passes
+``LARGEST_SUM`` (a candidate far above the positive) the row block is redone shifted by its maximum.
 
 Subnormal numbers. Many CPUs run arithmetic on subnormal floats a hundred times slower (a matrix
 product with subnormal operands was measured 200x slower here), and at tau = 0.01 a large share of the
-softmax underflows into that range. Shifted logits whose score gradient would be subnormal are dropped
-before ``exp2`` (set to -inf, which ``exp2`` maps to 0 at full speed): each of them is below
-``smallest normal float * C / (tau * B)``, so all of them together change the loss and the gradients by
-less than the number of columns times the smallest normal float.
+softmax underflows into that range. Shifted logits below the smallest normal exponent plus 24 are dropped
+before ``exp2`` (to -inf, which ``exp2`` maps to 0 at full speed), so that neither the terms nor their
+products with embedding components down to 2^-23 are subnormal. Each dropped term is below 2^-102 of the
+positive's (fp32), so all of them together change the loss by less than C * 2^-102 relative.
+
+Matryoshka. Student rows are normalised over the largest dimension; dimension d scores the prefix dot
+products, summed segment by segment (the columns between consecutive dimensions) in the top dimension's
+buffer, times the ratios ``rho_d`` of the norms. The guide tile and the mask are computed once per tile
+for all dimensions; each dimension has its own sums, and segment s of the gradient gets the sum, over
+the dimensions that contain it, of their weighted score gradients: about one full-dimension set of
+products in all, not one per dimension.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize, normalize_backward_, threshold, tie_ids,
+    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize, normalize_backward_,
+    threshold, tie_ids,
 )
 from .options import GistOptions
 
