@@ -202,3 +202,24 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     n_tiles = sum(len(streaming._spans(b, streaming.TILE_COLS if block_bytes is None else 1))
                   for b in streaming._Problem(student, guide, GistOptions(offset=6), True, False).blocks)
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
+
+
+@pytest.mark.parametrize("dims", [None, (16, 9, 4)], ids=["flat", "matryoshka"])
+def test_one_pass_over_many_tiles(dims, monkeypatch):
+    """Tiles of 5 columns in one pass: every block spans several tiles, each with its own place in the workspace."""
+    from cgist import streaming
+
+    monkeypatch.setattr(streaming, "TILE_COLS", 5)
+    student, guide = make_inputs(13, 26, 16, 12, 2, seed=13)
+    options = GistOptions(offset=13, margin=0.1, matryoshka_dims=dims)
+    schedule = streaming.plan(13, [26, 13, 26, 26, 26], 16, 1 if dims is None else 3, 8, None)
+    assert schedule.one_pass and schedule.cols == 5
+    if dims is None:
+        _check(student, guide, options)
+    else:
+        leaves = [s.detach().requires_grad_() for s in student]
+        loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
+        expected = gist_loss_reference(leaves, guide, options)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, torch.autograd.grad(expected, leaves)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
