@@ -1,13 +1,20 @@
-"""Triton kernels for the GIST loss: a forward row pass and a backward row and column pass.
+"""Triton kernels for the GIST loss: a forward row pass, the chunk score-gradient kernel of the GEMM
+backward, and the fused backward row and column passes.
 
 Every kernel works on one score block at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
 alongside. The launcher calls the same kernels once per block (AP, AA, PP, AN_1..AN_k); the running
-log-sum-exp state of each row lives in global memory between launches (O(B) floats).
+log-sum-exp state of each row lives in global memory between launches (O(B) floats per dimension).
 
 Normalisation is folded into the tiles: a score is ``(q . k) * rq * rk`` with ``r = 1 / max(||x||, eps)``
 precomputed per row, so no normalised copy of any embedding is made and bf16 inputs go to the tensor
 cores unchanged. All logits are in base-2 units, ``z = s * log2(e) / tau``, so the softmax uses exp2.
+
+Matryoshka dimensions d_1 < ... < d_M (ascending here; ``N_DIMS = M``, 1 without Matryoshka): the
+student K loop runs over the segments between consecutive dimensions, and after segment u the
+accumulator holds the prefix dot products of dimension d_u, scaled by that dimension's inverse prefix
+norms (``rq``/``rk`` hold one row per dimension). The guide tile and its mask are computed once per
+tile, before the student's, for every dimension.
 
 Ties by identity: row i's guide scores pair its row vector with each column, and ``theta_i`` pairs
 the same row vector with a partner (the positive ``o + i`` for anchor rows, anchor i for PP rows). A
@@ -15,12 +22,16 @@ column whose normalised guide vector equals the partner's scores theta_i in exac
 is masked exactly when ``theta_i > T_i``, whatever the rounding of the tile. The launcher gives equal
 normalised guide rows equal integer ids (``cgist.numerics.tie_ids``); the kernels compare ids.
 
-Layout: the launcher makes the feature dimension of every input contiguous, so each matrix comes
-with one stride, that of its rows. Offsets are int64.
+The label (AP column ``o + i``) is never masked, and it is carried apart from the other terms: the
+running sum ``l`` holds the others only, the running max starts at the positive logit, and the
+launcher forms each row's loss as ``(m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2))``.
 
-Bit-identical masks: every mask comes from one helper, the backward recomputes the same tiles with
-the same code and the same tile config as the forward, and reads the flag ``theta_i > T_i`` that the
-AP forward launch stored.
+Layout: the launcher makes the feature dimension of every input contiguous, so each matrix comes
+with one stride, that of its rows. Offsets into embeddings are int64.
+
+Bit-identical masks: every mask comes from one helper (``_masked_start``), and every backward kernel
+recomputes the guide tiles with the same code and the same tile config as the forward, and reads the
+flag ``theta_i > T_i`` that the AP forward launch stored.
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "pack_scalars", "tile_configs"]
+__all__ = [
+    "gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars",
+    "tile_configs",
+]
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
 SCALE, MARGIN = tl.constexpr(0), tl.constexpr(1)
@@ -47,36 +61,78 @@ def _configs(tiles) -> list[triton.Config]:
     ]
 
 
-#: Tensor-core tiles (bf16, fp16, tf32).
-MMA_CONFIGS = _configs([
-    (64, 64, 32, 4, 2),
-    (128, 64, 32, 8, 3),
-    (32, 64, 32, 4, 2),  # small batches: more programs per SM
-])
-#: IEEE fp32 / fp64 dots run on the FMA units; their operands live in registers, so smaller tiles.
-FMA_CONFIGS = _configs([
-    (64, 32, 16, 4, 2),
-])
+#: Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by GPU generation (8: sm_80 mma, 9: sm_90 wgmma) and
+#: operand kind (``operand_kind``), each the largest the four kernels compile for without spills (see
+#: bench/aot_compile.py). 128 x 256 spills at 8 and at 16 warps; 128 x 128 fits where the operands come
+#: from shared memory unsplit (2-byte and tf32 on sm_90). tf32x3 splits its operands in registers, so it
+#: takes BLOCK_K = 16. Several Matryoshka dimensions carry a second tile (the running segment sum) through
+#: the score-gradient kernel: 64 x 64 on 8 warps.
+_TILES = {
+    (9, "half"): [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3)],
+    (8, "half"): [(128, 64, 64, 8, 3), (64, 64, 64, 4, 3)],
+    (9, "tf32"): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
+    (8, "tf32"): [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
+    (9, "tf32x3"): [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)],
+    (8, "tf32x3"): [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)],
+}
+_TILES.update({(arch, "mixed3"): _TILES[arch, "tf32x3"] for arch in (8, 9)})
+_MATRYOSHKA_TILES = {"half": [(64, 64, 64, 8, 3)], "tf32": [(64, 64, 32, 8, 3)], "tf32x3": [(64, 64, 32, 8, 3)],
+                     "mixed3": [(64, 64, 16, 8, 3)]}
+#: fp64 dots (tests) run on the FMA units; their operands live in registers, so small tiles.
+FMA_CONFIGS = _configs([(64, 32, 16, 4, 2)])
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
+ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_MATRYOSHKA_TILES.values()) for t in group})) \
+    + FMA_CONFIGS
+#: ``tile_set`` values of the forward: any config, or the fused backward's (whose passes hold a gradient
+#: tile beside the score tile and compile spill-free up to 128 x 64 values).
+TILE_SETS = ("gemm", "fused")
 
 
-def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str,
-                 interpret: bool = INTERPRET) -> list[triton.Config]:
+def operand_kind(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str) -> str:
+    """The class of a dtype pair for the tile configs.
+
+    "half" (bf16/fp16 on both sides), "tf32" (an fp32 side at "high"/"medium"), "tf32x3" (an fp32
+    student at "highest"), "mixed3" (a half student with an fp32 guide at "highest") or "fp64".
+    """
+    if torch.float64 in (dtype, guide_dtype):
+        return "fp64"
+    if precision == "tf32x3":
+        return "tf32x3"
+    if guide_precision == "tf32x3":
+        return "mixed3"
+    return "tf32" if torch.float32 in (dtype, guide_dtype) else "half"
+
+
+def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
+                 tile_set: str = "gemm", arch: int = 9, interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
-    row, column and K tiles. On a GPU, IEEE fp32/fp64 dots run on the FMA units and get their own set.
+    row, column and K tiles. On a GPU of compute capability ``arch``.x every dtype pair but fp64 runs
+    on the tensor cores (fp32 as tf32 or tf32x3). ``tile_set="fused"`` keeps to the tiles the fused
+    backward compiles without spills.
     """
     if interpret:
         return INTERPRET_CONFIGS
-    fma = any(p == "ieee" and d in (torch.float32, torch.float64)
-              for d, p in ((dtype, precision), (guide_dtype, guide_precision)))
-    return FMA_CONFIGS if fma else MMA_CONFIGS
+    kind = operand_kind(dtype, precision, guide_dtype, guide_precision)
+    if kind == "fp64":
+        return FMA_CONFIGS
+    if n_dims > 1:
+        return _configs(_MATRYOSHKA_TILES[kind])
+    tiles = _TILES[min(arch, 9), kind]
+    if tile_set == "fused":
+        tiles = [t for t in tiles if t[0] * t[1] <= 128 * 64]
+    return _configs(tiles)
+
+
+def _device_arch(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
 
 
 def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
     args = {**named_args, **kwargs}  # keyword launches leave named_args empty
-    return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"])
+    return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
+                        args["N_DIMS"], TILE_SETS[args["tile_set"]], _device_arch(args["q_ptr"].device))
 
 
 def pack_scalars(temperature: float, margin: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -89,96 +145,76 @@ def pack_scalars(temperature: float, margin: float, dtype: torch.dtype, device) 
 
 
 @triton.jit
-def _tile_dot(
-    a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_a, stride_b,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC: tl.constexpr, PRECISION: tl.constexpr,
+def _dot_range(
+    acc, a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, lo, hi, stride_a, stride_b,
+    BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Raw dot products ``a[offs_m] . b[offs_n]``, K-looped over ``dim``.
+    """``acc + a[offs_m, lo:hi] . b[offs_n, lo:hi]``, K-looped in BLOCK_K columns.
 
-    a: (rows, dim) with row stride ``stride_a``; b: (cols, dim) likewise. Returns (BLOCK_M, BLOCK_N) in ACC.
+    a: (rows, dim) with row stride ``stride_a``; b: (cols, dim) likewise. acc: (BLOCK_M, BLOCK_N) in ACC.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_a + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_b + offs_k[:, None]  # (BLOCK_K, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for k0 in range(0, dim, BLOCK_K):
-        mask_k = offs_k < dim - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    # Row pointers only (BLOCK_M x 1, 1 x BLOCK_N); the tiles' pointers are formed in the loop from the
+    # scalar k0, so that no pointer tile is carried from one iteration to the next.
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a
+    b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_b
+    for k0 in range(lo, hi, BLOCK_K):
+        mask_k = offs_k < hi - k0
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_cols + (k0 + offs_k)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
     return acc
 
 
 @triton.jit
-def _tile_scores(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-    offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+def _student_prefix(
+    acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q, stride_k, u,
+    N_DIMS: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Student logits ``z = cos(q, k) * scale`` and guide cosines ``g = cos(qg, kg)`` of one tile.
+    """Extend the prefix dot products ``acc`` over segment u: from ``acc`` over d_{u-1} columns to d_u.
 
-    rq, rqg: (BLOCK_M,) inverse row norms; rk, rkg: (BLOCK_N,) inverse column norms.
-    Returns z, g: (BLOCK_M, BLOCK_N) in ACC.
+    ``dims_ptr`` holds d_1 < ... < d_M; the largest is ``dim``. With several dimensions u is a runtime
+    loop index: the loop over dimensions stays a loop, so that the compiler keeps one dimension's
+    values live at a time.
     """
-    s = _tile_dot(q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dim, stride_q, stride_k,
-                  BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION)
-    g = _tile_dot(qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
-                  BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
-    z = s * (rq * scale)[:, None] * rk[None, :]
+    if N_DIMS == 1:
+        lo = 0
+        hi = dim
+    else:
+        lo = tl.load(dims_ptr + u - 1, mask=u > 0, other=0)
+        hi = tl.load(dims_ptr + u)
+    return _dot_range(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, lo, hi, stride_q, stride_k,
+                      BLOCK_K, ACC, PRECISION)
+
+
+@triton.jit
+def _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u):
+    """Inverse prefix norms of dimension u: rows (BLOCK_M,) and columns (BLOCK_N,).
+
+    Out of range they read 1, so that a masked (-inf) prefix there stays -inf instead of becoming NaN.
+    """
+    rq = tl.load(rq_ptr + u * stride_rq + offs_m, mask=mask_m, other=1.0)
+    rk = tl.load(rk_ptr + u * stride_rk + offs_n, mask=mask_n, other=1.0)
+    return rq, rk
+
+
+@triton.jit
+def _logits(acc, rq, rk, scale):
+    """Base-2 student logits of a tile from its prefix dot products: ``acc * rq * scale * rk``."""
+    return acc * (rq * scale)[:, None] * rk[None, :]
+
+
+@triton.jit
+def _guide_scores(
+    qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+    PRECISION_G: tl.constexpr,
+):
+    """Guide cosines of one tile, (BLOCK_M, BLOCK_N); rqg, rkg: inverse guide norms of rows and columns."""
+    g = _dot_range(tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC), qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n,
+                   0, dim_g, stride_qg, stride_kg, BLOCK_K, ACC, PRECISION_G)
     # Both inverse norms at once, so that g[i, j] and g[j, i] of a symmetric block are bitwise equal.
-    g = g * (rqg[:, None] * rkg[None, :])
-    return z, g
-
-
-@triton.jit
-def _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start):
-    """What every tile of BLOCK_M rows needs: inverse norms and the partner's tie id, each (BLOCK_M,).
-
-    Rows past ``n_rows`` read neutral values.
-    """
-    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-    partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
-    return rq, rqg, partner_id
-
-
-@triton.jit
-def _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr):
-    """The threshold T_i and the flag theta_i > T_i that the AP forward launch stored, each (BLOCK_M,)."""
-    thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
-    theta_masked = tl.load(theta_masked_ptr + offs_m, mask=mask_m, other=0)
-    return thr, theta_masked
-
-
-@triton.jit
-def _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr):
-    """The forward's running max and sum of each row, and its row weight, each (BLOCK_M,)."""
-    shift = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
-    others = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
-    row_weight = tl.load(rw_ptr + offs_m, mask=mask_m, other=0.0)
-    return shift, others, row_weight
-
-
-@triton.jit
-def _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
-                   has_label):
-    """``z`` (BLOCK_M, BLOCK_N) with -inf where the guide score is strictly above the row threshold, at the label, or out of range.
-
-    A column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties with theta_i and
-    is masked iff ``theta_masked`` (theta_i > T_i). With ``has_label`` (the AP block) column
-    ``offset + i`` of row i is the label: it is never masked, but it is carried apart from the other
-    terms (its logit is the positive's), so it is -inf here too. The column ids are loaded here, after
-    the tile's products, so that they are not live during them.
-    """
-    col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
-    keep = tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
-    keep = keep & ~_is_label(offs_m, offs_n, mask_m, offset, has_label)
-    keep = keep & mask_m[:, None] & mask_n[None, :]
-    return tl.where(keep, z, float("-inf"))
+    return g * (rqg[:, None] * rkg[None, :])
 
 
 @triton.jit
@@ -188,48 +224,293 @@ def _is_label(offs_m, offs_n, mask_m, offset, has_label):
 
 
 @triton.jit
-def _masked_tile(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id, col_id_ptr,
-    offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg, offset, has_label,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+def _masked_start(
+    qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
+    offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+    PRECISION_G: tl.constexpr, KEEP_LABEL: tl.constexpr,
 ):
-    """The masked base-2 logits of one tile (BLOCK_M, BLOCK_N): the one code path of every kernel's mask."""
-    z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                        offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-                        BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-    return _masked_logits(z, g, thr, theta_masked, partner_id, col_id_ptr, offs_m, offs_n, mask_m, mask_n, offset,
-                          has_label)
+    """The guide's verdict on one tile, as the student accumulator's start: 0 where kept, -inf where masked.
 
+    An entry is masked where its guide score is strictly above the row threshold ``thr``, or out of
+    range. A column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties with
+    theta_i and is masked iff ``theta_masked`` (theta_i > T_i). The label, which is never masked but
+    carried apart from the other terms, starts at 0 with KEEP_LABEL (its logit is wanted) and at -inf
+    without (it drops out of the sums like a masked entry). The one code path of every kernel's mask.
 
-@triton.jit
-def _online_lse(m_i, l_i, z):
-    """Fold a tile of base-2 logits z (BLOCK_M, BLOCK_N) into the running max and sum (BLOCK_M,); m_i finite."""
-    m_new = tl.maximum(m_i, tl.max(z, axis=1))
-    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), axis=1)
-    return m_new, l_i
-
-
-@triton.jit
-def _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label):
-    """dL/ds of one tile (BLOCK_M, BLOCK_N) from its masked logits z (label at -inf); 0 where masked.
-
-    With ``total = others + 2^(positive - shift)`` the row's softmax denominator in units of
-    ``2^shift`` and ``row_weight = 1 / (tau * B * total)``, an entry gets ``2^(z - shift) * row_weight``
-    and the label ``-others * row_weight``: exactly softmax - 1, with no cancellation.
+    The student's products then accumulate onto it, and the masked entries stay -inf through every
+    prefix (the products are finite): the mask rides in the accumulator, so no mask tile is live
+    during the student's K loop.
     """
-    p = tl.exp2(z - shift[:, None]) * row_weight[:, None]
-    return tl.where(_is_label(offs_m, offs_n, mask_m, offset, has_label), (-others * row_weight)[:, None], p)
+    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+    rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+    g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
+                      BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+    col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
+    keep = tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
+    is_label = _is_label(offs_m, offs_n, mask_m, offset, has_label)
+    keep = (keep | is_label) if KEEP_LABEL else (keep & ~is_label)
+    keep = keep & mask_m[:, None] & mask_n[None, :]
+    return tl.where(keep, 0.0, float("-inf")).to(ACC)
+
+
+@triton.jit
+def _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr, theta_masked_ptr):
+    """The partner's tie id, the threshold T_i and the flag theta_i > T_i of each row, each (BLOCK_M,)."""
+    partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
+    thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+    theta_masked = tl.load(theta_masked_ptr + offs_m, mask=mask_m, other=0)
+    return partner_id, thr, theta_masked
+
+
+@triton.jit
+def _dim_column(state, dcol, u):
+    """Column u of a (BLOCK_M, DIMS_P2) per-dimension row state, (BLOCK_M,)."""
+    return tl.sum(tl.where(dcol[None, :] == u, state, 0.0), axis=1)
+
+
+@triton.jit
+def _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr,
+                stride_state, u):
+    """dL/dcos_u of one tile (BLOCK_M, BLOCK_N) from its prefix dot products ``acc`` (-inf where masked).
+
+    With the forward's running max ``m``, sum ``l`` (label excluded) and row weight
+    ``rw = w_u / (tau * B * (l + 2^(pos - m)))`` of dimension u, an unmasked entry gets
+    ``2^(z - m) * rw`` (0 where masked: 2^-inf) and the label, whatever its start, ``-l * rw``: exactly
+    w_u (softmax - 1) / (tau B), with no cancellation.
+    """
+    shift = tl.load(m_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
+    row_sum = tl.load(l_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
+    row_weight = tl.load(rw_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
+    p = tl.exp2(_logits(acc, rq, rk, scale) - shift[:, None]) * row_weight[:, None]
+    # the label is found here, from the indices, so that no label tile is live during the products
+    return tl.where(_is_label(offs_m, offs_n, mask_m, offset, has_label), (-row_sum * row_weight)[:, None], p)
+
+
+@triton.jit
+def _round_tf32(x):
+    """``x`` (fp32) rounded to the nearest tf32 value (10 mantissa bits, ties to even), as fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (((bits >> 13) & 1) + 0xFFF)) & -8192  # -8192 = 0xFFFFE000: clear the 13 low bits
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask, SPLIT: tl.constexpr):
+    """Store a tile of GEMM operand at rows ``local_m`` and columns ``local_n`` of the chunk buffer ``f_ptr``.
+
+    With SPLIT, as its tf32 high part and, one part (``stride_part``) further, the fp32 rest. The
+    offsets are int32 (the launcher keeps a chunk under 2^31 entries) and formed here, at the store,
+    so that no pointer tile is live during the products.
+    """
+    ptrs = f_ptr + (local_m[:, None] * stride_row + local_n[None, :])
+    if SPLIT:
+        high = _round_tf32(value)
+        tl.store(ptrs, high, mask=mask)
+        tl.store(ptrs + stride_part, value - high, mask=mask)
+    else:
+        tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
+
+
+# The block kind (has_label; relative; count) is a runtime value, not a constexpr, and is kept out of the
+# JIT's integer specialisation: all the blocks of a step (AP, AA, PP, AN_1..AN_k) then share one binary per
+# kernel and tile config, instead of compiling and autotuning a variant per block. The branches it selects
+# are per program, so they cost nothing measurable.
+@triton.autotune(
+    configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
+    key=["b_bucket", "n_bucket", "dim", "dim_g", "tile_set", "PRECISION", "PRECISION_G", "N_DIMS"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+    restore_value=["m_ptr", "l_ptr", "masked_ptr", "kept_ptr"],
+)
+@triton.jit(do_not_specialize=["partner_start", "has_label", "relative", "count", "tile_set"])
+def gist_fwd_kernel(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
+    thr_ptr, theta_masked_ptr, theta_ptr, pos_ptr, m_ptr, l_ptr, masked_ptr, kept_ptr, scalars_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start,
+    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state,
+    b_bucket, n_bucket, tile_set, has_label, relative, count,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+    N_DIMS: tl.constexpr, DIMS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
+
+    Per dimension u (row u of ``m``, ``l``, ``pos``; ``stride_state`` apart), updates the running
+    base-2 max ``m`` and sum ``l`` of each row over the unmasked logits other than the label. The AP
+    launch (``has_label``) comes first: it computes ``theta_i`` and the positive logits from the label
+    tiles, stores theta, the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positives,
+    and seeds ``m`` with the positive logit (so ``l`` starts at 0). ``col_id_ptr`` holds the tie ids
+    of the columns and ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner.
+
+    ``tile_set`` (an index into ``TILE_SETS``) only selects the configs the autotuner tries.
+
+    With ``count``, adds to each row's int32 counters the entries the guide masked in this block
+    (``masked_ptr``, the label excluded) and the unmasked entries other than the label (``kept_ptr``).
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    scale = tl.load(scalars_ptr + SCALE)
+    dcol = tl.arange(0, DIMS_P2)
+    state_ptrs = dcol[None, :] * stride_state + offs_m[:, None]  # (BLOCK_M, DIMS_P2)
+    state_mask = mask_m[:, None] & (dcol < N_DIMS)[None, :]
+    if has_label:
+        # theta and the positive logits, read off the label tiles with the same code as the main loop.
+        rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+        theta = tl.zeros((BLOCK_M,), dtype=ACC)
+        m_i = tl.zeros((BLOCK_M, DIMS_P2), dtype=ACC)
+        first_label = offset + tl.program_id(0) * BLOCK_M
+        last_label = offset + tl.minimum(tl.program_id(0) * BLOCK_M + BLOCK_M, n_rows)
+        for start_n in range((first_label // BLOCK_N) * BLOCK_N, last_label, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_cols
+            is_label = offs_n[None, :] == offs_m[:, None] + offset
+            rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+            g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
+                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+            theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+            for u in range(N_DIMS):
+                acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
+                                      stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
+                rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
+                pos = tl.sum(tl.where(is_label, _logits(acc, rq, rk, scale), 0.0), axis=1)
+                m_i += tl.where(dcol[None, :] == u, pos[:, None], 0.0)
+        margin = tl.load(scalars_ptr + MARGIN)
+        thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
+        theta_masked = (theta > thr).to(tl.int8)
+        tl.store(theta_ptr + offs_m, theta, mask=mask_m)
+        tl.store(thr_ptr + offs_m, thr, mask=mask_m)
+        tl.store(theta_masked_ptr + offs_m, theta_masked, mask=mask_m)
+        tl.store(pos_ptr + state_ptrs, m_i, mask=state_mask)
+        l_i = tl.zeros((BLOCK_M, DIMS_P2), dtype=ACC)
+    else:
+        thr = tl.load(thr_ptr + offs_m, mask=mask_m, other=0.0)
+        theta_masked = tl.load(theta_masked_ptr + offs_m, mask=mask_m, other=0)
+        m_i = tl.load(m_ptr + state_ptrs, mask=state_mask, other=0.0)
+        l_i = tl.load(l_ptr + state_ptrs, mask=state_mask, other=0.0)
+    partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
+    n_masked = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    n_kept = tl.zeros((BLOCK_M,), dtype=tl.int32)
+
+    for start_n in range(0, n_cols, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n_cols
+        acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
+                            offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
+                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, False)
+        if count:
+            # the unmasked entries other than the label, and so the masked ones (in range - kept - label):
+            # one tile reduction
+            kept = tl.sum((acc == 0.0).to(tl.int32), axis=1)
+            labels = ((offs_m + offset >= start_n) & (offs_m + offset < start_n + BLOCK_N) & mask_m
+                      & (has_label != 0)).to(tl.int32)
+            n_masked += tl.where(mask_m, tl.minimum(n_cols - start_n, BLOCK_N), 0) - kept - labels
+            n_kept += kept
+        for u in range(N_DIMS):
+            acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
+                                  stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
+            rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
+            z = _logits(acc, rq, rk, scale)  # -inf where masked and at the label
+            m_u = _dim_column(m_i, dcol, u)
+            l_u = _dim_column(l_i, dcol, u)
+            m_new = tl.maximum(m_u, tl.max(z, axis=1))  # m_u is finite: it starts at the positive logit
+            l_new = l_u * tl.exp2(m_u - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), axis=1)
+            m_i = tl.where(dcol[None, :] == u, m_new[:, None], m_i)
+            l_i = tl.where(dcol[None, :] == u, l_new[:, None], l_i)
+    tl.store(m_ptr + state_ptrs, m_i, mask=state_mask)
+    tl.store(l_ptr + state_ptrs, l_i, mask=state_mask)
+    if count:
+        tl.store(masked_ptr + offs_m, tl.load(masked_ptr + offs_m, mask=mask_m, other=0) + n_masked, mask=mask_m)
+        tl.store(kept_ptr + offs_m, tl.load(kept_ptr + offs_m, mask=mask_m, other=0) + n_kept, mask=mask_m)
+
+
+@triton.jit(do_not_specialize=["partner_start", "has_label", "row_start", "col_start"])
+def gist_score_grad_kernel(
+    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, f_ptr, row_part_ptr, col_part_ptr,
+    row_stop, col_stop, dim, dim_g, offset, partner_start, row_start, col_start,
+    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state,
+    stride_f_seg, stride_f_part, stride_f_row, stride_rp_dim, stride_rp_tile, stride_cp_dim, stride_cp_tile,
+    has_label,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr, N_DIMS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Score gradients of one chunk of a block, as GEMM operands: one (BLOCK_M, BLOCK_N) tile per program.
+
+    The chunk is rows ``row_start:row_stop`` against columns ``col_start:col_stop`` (both starts tile
+    aligned, so that every tile is one of the forward's, computed by the same code). Writes, for each
+    segment s between consecutive dimensions (the columns d_{s-1}..d_s of the embeddings),
+    ``F_s = sum over dims u >= s of dL/dcos_u * rq_u * rk_u`` at ``f_ptr`` (segment, [part,] chunk row,
+    chunk column), in ``f_ptr``'s dtype; with SPLIT (fp32 operands of a tf32x3 product) as a tf32 high
+    part and the fp32 rest. Then dL/dq_raw[:, s] += F_s @ k_raw[:, s] and dL/dk_raw[:, s] += F_s^T @
+    q_raw[:, s] are library GEMMs.
+
+    With several dimensions the normalisation backward needs ``c_u = sum_j dL/dcos_u * cos_u`` of every
+    row and column: each program stores its tile's row sums at ``row_part_ptr`` (dim, column tile, chunk
+    row) and column sums at ``col_part_ptr`` (dim, row tile, chunk column), which the launcher adds up in
+    a fixed order. The sums over dimensions are formed with one running tile: the first sweep adds up
+    F_1 + ... + F_M (= F_1's segment); a second, up to d_{M-1}, subtracts F_u to get segment u + 1's.
+    """
+    offs_m = row_start + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = col_start + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < row_stop
+    mask_n = offs_n < col_stop
+    scale = tl.load(scalars_ptr + SCALE)
+    partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
+                                                    theta_masked_ptr)
+    acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
+                        offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
+                        BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, N_DIMS > 1)
+    local_m = offs_m - row_start
+    local_n = offs_n - col_start
+
+    if N_DIMS == 1:
+        acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q, stride_k,
+                              0, N_DIMS, BLOCK_K, ACC, PRECISION)
+        rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, 0)
+        grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr,
+                           stride_state, 0)
+        _store_operand(f_ptr, local_m, local_n, stride_f_row, stride_f_part, grad * rq[:, None] * rk[None, :],
+                       mask_m[:, None] & mask_n[None, :], SPLIT)
+    else:
+        summed = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for u in range(N_DIMS):
+            acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
+                                  stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
+            rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
+            grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr,
+                               rw_ptr, stride_state, u)
+            # dL/dcos_u * cos_u (grad is 0 where acc is -inf)
+            radial = grad * tl.where(acc > float("-inf"), acc, 0.0) * rq[:, None] * rk[None, :]
+            tl.store(row_part_ptr + u * stride_rp_dim + tl.program_id(1) * stride_rp_tile + local_m,
+                     tl.sum(radial, axis=1), mask=mask_m)
+            tl.store(col_part_ptr + u * stride_cp_dim + tl.program_id(0) * stride_cp_tile + local_n,
+                     tl.sum(radial, axis=0), mask=mask_n)
+            summed += grad * rq[:, None] * rk[None, :]
+        _store_operand(f_ptr, local_m, local_n, stride_f_row, stride_f_part, summed,
+                       mask_m[:, None] & mask_n[None, :], SPLIT)
+        # the masked start again, read off the accumulator (still -inf exactly where masked), so that the
+        # start was not live during the first sweep
+        acc = tl.where(acc == float("-inf"), float("-inf"), 0.0).to(ACC)
+        for u in range(N_DIMS - 1):
+            acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
+                                  stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
+            rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
+            grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr,
+                               rw_ptr, stride_state, u)
+            summed -= grad * rq[:, None] * rk[None, :]
+            _store_operand(f_ptr + (u + 1) * stride_f_seg, local_m, local_n, stride_f_row, stride_f_part, summed,
+                           mask_m[:, None] & mask_n[None, :], SPLIT)
 
 
 @triton.jit
 def _add_product(
-    out_ptr, offs_o, mask_o, stride_out, read_old, ds, v_ptr, offs_v, mask_v, stride_v, dim,
+    out_ptr, offs_o, mask_o, stride_out, ds, v_ptr, offs_v, mask_v, stride_v, dim,
     BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``out[offs_o, :] (+)= ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
+    """``out[offs_o, :] += ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
 
-    ds: (len(offs_o), len(offs_v)) in v's dtype; out: (rows, dim) in ACC. The old rows count only when ``read_old``.
+    ds: (len(offs_o), len(offs_v)) in v's dtype; out: (rows, dim) in ACC.
     """
     offs_d = tl.arange(0, BLOCK_D)
     out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_out + offs_d[None, :]
@@ -238,132 +519,73 @@ def _add_product(
         mask_d = offs_d < dim - d0
         v = tl.load(v_ptrs, mask=mask_v[:, None] & mask_d[None, :], other=0.0)
         out_mask = mask_o[:, None] & mask_d[None, :]
-        old = tl.where(read_old, tl.load(out_ptrs, mask=out_mask, other=0.0), 0.0)
+        old = tl.load(out_ptrs, mask=out_mask, other=0.0)
         tl.store(out_ptrs, tl.dot(ds, v, old, input_precision=PRECISION, out_dtype=ACC), mask=out_mask)
         out_ptrs += BLOCK_D
         v_ptrs += BLOCK_D
 
 
-# The block kind (has_label; relative; accumulate) is a runtime value, not a constexpr, and is kept out of
-# the JIT's integer specialisation: all the blocks of a step (AP, AA, PP, AN_1..AN_k) then share one binary
-# per kernel and tile config, instead of compiling and autotuning a variant per block. The branches it
-# selects are per program, so they cost nothing measurable.
-@triton.autotune(
-    configs=INTERPRET_CONFIGS if INTERPRET else MMA_CONFIGS + FMA_CONFIGS,
-    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    restore_value=["m_ptr", "l_ptr"],
-)
-@triton.jit(do_not_specialize=["partner_start", "has_label", "relative"])
-def gist_fwd_kernel(
+@triton.jit
+def _fused_tile_grad(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, pos_ptr, m_ptr, l_ptr, scalars_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg,
-    b_bucket, n_bucket, has_label, relative,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale, offs_m, offs_n, mask_m, mask_n,
+    dim, dim_g, offset, partner_start, stride_q, stride_qg, stride_k, stride_kg, has_label,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
 ):
-    """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
-
-    Updates the running base-2 max ``m`` and sum ``l`` of each row over the unmasked logits other than
-    the label, which is carried apart so that a small loss keeps its relative precision. The AP
-    launch (``has_label``) comes first: it computes ``theta_i`` and the positive logit from the label
-    tiles, stores the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positive, and seeds
-    ``m_i`` with the positive logit (so ``l`` starts at 0). ``col_id_ptr`` holds the tie ids of the columns and
-    ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner.
-    """
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < n_rows
-    scale = tl.load(scalars_ptr + SCALE)
-    rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
-    if has_label:
-        # theta and the positive logit, read off the label tiles with the same code as the main loop.
-        theta = tl.zeros((BLOCK_M,), dtype=ACC)
-        m_i = tl.zeros((BLOCK_M,), dtype=ACC)
-        first_label = offset + tl.program_id(0) * BLOCK_M
-        last_label = offset + tl.minimum(tl.program_id(0) * BLOCK_M + BLOCK_M, n_rows)
-        for start_n in range((first_label // BLOCK_N) * BLOCK_N, last_label, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < n_cols
-            rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-            rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-            z, g = _tile_scores(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale,
-                                offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k, stride_kg,
-                                BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-            is_label = offs_n[None, :] == offs_m[:, None] + offset
-            theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
-            m_i += tl.sum(tl.where(is_label, z, 0.0), axis=1)
-        margin = tl.load(scalars_ptr + MARGIN)
-        thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
-        theta_masked = (theta > thr).to(tl.int8)
-        tl.store(thr_ptr + offs_m, thr, mask=mask_m)
-        tl.store(theta_masked_ptr + offs_m, theta_masked, mask=mask_m)
-        tl.store(pos_ptr + offs_m, m_i, mask=mask_m)
-        l_i = tl.zeros((BLOCK_M,), dtype=ACC)
-    else:
-        thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
-        m_i = tl.load(m_ptr + offs_m, mask=mask_m, other=0.0)
-        l_i = tl.load(l_ptr + offs_m, mask=mask_m, other=0.0)
-
-    for start_n in range(0, n_cols, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_cols
-        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-        rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
-                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
-                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        m_i, l_i = _online_lse(m_i, l_i, z)
-    tl.store(m_ptr + offs_m, m_i, mask=mask_m)
-    tl.store(l_ptr + offs_m, l_i, mask=mask_m)
+    """One dimension: ``dL/dcos * rq * rk`` of a tile (BLOCK_M, BLOCK_N), recomputed as the forward does."""
+    partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
+                                                    theta_masked_ptr)
+    start = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
+                          offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
+                          BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, False)
+    acc = _dot_range(start, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n,
+                     0, dim, stride_q, stride_k, BLOCK_K, ACC, PRECISION)
+    rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, 0, 0, 0)
+    grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr, 0, 0)
+    return grad * rq[:, None] * rk[None, :]
 
 
-@triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
+@triton.jit(do_not_specialize=["partner_start", "has_label"])
 def gist_bwd_rows_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
     n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Backward row pass of one block: ``grad[i] (+)= sum_j dS[i, j] * k_hat[j]``, grad = dL/dq_hat (n_rows x dim).
+    """Fused backward row pass of one block (one dimension): ``grad[i] += sum_j F[i, j] * k_raw[j]``.
 
-    Recomputes each tile and its mask exactly as the forward; ``m`` and ``l`` are the forward's running
-    max and sum of the row (label excluded) and ``rw`` its row weight (see ``_score_grad``).
-    Unless ``accumulate``, the first column tile overwrites ``grad`` instead of adding to it.
+    ``F = dL/dcos * rq * rk``; grad (n_rows x dim) is the non-radial part of dL/dq_raw. Recomputes each
+    tile and its mask exactly as the forward; each program owns BLOCK_M gradient rows and adds into them
+    in global memory for every column tile.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     scale = tl.load(scalars_ptr + SCALE)
-    rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
-    thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_cols
-        # loaded in the loop (cached), so that they are not live during the products
-        shift, others, row_weight = _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr)
-        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-        rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
-                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
-                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        ds = _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label) * rk[None, :]
-        _add_product(grad_ptr, offs_m, mask_m, stride_grad, accumulate + start_n > 0,
-                     ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n, stride_k, dim, BLOCK_K, ACC, PRECISION)
+        ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
+                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale,
+                              offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset, partner_start,
+                              stride_q, stride_qg, stride_k, stride_kg, has_label,
+                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+        _add_product(grad_ptr, offs_m, mask_m, stride_grad, ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n,
+                     stride_k, dim, BLOCK_K // 2, ACC, PRECISION)
 
 
-@triton.jit(do_not_specialize=["partner_start", "has_label", "accumulate"])
+@triton.jit(do_not_specialize=["partner_start", "has_label"])
 def gist_bwd_cols_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
     n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label, accumulate,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Backward column pass of one block: ``grad[j] (+)= sum_i dS[i, j] * q_hat[i]``, grad = dL/dk_hat (n_cols x dim).
+    """Fused backward column pass of one block (one dimension): ``grad[j] += sum_i F[i, j] * q_raw[i]``.
 
     One program per BLOCK_N columns loops over the row tiles; each tile is computed in the same
     orientation and with the same code as the forward, so the masks are bit-identical.
@@ -371,18 +593,13 @@ def gist_bwd_cols_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_cols
     scale = tl.load(scalars_ptr + SCALE)
-    rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-    rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
     for start_m in range(0, n_rows, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
-        rq, rqg, partner_id = _row_state(offs_m, mask_m, rq_ptr, rqg_ptr, partner_id_ptr, partner_start)
-        thr, theta_masked = _row_threshold(offs_m, mask_m, thr_ptr, theta_masked_ptr)
-        shift, others, row_weight = _row_softmax(offs_m, mask_m, m_ptr, l_ptr, rw_ptr)
-        z = _masked_tile(q_ptr, qg_ptr, k_ptr, kg_ptr, rq, rqg, rk, rkg, scale, thr, theta_masked, partner_id,
-                         col_id_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, stride_q, stride_qg, stride_k,
-                         stride_kg, offset, has_label, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        ds = _score_grad(z, shift, others, row_weight, offs_m, offs_n, mask_m, offset, has_label) * rq[:, None]
-        _add_product(grad_ptr, offs_n, mask_n, stride_grad, accumulate + start_m > 0,
-                     tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr, offs_m, mask_m, stride_q, dim,
-                     BLOCK_K, ACC, PRECISION)
+        ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
+                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale,
+                              offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset, partner_start,
+                              stride_q, stride_qg, stride_k, stride_kg, has_label,
+                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
+        _add_product(grad_ptr, offs_n, mask_n, stride_grad, tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr,
+                     offs_m, mask_m, stride_q, dim, BLOCK_K // 2, ACC, PRECISION)

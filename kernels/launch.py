@@ -1,20 +1,36 @@
 """Launchers for the GIST kernels: tensors in, tensors out (no autograd, no nn).
 
 ``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
-``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart). It launches
-the kernels of ``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
+``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
+launches of one block with ``forward_block`` / ``BackwardWork``). It launches the kernels of
+``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
 
-* forward: the AP launch stores the threshold, the flag ``theta_i > T_i``, the positive logit and the
-  first running max/sum of each row; the other blocks fold into that state. Guide ties are decided by
-  identity: equal normalised guide rows get equal int32 ids (``cgist.numerics.tie_ids``), and each
-  launch reads the ids of its columns and of its rows' partners. The label is kept out of the running
-  sum ``l`` (base 2, shifted by the running max ``m``, which starts at the positive logit ``z_pos``), so
-  each row's loss is ``(m - z_pos) ln 2 + log1p(l + expm1((z_pos - m) ln 2))``: a small loss keeps its
-  relative precision instead of inheriting the rounding of a logit near 1/tau.
-* backward: the row pass and the column pass of each block add into fp32 (fp64) buffers of
-  gradients with respect to the normalised embeddings; the first pass to reach a buffer overwrites
-  it. Launches run in order on one stream, so the sums are deterministic without atomics. The
-  buffers are then taken through the normalisation with ``cgist.numerics.normalize_backward_``.
+* forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
+  and the first running max/sum of each row (one row of state per Matryoshka dimension); the other
+  blocks fold into that state. Guide ties are decided by identity: equal normalised guide rows get
+  equal int32 ids (``cgist.numerics.tie_ids``), and each launch reads the ids of its columns and of
+  its rows' partners. The label is kept out of the running sum ``l`` (base 2, shifted by the running
+  max ``m``, which starts at the positive logit ``pos``), so each row's loss is
+  ``(m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2))``: a small loss keeps its relative precision.
+  With ``need_stats`` the forward also counts the guide's mask in per-row int32 counters, reduced once.
+* backward, ``method="gemm"`` (the default): for each chunk of a block (rows x columns sized by the
+  byte budget ``options.block_bytes``), ``gist_score_grad_kernel`` recomputes the chunk's tiles with
+  the forward's code and tile config (so the masks are bit-identical) and writes the score gradient
+  with both inverse norms folded in, ``F = dL/dcos * rq * rk``, as a GEMM operand (the student's dtype;
+  fp32 at the default matmul precision as a tf32 pair for a tf32x3 product). Then
+  ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are ``torch`` GEMMs (cuBLAS on a GPU), in a
+  fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one
+  operand per segment between consecutive dimensions, and the GEMMs cover each segment once.
+* backward, ``method="fused"``: the row and the column pass of each block add ``F @ k`` and
+  ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Kept for
+  comparison on a GPU; not reachable from ``cgist.gist_loss``.
+* both end in the normalisation backward: ``dL/dx[:, s] = h[:, s] - x[:, s] * sum_{u >= s} r_u^2 c_u``
+  with ``h`` the summed products, ``r_u`` the inverse prefix norms and ``c_u = sum_j dL/dcos_u * cos_u``
+  (``x . h`` with one dimension).
+
+fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every product of the loss stage
+as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
+"medium" run plain tf32, as ``torch.mm`` does.
 
 At run time this module imports only torch, triton and the leaf module ``cgist.numerics``; the
 options arrive as a ``cgist.GistOptions``.
@@ -23,6 +39,7 @@ options arrive as a ``cgist.GistOptions``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,24 +50,113 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.numerics import EPS, compute_dtype, normalize_backward_, tie_ids
+from cgist.numerics import EPS, compute_dtype, default_block_bytes, tie_ids
 
-from .gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, pack_scalars
+from .gist import (
+    TILE_SETS, gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
+)
 
 if TYPE_CHECKING:
     from cgist.options import GistOptions
 
-__all__ = ["ForwardState", "gist_backward", "gist_forward", "gist_loss_and_grads"]
+__all__ = [
+    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "chunk_plan", "forward_block", "gist_backward",
+    "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32",
+]
 
 LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+BACKWARD_METHODS = ("gemm", "fused")
+#: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
+GEMM_ROW_FLOOR = 1024
+#: Counter rows of the forward: masked entries per block kind, then unmasked entries other than the label.
+_COUNTER_ROW = {"ap": 0, "aa": 1, "pp": 2, "an": 3}
+_KEPT_ROW = 4
 
 
 def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: fp32 follows ``torch.get_float32_matmul_precision()`` like torch.mm."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
+    """``tl.dot`` input precision: fp32 follows ``torch.get_float32_matmul_precision()``.
+
+    "highest" is tf32x3 (a split into tf32 high and low parts, three tensor-core products, about fp32
+    accuracy; see ``split_tf32``), "high"/"medium" tf32. Other dtypes ignore it.
+    """
+    if dtype == torch.float32:
+        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
     return "ieee"
+
+
+def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ``x`` as ``(high, low)``: ``high`` rounded to tf32 (10 mantissa bits, ties to even), ``low = x - high``.
+
+    ``low`` is exact in fp32. A tf32x3 product ``a @ b ~ ah @ bh + ah @ bl + al @ bh`` on tf32 tensor
+    cores (which round ``bl`` and ``al`` to tf32 again) differs from the exact product by at most
+    ``5 u^2 sum_k |a_k b_k|`` per entry with u = 2^-11, beside the fp32 accumulation of the three
+    products (README, GPU section). The Triton kernels round with the same arithmetic.
+    """
+    bits = x.contiguous().view(torch.int32)
+    high = ((bits + (((bits >> 13) & 1) + 0xFFF)) & -8192).view(torch.float32)
+    return high, x - high
+
+
+@contextlib.contextmanager
+def _tf32_products(device: torch.device):
+    """fp32 ``torch`` matrix products on the tf32 tensor cores inside (on CUDA; a no-op elsewhere)."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@functools.cache
+def _half_accumulation(device_type: str) -> str:
+    """How ``out (fp32) += a @ b`` runs for half operands here: one fused call, a product then an add, or upcast.
+
+    Recent torch multiplies bf16/fp16 into fp32 directly on CUDA (``out_dtype``); probed once on tiny tensors.
+    """
+    if device_type != "cuda":
+        return "upcast"
+    out = torch.zeros(2, 2, device=device_type)
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return "addmm"
+    except (RuntimeError, TypeError):
+        pass
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        return "mm"
+    except (RuntimeError, TypeError):
+        return "upcast"
+
+
+def _addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b``, accumulated in ``out``'s dtype (fp32 for half operands)."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    how = _half_accumulation(out.device.type)
+    if how == "addmm":
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    elif how == "mm":
+        out.add_(torch.mm(a, b, out_dtype=out.dtype))
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def _gemm_acc(out: Tensor, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> None:
+    """``out += a @ b`` for operands given as ``(x,)`` or as a tf32 split ``(high, low)`` (tf32x3, three products)."""
+    if len(a) == 1:
+        _addmm_(out, a[0], b[0])
+        return
+    with _tf32_products(out.device):
+        _addmm_(out, a[1], b[0])  # the small terms first
+        _addmm_(out, a[0], b[1])
+        _addmm_(out, a[0], b[0])
 
 
 def _launch_device(device: torch.device):
@@ -69,14 +175,14 @@ class _Side:
 
     x: Tensor
     g: Tensor
-    rx: Tensor
+    rx: Tensor  # inverse prefix norm of each row per dimension, ascending (n_dims x rows)
     rg: Tensor
     ids: Tensor  # int32 tie id of each guide row
     grad: int  # index of the embedding whose gradient this side feeds
     start: int = 0  # first row of that embedding
 
     def rows(self, start: int, stop: int) -> _Side:
-        return _Side(self.x[start:stop], self.g[start:stop], self.rx[start:stop], self.rg[start:stop],
+        return _Side(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
                      self.ids[start:stop], self.grad, start)
 
 
@@ -84,22 +190,25 @@ class _Side:
 class _Block:
     """One score block: rows against columns; row i's partner id is ``partner[partner_start + i]``."""
 
+    kind: str  # "ap", "aa", "pp" or "an"
     rows: _Side
     cols: _Side
-    has_label: bool
     partner: Tensor
     partner_start: int
 
-    def kernel_args(self, thr: Tensor, theta_masked: Tensor, scalars: Tensor, offset: int) -> dict:
-        """The keyword arguments all three kernels share, for this block."""
+    @property
+    def has_label(self) -> bool:
+        return self.kind == "ap"
+
+    def kernel_args(self, state: ForwardState) -> dict:
+        """The keyword arguments the kernels share, for this block."""
         rows, cols = self.rows, self.cols
         return dict(
             q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
             rq_ptr=rows.rx, rqg_ptr=rows.rg, rk_ptr=cols.rx, rkg_ptr=cols.rg,
-            col_id_ptr=cols.ids, partner_id_ptr=self.partner, thr_ptr=thr, theta_masked_ptr=theta_masked,
-            scalars_ptr=scalars,
-            n_rows=rows.x.shape[0], n_cols=cols.x.shape[0], dim=rows.x.shape[1], dim_g=rows.g.shape[1],
-            offset=offset, partner_start=self.partner_start,
+            col_id_ptr=cols.ids, partner_id_ptr=self.partner, thr_ptr=state.thr, theta_masked_ptr=state.theta_masked,
+            m_ptr=state.run_max, l_ptr=state.run_sum, scalars_ptr=state.scalars,
+            dim=state.top, dim_g=rows.g.shape[1], offset=state.offset, partner_start=self.partner_start,
             stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0), stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0),
             has_label=int(self.has_label),
         )
@@ -109,32 +218,75 @@ class _Block:
 class ForwardState:
     """What the backward needs from the forward: the blocks, the per-row state and the tile config."""
 
+    options: GistOptions
     embeddings: list[Tensor]
     sides: list[_Side]
-    norms: list[Tensor]
+    norms: list[Tensor]  # prefix norms of each embedding per dimension (n_dims x rows)
     blocks: list[_Block]
+    dims: list[int]  # the Matryoshka dimensions, ascending ([D] without)
+    weights: Tensor  # their weights (n_dims x 1)
+    dims_tensor: Tensor  # int32 dims on the device, for the kernels
     thr: Tensor
+    theta: Tensor
     theta_masked: Tensor
-    pos: Tensor  # base-2 positive logit of each row
-    run_max: Tensor  # running max m of each row (at least the positive)
+    pos: Tensor  # base-2 positive logit of each row, per dimension (n_dims x B)
+    run_max: Tensor  # running max m (at least the positive)
     run_sum: Tensor  # sum of 2^(z - m) over the unmasked entries other than the label
+    counts: Tensor  # int32 counters (masked per block kind, then unmasked others) x B
     scalars: Tensor
     flags: dict
-    tiles: dict
-    offset: int
-    temperature: float
+    tile_set: str = "gemm"
+    tiles: dict | None = None
+
+    @property
+    def top(self) -> int:
+        return self.dims[-1]
+
+    @property
+    def offset(self) -> int:
+        return self.options.offset
+
+    @property
+    def batch(self) -> int:
+        return self.pos.shape[1]
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Columns ``(lo, hi)`` of each segment between consecutive dimensions, ascending."""
+        return list(zip([0, *self.dims[:-1]], self.dims))
+
+    def loss(self) -> Tensor:
+        """``sum_u w_u mean_i ((m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2)))``, 0-dim."""
+        gap = (self.run_max - self.pos) * LN2
+        return (self.weights * (gap + torch.log1p(self.run_sum + torch.expm1(-gap)))).sum() / self.batch
 
     def row_weight(self) -> Tensor:
-        """``1 / (tau * B * total)``, with ``total = l + 2^(z_pos - m)`` the softmax denominator over ``2^m``."""
-        batch = self.pos.shape[0]
-        return 1.0 / ((self.temperature * batch) * (self.run_sum + torch.exp2(self.pos - self.run_max)))
+        """``w_u / (tau * B * total)``, with ``total = l + 2^(pos - m)`` the softmax denominator over ``2^m``."""
+        total = self.run_sum + torch.exp2(self.pos - self.run_max)
+        return self.weights / ((self.options.temperature * self.batch) * total)
+
+    def counters(self) -> Tensor:
+        """The mask counters as float64, in the order of ``cgist.numerics.STATS_FIELDS``."""
+        counts = self.counts.sum(dim=1, dtype=torch.int64)
+        positive_only = (self.counts[_KEPT_ROW] == 0).sum()
+        out = torch.cat([counts[:_KEPT_ROW], positive_only[None]]).to(torch.float64)
+        return torch.cat([out, torch.stack([self.theta.sum(), self.thr.sum()]).to(torch.float64)])
+
+
+def _prefix_norms(x: Tensor, dims: list[int], acc: torch.dtype) -> Tensor:
+    """``||x[:, :d]||`` for each dimension d (ascending), as (n_dims x rows) in ``acc``."""
+    if len(dims) == 1:
+        return torch.linalg.vector_norm(x[:, : dims[0]], dim=1, dtype=acc).unsqueeze(0)
+    squares = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc) ** 2
+                           for lo, hi in zip([0, *dims[:-1]], dims)])
+    return squares.cumsum(0).sqrt()
 
 
 @torch.no_grad()
-def gist_forward(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions
-) -> tuple[Tensor, ForwardState]:
-    """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs."""
+def prepare_forward(
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, need_stats: bool = False
+) -> ForwardState:
+    """Norms, tie ids, blocks and the per-row buffers of one call; launches nothing."""
     acc = compute_dtype(embeddings[0].dtype)
     guide_dtype = guide_embeddings[0].dtype
     if acc == torch.float64 or guide_dtype == torch.float64:
@@ -142,10 +294,12 @@ def gist_forward(
     embeddings = [_rows_contiguous(x) for x in embeddings]
     guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
     device = embeddings[0].device
-    batch, n_cand = embeddings[0].shape[0], embeddings[1].shape[0]
+    batch = embeddings[0].shape[0]
     offset = options.offset
+    pairs = options.dims(embeddings[0].shape[1])[::-1]  # ascending
+    dims = [d for d, _ in pairs]
 
-    norms = [torch.linalg.vector_norm(x, dim=1, dtype=acc) for x in embeddings]
+    norms = [_prefix_norms(x, dims, acc) for x in embeddings]
     guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
     # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
     ids = tie_ids(guide_embeddings, acc)
@@ -156,57 +310,263 @@ def gist_forward(
     anchor, positive, *negatives = sides
     # The blocks in the order of the loss: AP, AA, PP, AN_1..AN_k. The partner of an anchor row is its
     # positive offset + i; PP's rows are the positives offset + i, whose partner is anchor i.
-    blocks = [_Block(anchor, positive, True, positive.ids, offset)]
+    blocks = [_Block("ap", anchor, positive, positive.ids, offset)]
     if options.contrast_anchors:
-        blocks.append(_Block(anchor, anchor, False, positive.ids, offset))
+        blocks.append(_Block("aa", anchor, anchor, positive.ids, offset))
     if options.contrast_positives:
-        blocks.append(_Block(positive.rows(offset, offset + batch), positive, False, anchor.ids, 0))
-    blocks.extend(_Block(anchor, negative, False, positive.ids, offset) for negative in negatives)
+        blocks.append(_Block("pp", positive.rows(offset, offset + batch), positive, anchor.ids, 0))
+    blocks.extend(_Block("an", anchor, negative, positive.ids, offset) for negative in negatives)
 
-    scalars = pack_scalars(options.temperature, options.margin, acc, device)
-    thr, pos, run_max, run_sum = (torch.empty(batch, dtype=acc, device=device) for _ in range(4))
-    theta_masked = torch.empty(batch, dtype=torch.int8, device=device)
-    flags = dict(
-        ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype), PRECISION_G=input_precision(guide_dtype)
+    n_dims = len(dims)
+    state_rows = [torch.empty(n_dims, batch, dtype=acc, device=device) for _ in range(3)]
+    return ForwardState(
+        options=options, embeddings=embeddings, sides=sides, norms=norms, blocks=blocks, dims=dims,
+        weights=torch.tensor([w for _, w in pairs], dtype=acc, device=device).unsqueeze(1),
+        dims_tensor=torch.tensor(dims, dtype=torch.int32, device=device),
+        thr=torch.empty(batch, dtype=acc, device=device), theta=torch.empty(batch, dtype=acc, device=device),
+        theta_masked=torch.empty(batch, dtype=torch.int8, device=device),
+        pos=state_rows[0], run_max=state_rows[1], run_sum=state_rows[2],
+        counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
+                                                            device=device),
+        scalars=pack_scalars(options.temperature, options.margin, acc, device),
+        flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype),
+                   PRECISION_G=input_precision(guide_dtype), N_DIMS=n_dims),
     )
-    with _launch_device(device):
-        for block in blocks:
-            gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
-                **block.kernel_args(thr, theta_masked, scalars, offset),
-                pos_ptr=pos, m_ptr=run_max, l_ptr=run_sum,
-                b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(n_cand),
-                relative=int(options.relative), **flags,
-            )
+
+
+def forward_block(state: ForwardState, block: _Block, count: bool = False) -> None:
+    """Launch the forward row pass of one block (the AP block first); records the autotuner's pick."""
+    batch = state.batch
+    with _launch_device(state.pos.device):
+        gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
+            **block.kernel_args(state), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
+            masked_ptr=state.counts[_COUNTER_ROW[block.kind]], kept_ptr=state.counts[_KEPT_ROW],
+            n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
+            stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=batch,
+            b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(state.sides[1].x.shape[0]),
+            tile_set=TILE_SETS.index(state.tile_set), relative=int(state.options.relative), count=int(count),
+            DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
+        )
     config = gist_fwd_kernel.best_config
-    tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-    gap = (run_max - pos) * LN2
-    loss = (gap + torch.log1p(run_sum + torch.expm1(-gap))).sum() / batch
-    return loss, ForwardState(embeddings, sides, norms, blocks, thr, theta_masked, pos, run_max, run_sum, scalars,
-                              flags, tiles, offset, options.temperature)
+    state.tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 @torch.no_grad()
-def gist_backward(state: ForwardState) -> list[Tensor]:
-    """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state."""
-    acc = state.pos.dtype
-    row_weight = state.row_weight()
-    grads_hat = [torch.empty(x.shape, dtype=acc, device=x.device) for x in state.embeddings]
-    written: set[int] = set()
-    with _launch_device(state.pos.device):
-        for block in state.blocks:
-            args = block.kernel_args(state.thr, state.theta_masked, state.scalars, state.offset)
+def gist_forward(
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, need_stats: bool = False,
+    tile_set: str = "gemm",
+) -> tuple[Tensor, ForwardState]:
+    """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs.
+
+    ``tile_set="fused"`` autotunes over the tiles the fused backward compiles without spills (use it
+    before ``gist_backward(state, "fused")``); the default, "gemm", over all of them.
+    """
+    state = prepare_forward(embeddings, guide_embeddings, options, need_stats)
+    state.tile_set = tile_set
+    for block in state.blocks:
+        forward_block(state, block, count=need_stats)
+    return state.loss(), state
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Rows and columns of one chunk of the GEMM backward (multiples of the tile, or a whole block)."""
+
+    rows: int
+    cols: int
+    bytes: int
+
+
+def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: int, acc_bytes: int,
+               block_bytes: int | None, device: torch.device) -> ChunkPlan:
+    """The chunk shape of the GEMM backward, and the bytes its buffers take.
+
+    A chunk of R rows and C columns holds one GEMM operand of ``entry_bytes`` per entry and segment
+    (``n_dims`` segments), and with several dimensions the per-tile partial sums of the radial terms:
+    ``R * C * n_dims * entry_bytes + n_dims * (R * ceil(C / BLOCK_N) + C * R / BLOCK_M) * acc_bytes``.
+    Rows are the largest multiple of BLOCK_M that fits ``block_bytes`` against whole blocks (``widest``
+    columns); if not even BLOCK_M rows fit, BLOCK_M rows against the most columns (a multiple of
+    BLOCK_N, at least one tile) that fit. With ``block_bytes=None`` the budget is
+    ``cgist.numerics.default_block_bytes``, grown to reach ``GEMM_ROW_FLOOR`` rows.
+    """
+    bm, bn = tiles["BLOCK_M"], tiles["BLOCK_N"]
+
+    def size(rows: int, cols: int) -> int:
+        partials = n_dims * (rows * triton.cdiv(cols, bn) + cols * triton.cdiv(rows, bm)) * acc_bytes if n_dims > 1 else 0
+        return rows * cols * n_dims * entry_bytes + partials
+
+    all_rows = triton.cdiv(batch, bm) * bm
+    if block_bytes is None:
+        block_bytes = default_block_bytes(device, size(min(all_rows, GEMM_ROW_FLOOR), widest))
+    if size(bm, widest) <= block_bytes:
+        rows = min(all_rows, bm * max(1, block_bytes // size(bm, widest)))
+        return ChunkPlan(rows, widest, size(rows, widest))
+    cols = bn * max(1, block_bytes // size(bm, bn))
+    while cols > bn and size(bm, cols) > block_bytes:  # the partials' ceil makes size slightly superlinear
+        cols -= bn
+    return ChunkPlan(bm, cols, size(bm, cols))
+
+
+class BackwardWork:
+    """The buffers of one backward: summed products ``h`` and radial sums per embedding, and the chunk operands.
+
+    ``run(method)`` computes everything; ``gemm_block`` / ``fused_block`` do one block (benchmarks).
+    """
+
+    def __init__(self, state: ForwardState, block_bytes: int | None = None) -> None:
+        self.state = state
+        acc = state.pos.dtype
+        device = state.pos.device
+        self.h = [torch.zeros(x.shape, dtype=acc, device=device) for x in state.embeddings]
+        n_dims = len(state.dims)
+        self.radial = [torch.zeros(n_dims, x.shape[0], dtype=acc, device=device) for x in state.embeddings] \
+            if n_dims > 1 else None
+        self.row_weight = state.row_weight()
+        self.split = state.flags["PRECISION"] == "tf32x3"
+        self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
+        self._operands = None
+        self._buffers = None
+
+    # -- the GEMM backward ------------------------------------------------------------------------------------
+
+    def operands(self) -> list[tuple[Tensor, ...]]:
+        """Each embedding's first ``top`` columns as GEMM operands: ``(x,)``, or its tf32 split for tf32x3."""
+        if self._operands is None:
+            top = self.state.top
+            xs = [x[:, :top] for x in self.state.embeddings]
+            self._operands = [split_tf32(x) if self.split else (x,) for x in xs]
+        return self._operands
+
+    def buffers(self) -> tuple[ChunkPlan, Tensor, Tensor, Tensor]:
+        """The chunk plan, the operand buffer (segment, part, row, col) and the radial partial sums."""
+        if self._buffers is None:
+            state = self.state
+            x = state.embeddings[0]
+            parts = 2 if self.split else 1
+            widest = max(b.cols.x.shape[0] for b in state.blocks)
+            n_dims = len(state.dims)
+            acc_bytes = state.pos.element_size()
+            plan = chunk_plan(state.batch, widest, state.tiles, n_dims, parts * x.element_size(), acc_bytes,
+                              self.block_bytes, x.device)
+            f = torch.empty(n_dims, parts, plan.rows, plan.cols, dtype=x.dtype, device=x.device)
+            bm, bn = state.tiles["BLOCK_M"], state.tiles["BLOCK_N"]
+            if n_dims > 1:
+                row_part = torch.empty(n_dims, triton.cdiv(plan.cols, bn), plan.rows, dtype=state.pos.dtype,
+                                       device=x.device)
+                col_part = torch.empty(n_dims, triton.cdiv(plan.rows, bm), plan.cols, dtype=state.pos.dtype,
+                                       device=x.device)
+            else:
+                row_part = col_part = state.pos  # not read
+            self._buffers = plan, f, row_part, col_part
+        return self._buffers
+
+    def score_grad_chunk(self, block: _Block, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Launch the score-gradient kernel for rows r0:r1 and columns c0:c1 of ``block``."""
+        state = self.state
+        _, f, row_part, col_part = self.buffers()
+        tiles = state.tiles
+        grid = (triton.cdiv(r1 - r0, tiles["BLOCK_M"]), triton.cdiv(c1 - c0, tiles["BLOCK_N"]))
+        args = block.kernel_args(state)
+        with _launch_device(f.device):
+            gist_score_grad_kernel[grid](
+                **args, dims_ptr=state.dims_tensor, rw_ptr=self.row_weight, f_ptr=f, row_part_ptr=row_part,
+                col_part_ptr=col_part, row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,
+                stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=state.batch,
+                stride_f_seg=f.stride(0), stride_f_part=f.stride(1), stride_f_row=f.stride(2),
+                stride_rp_dim=row_part.stride(0), stride_rp_tile=row_part.stride(1) if row_part.dim() == 3 else 0,
+                stride_cp_dim=col_part.stride(0), stride_cp_tile=col_part.stride(1) if col_part.dim() == 3 else 0,
+                SPLIT=self.split, **state.flags, **tiles,
+            )
+
+    def chunk_gemms(self, block: _Block, r0: int, r1: int, c0: int, c1: int) -> None:
+        """Add the products of the chunk's operands (left by ``score_grad_chunk``) into ``h`` and the radial sums."""
+        state = self.state
+        _, f, row_part, col_part = self.buffers()
+        rows, cols = block.rows, block.cols
+        operands = self.operands()
+        row_x = tuple(t[rows.start + r0 : rows.start + r1] for t in operands[rows.grad])
+        col_x = tuple(t[c0:c1] for t in operands[cols.grad])
+        h_rows = self.h[rows.grad][rows.start + r0 : rows.start + r1]
+        h_cols = self.h[cols.grad][c0:c1]
+        for s, (lo, hi) in enumerate(state.segments):
+            operand = tuple(f[s, p, : r1 - r0, : c1 - c0] for p in range(f.shape[1]))
+            _gemm_acc(h_rows[:, lo:hi], operand, tuple(t[:, lo:hi] for t in col_x))
+            _gemm_acc(h_cols[:, lo:hi], tuple(t.T for t in operand), tuple(t[:, lo:hi] for t in row_x))
+        if self.radial is not None:
+            bm, bn = state.tiles["BLOCK_M"], state.tiles["BLOCK_N"]
+            n_col_tiles, n_row_tiles = triton.cdiv(c1 - c0, bn), triton.cdiv(r1 - r0, bm)
+            self.radial[rows.grad][:, rows.start + r0 : rows.start + r1] += row_part[:, :n_col_tiles, : r1 - r0].sum(1)
+            self.radial[cols.grad][:, c0:c1] += col_part[:, :n_row_tiles, : c1 - c0].sum(1)
+
+    def chunks(self, block: _Block) -> list[tuple[int, int, int, int]]:
+        """The chunks ``(r0, r1, c0, c1)`` of ``block``, in their fixed order."""
+        plan = self.buffers()[0]
+        n_rows, n_cols = block.rows.x.shape[0], block.cols.x.shape[0]
+        return [(r0, min(r0 + plan.rows, n_rows), c0, min(c0 + plan.cols, n_cols))
+                for r0 in range(0, n_rows, plan.rows) for c0 in range(0, n_cols, plan.cols)]
+
+    def gemm_block(self, block: _Block) -> None:
+        for chunk in self.chunks(block):
+            self.score_grad_chunk(block, *chunk)
+            self.chunk_gemms(block, *chunk)
+
+    # -- the fused backward -----------------------------------------------------------------------------------
+
+    def fused_block(self, block: _Block) -> None:
+        """The fused row and column passes of one block, adding into ``h``."""
+        state = self.state
+        if len(state.dims) > 1:
+            raise NotImplementedError("the fused backward computes one dimension; Matryoshka runs on the GEMM backward")
+        args = block.kernel_args(state)
+        with _launch_device(state.pos.device):
             for kernel, side, tile in ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"),
                                        (gist_bwd_cols_kernel, block.cols, "BLOCK_N")):
-                out = grads_hat[side.grad][side.start : side.start + side.x.shape[0]]
+                out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
                 kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                    **args, m_ptr=state.run_max, l_ptr=state.run_sum, rw_ptr=row_weight, grad_ptr=out, stride_grad=out.stride(0),
-                    accumulate=int(side.grad in written), **state.flags, **state.tiles,
+                    **args, rw_ptr=self.row_weight, grad_ptr=out, stride_grad=out.stride(0),
+                    n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
+                    ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"],
+                    PRECISION_G=state.flags["PRECISION_G"], **state.tiles,
                 )
-                written.add(side.grad)
-    return [
-        normalize_backward_(x.to(acc) * side.rx[:, None], norm[:, None], g).to(x.dtype)
-        for x, side, norm, g in zip(state.embeddings, state.sides, state.norms, grads_hat)
-    ]
+
+    # -- both -------------------------------------------------------------------------------------------------
+
+    def run(self, method: str = "gemm") -> list[Tensor]:
+        if method not in BACKWARD_METHODS:
+            raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
+        for block in self.state.blocks:
+            (self.gemm_block if method == "gemm" else self.fused_block)(block)
+        return self.gradients()
+
+    def gradients(self) -> list[Tensor]:
+        """Through the normalisation: ``h[:, s] - x[:, s] * sum_{u >= s} kappa_u c_u``, in each embedding's dtype.
+
+        ``kappa_u = r_u^2``, or 0 where ``||x[:d_u]|| < eps`` (the clamped norm has no gradient), and
+        ``c_u = sum_j dL/dcos_u * cos_u``: the radial sums, or ``x . h`` with one dimension.
+        """
+        state = self.state
+        out = []
+        for i, (x, side, norm, h) in enumerate(zip(state.embeddings, state.sides, state.norms, self.h)):
+            kappa = (side.rx**2).masked_fill_(norm < EPS, 0.0)
+            if self.radial is None:
+                xa, ha = x[:, : state.top].to(h.dtype), h[:, : state.top]  # past top, h is 0 and stays 0
+                ha.addcmul_(xa, (kappa[0] * torch.linalg.vecdot(xa, ha)).unsqueeze(1), value=-1.0)
+            else:
+                suffix = (kappa * self.radial[i]).flip(0).cumsum(0).flip(0)  # row s: sum over u >= s
+                for (lo, hi), coefficient in zip(state.segments, suffix):
+                    h[:, lo:hi].addcmul_(x[:, lo:hi].to(h.dtype), coefficient.unsqueeze(1), value=-1.0)
+            out.append(h.to(x.dtype))
+        return out
+
+
+@torch.no_grad()
+def gist_backward(state: ForwardState, method: str = "gemm", block_bytes: int | None = None) -> list[Tensor]:
+    """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state.
+
+    ``method``: "gemm" (chunk operands and library GEMMs, the default) or "fused" (the fused row and
+    column passes, one dimension only). ``block_bytes`` overrides ``options.block_bytes`` for the chunks.
+    """
+    return BackwardWork(state, block_bytes).run(method)
 
 
 def gist_loss_and_grads(
@@ -218,9 +578,9 @@ def gist_loss_and_grads(
     ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
     columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
-    gradients have the dtype of their embedding.
+    gradients have the dtype of their embedding; the counters are float64, in the order of
+    ``cgist.numerics.STATS_FIELDS``. No host synchronisation.
     """
-    if need_stats or options.matryoshka_dims is not None:
-        raise NotImplementedError("the Triton backend does not compute statistics or Matryoshka dimensions yet")
-    loss, state = gist_forward(embeddings, guide_embeddings, options)
-    return loss, (gist_backward(state) if need_grads else None), None
+    loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats)
+    grads = gist_backward(state) if need_grads else None
+    return loss, grads, (state.counters() if need_stats else None)

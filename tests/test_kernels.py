@@ -1,8 +1,10 @@
-"""cgist.kernels: the Triton launcher against the dense float64 oracle.
+"""cgist.kernels: the Triton launcher against the dense float64 oracle, with both backwards.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1), in float32 and float64. bf16/fp16/tf32 only run on a GPU: the interpreter's
-bf16 ``tl.dot`` is broken and it has no tf32.
+bf16 ``tl.dot`` is broken and it has no tf32 (nor tf32x3: see test_kernels_precision for its rounding).
+The GEMM backward (the default) runs every case; the fused one a handful, and chunked budgets force
+the GEMM backward through several row and column chunks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from helpers import CUDA, DEVICE, DTYPES, TOL, make_inputs, shape_id
 import cgist
 from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
+from cgist.kernels.launch import chunk_plan, gist_backward, gist_forward
 from cgist.numerics import tie_ids
 from cgist.reference import gist_loss_reference, gist_scores
 
@@ -32,8 +35,18 @@ def _exact_norm_row(dim_g, seed):
     return values[torch.randperm(dim_g, generator=gen)] * signs
 
 
+def _run(student, guide, options, backward):
+    """Loss and gradients through the launcher with ``backward`` ("gemm" as gist_loss runs it, or "fused")."""
+    if backward == "gemm":
+        loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
+        return loss, grads
+    loss, state = gist_forward(student, guide, options, tile_set="fused")
+    return loss, gist_backward(state, "fused")
+
+
 def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, strategy="absolute",
-           anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0):
+           anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0, backward="gemm",
+           block_bytes=None):
     """Loss and gradients (two runs, bitwise equal) match the float64 oracle.
 
     ``ties`` lists (column, row, anchor): that guide row becomes ``scale`` times the guide vector of
@@ -48,7 +61,7 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     for column, row, anchor in ties:
         guide[column][row] = scale * guide[1][offset + anchor]
     options = GistOptions(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
-                          contrast_positives=positives, offset=offset)
+                          contrast_positives=positives, offset=offset, block_bytes=block_bytes)
 
     leaves = [x.double().requires_grad_() for x in student]
     guide64 = [g.double() for g in guide]
@@ -66,12 +79,12 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
     try:
-        runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options,
-                                    need_grads=True) for _ in range(2)]
+        runs = [_run([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options, backward)
+                for _ in range(2)]
     finally:
         torch.set_float32_matmul_precision(previous)
 
-    (loss, grads, _), (loss2, grads2, _) = runs
+    (loss, grads), (loss2, grads2) = runs
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and loss.dim() == 0
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
     rtol, atol = TOL["triton"][precision]
@@ -116,9 +129,34 @@ OPTIONS = _params([
 ])
 
 
-@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "precision", "kw"), SHAPES + OPTIONS)
+# The fused backward, and budgets that split the GEMM backward into chunks (16 x 16 tiles under the
+# interpreter): column chunks of one tile (block_bytes=2100 in fp64), chunks of 16 rows against whole
+# blocks (2400 in fp32), and chunks of 16 rows against two column tiles (5000 in fp64).
+BACKWARDS = _params([
+    (13, 26, 40, 24, 1, "fp64", dict(offset=13, backward="fused")),
+    (37, 37, 70, 33, 1, "fp32", dict(backward="fused")),
+    (21, 42, 40, 24, 2, "fp64", dict(offset=17, margin=3.0, backward="fused")),
+    (13, 26, 40, 24, 1, "fp64", dict(offset=11, margin=-2.5, backward="fused")),
+    (13, 39, 40, 24, 2, "fp64", dict(offset=20, block_bytes=2100)),
+    (37, 37, 70, 33, 1, "fp32", dict(block_bytes=2400)),
+    (37, 45, 40, 24, 1, "fp64", dict(offset=3, block_bytes=5000)),
+])
+
+
+@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "precision", "kw"), SHAPES + OPTIONS + BACKWARDS)
 def test_matches_reference(batch, n_cand, dim, dim_g, k, precision, kw):
     _check(batch, n_cand, dim, dim_g, k, precision, **kw)
+
+
+@pytest.mark.parametrize(("block_bytes", "rows", "cols"), [(2100, 16, 16), (4200, 16, 32), (5000, 16, 39), (10**6, 48, 39)])
+def test_chunk_plan_follows_the_budget(block_bytes, rows, cols):
+    """Chunks are whole tiles, hold no more than the budget (when one tile fits), and take whole blocks when they can."""
+    student, guide = make_inputs(37, 39, 40, 24, 1, torch.float64, 0)
+    options = GistOptions(offset=2, block_bytes=block_bytes)
+    _, state = gist_forward([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options)
+    plan = chunk_plan(37, 39, state.tiles, 1, 8, 8, block_bytes, torch.device(DEVICE))
+    assert (plan.rows, plan.cols) == (rows, cols)
+    assert plan.bytes == rows * cols * 8 <= block_bytes
 
 
 # (column, row, anchor): column 0 = anchors, 1 = positives, 2.. = negative sets. Copies of the positive
@@ -160,6 +198,29 @@ def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
                                backend="triton")
 
     assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+class _FusedBackward(torch.autograd.Function):
+    """The launcher's forward and its fused backward as an autograd node, for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, options, guide, *student):
+        loss, state = gist_forward(list(student), guide, options, tile_set="fused")
+        ctx.grads = gist_backward(state, "fused")
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (None, None, *(grad_output * g for g in ctx.grads))
+
+
+def test_gradcheck_through_fused_backward():
+    student, guide = make_inputs(3, 5, 6, 5, 1, seed=1)
+    leaves = [x.to(DEVICE).requires_grad_() for x in student]
+    options = GistOptions(temperature=0.5, margin=0.05, offset=2)
+    guide = [g.to(DEVICE) for g in guide]
+    assert torch.autograd.gradcheck(lambda *xs: _FusedBackward.apply(options, guide, *xs), leaves, eps=1e-6,
+                                    atol=1e-7, fast_mode=True)
 
 
 def _precise_loss(student, guide, options):

@@ -1,0 +1,98 @@
+"""cgist.kernels: the guide-mask counters (``need_stats``) against the oracle's masks and the streaming path.
+
+The oracle's score matrix (``cgist.reference.gist_scores``) holds -inf exactly where an entry is masked,
+so the counts of each block, and the rows where only the label survives, can be read off it. The
+kernels count in per-row int32 counters during the forward; theta and the thresholds are summed from
+the values the AP launch stored. Runs under the Triton interpreter without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, make_inputs, one_thread, shape_id  # noqa: F401  (one_thread: autouse)
+
+from cgist import GistOptions, streaming
+from cgist.kernels import gist_loss_and_grads
+from cgist.numerics import STATS_FIELDS, normalize, threshold
+from cgist.reference import gist_scores
+
+
+def oracle_counters(student, guide, options: GistOptions) -> dict[str, float]:
+    """Every counter of ``STATS_FIELDS`` from the oracle's masked score matrix (float64)."""
+    scores = gist_scores([s.double() for s in student], [g.double() for g in guide], options)
+    batch, n_cand = student[0].shape[0], student[1].shape[0]
+    widths = [("ap", n_cand)]
+    widths += [("aa", batch)] if options.contrast_anchors else []
+    widths += [("pp", n_cand)] if options.contrast_positives else []
+    widths += [("an", n_cand)] * (len(student) - 2)
+    masked = torch.isinf(scores)
+    out = dict.fromkeys(STATS_FIELDS, 0.0)
+    start = 0
+    for kind, width in widths:
+        out[f"masked_{kind}"] += float(masked[:, start : start + width].sum())
+        start += width
+    out["positive_only"] = float((masked.sum(dim=1) == scores.shape[1] - 1).sum())
+    ga, gp = (normalize(g.double())[0] for g in guide[:2])
+    theta = (ga * gp[options.offset : options.offset + batch]).sum(dim=1)
+    out["theta_sum"] = float(theta.sum())
+    out["threshold_sum"] = float(threshold(theta, options.margin, options.relative).sum())
+    return out
+
+
+def _tie(guide, column, row, anchor, offset):
+    guide[column][row] = guide[1][offset + anchor]
+
+
+CASES = [
+    # (batch, n_cand, dim, dim_g, k, precision, options, ties)
+    (13, 26, 40, 24, 1, "fp64", dict(offset=13, margin=0.1), ()),
+    (13, 37, 40, 24, 2, "fp64", dict(offset=9, margin=0.0), ((1, 2, 3), (2, 19, 3), (3, 0, 7), (0, 4, 9))),
+    (13, 37, 40, 24, 2, "fp32", dict(offset=9, margin=0.0), ((1, 25, 3), (2, 4, 6), (0, 10, 3))),
+    (21, 42, 40, 24, 1, "fp64", dict(offset=17, margin=0.3, margin_strategy="relative", contrast_anchors=False), ()),
+    (21, 42, 40, 24, 2, "fp64", dict(offset=17, margin=3.0), ()),  # only the label survives: every row
+    (13, 26, 40, 24, 1, "fp64", dict(offset=11, margin=-2.5, contrast_positives=False), ()),  # nothing masked
+    (5, 41, 17, 50, 0, "fp32", dict(offset=36, margin=0.05, temperature=0.02), ()),
+]
+
+
+def _case_id(case) -> str:
+    batch, n_cand, dim, dim_g, k, precision, options, ties = case
+    extra = "".join(f"-{key}{value}" for key, value in options.items())
+    return f"{shape_id(batch, n_cand, dim, dim_g, k)}-{precision}{extra}{'-ties' if ties else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_counters_match_oracle_and_streaming(case):
+    batch, n_cand, dim, dim_g, k, precision, kw, ties = case
+    options = GistOptions(temperature=kw.pop("temperature", 0.05), **kw)
+    student, guide = make_inputs(batch, n_cand, dim, dim_g, k, DTYPES[precision], seed=4)
+    for tie in ties:
+        _tie(guide, *tie, options.offset)
+
+    _, _, counters = gist_loss_and_grads([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
+                                         need_grads=False, need_stats=True)
+    _, _, torch_counters = streaming.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)
+    assert counters.dtype == torch.float64 and counters.shape == (len(STATS_FIELDS),)
+    got = dict(zip(STATS_FIELDS, counters.cpu().tolist()))
+    want = oracle_counters(student, guide, options)
+    streamed = dict(zip(STATS_FIELDS, torch_counters.tolist()))
+    counts = STATS_FIELDS[:5]
+    assert {f: got[f] for f in counts} == {f: want[f] for f in counts}
+    assert {f: got[f] for f in counts} == {f: streamed[f] for f in counts}
+    if kw.get("margin", 0.0) >= 3.0:
+        assert got["positive_only"] == batch
+    assert any(got[f] for f in counts[:4]) or kw["margin"] < 0, "nothing masked: the case is vacuous"
+    rtol = 1e-12 if precision == "fp64" else 1e-5
+    for field in ("theta_sum", "threshold_sum"):
+        assert got[field] == pytest.approx(want[field], rel=rtol, abs=rtol * batch)
+
+
+def test_counting_changes_nothing_else():
+    """need_stats adds counters; the loss and the gradients stay bitwise the same."""
+    student, guide = make_inputs(13, 26, 40, 24, 1, torch.float64, seed=5)
+    options = GistOptions(temperature=0.05, margin=0.1, offset=7)
+    loss, grads, none = gist_loss_and_grads(student, guide, options, need_grads=True)
+    loss2, grads2, counters = gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+    assert none is None and counters is not None
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
