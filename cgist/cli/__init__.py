@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"cgist {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except Stopped as stop:
-        print(f"cgist {args.command}: {stop}", file=sys.stderr)
+    except Stopped as stop:  # on a line of its own: training may have left a progress bar mid-line
+        print(f"\ncgist {args.command}: {stop}", file=sys.stderr)
         return stop.status
     except KeyboardInterrupt:  # outside training, where SIGINT keeps its usual meaning
         print(f"\ncgist {args.command}: interrupted; {resume_hint(args.output_dir, command)}", file=sys.stderr)
