@@ -1,25 +1,49 @@
-"""Throughput of the Triton kernels, and the loss-stage comparison of the GPU check.
+"""Throughput of the Triton kernels, and the GPU check: each measured figure beside the estimate it should confirm.
 
-GEMM units: over the C score columns of a batch (AP, AA, PP and each AN block), the forward runs one
-student GEMM (2·B·C·D flops) and one guide GEMM (2·B·C·Dg). The backward recomputes both in its row
-pass and again in its column pass, then adds dQ and dK (2·B·C·D each). Rates are TFLOP/s of that
-work and its fraction of torch.mm's rate on 8192³ in the same dtype (the measured ceiling).
+    python bench/kernel_bench.py                              # per-kernel and per-block times, B = 4k and 16k
+    python bench/kernel_bench.py --suite check --out OUTDIR   # the GPU check (bench/gpu_check.sh runs it)
+    python bench/kernel_bench.py --suite warmup --dtype bf16  # compile and tune what the check runs (small sizes)
+    python bench/kernel_bench.py --suite estimates            # the estimates alone, on any machine (no timing)
 
-    python bench/kernel_bench.py                      # kernels: fwd and bwd apart, B = 4k and 16k
-    python bench/kernel_bench.py --suite check --out OUTDIR
-        # the GPU check: GEMM ceiling, copy bandwidth, fused vs streaming vs sentence-transformers at
-        # B = 4k, 16k, 64k, peak memory; CSV and table into OUTDIR, table printed last
+The check measures, on one GPU:
 
-Rows follow bench/common.py's schema; ``note`` carries the GEMM-unit rate and its fraction of the ceiling.
-Every row is built from ``common.make_embeddings``, so speed and memory describe the same inputs.
+* calibrations: the GEMM ceiling (``torch.mm`` 8192^3 in bf16 and tf32), the device copy bandwidth, and
+  the L2 bandwidth (a kernel that re-reads a resident buffer of about 25 MB);
+* tie ids: ``torch.unique`` over the normalised guide rows against the fingerprint ids
+  (``cgist.numerics.tie_ids``): the same partition, the time and the peak memory of each;
+* at B = N = 16k and 64k, k = 1, D = 768, Dg = 384, for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32:
+  every kernel per block (forward row pass; the GEMM backward's score-gradient kernel and its GEMMs; the
+  fused backward's row and column passes), the loss stage with each backward, the autotuner's pick and
+  the peak memory; at 4k also the streaming path and sentence-transformers' loss stage.
+
+Estimates. Every time has an estimate from counting the work, ``est_ms = max(flops / (eff * peak),
+l2_bytes / l2_bw, hbm_bytes / hbm_bw)`` with H200 figures (``SPEC``: 989 TFLOP/s dense bf16, 495 tf32;
+L2 7 TB/s, as assumed in the count that motivated this design; HBM 4.8 TB/s) and ``eff`` 0.75 for the
+Triton tiles, 0.8 for cuBLAS. A tf32x3 product is three tf32 products. ``est_cal_ms`` is the same count
+with the calibrations measured in this run instead of the spec figures. Per score (one entry of a
+block), with s and s_g the bytes of a student and a guide element and BM x BN the tile:
+
+* forward: 2 (D + Dg) flops; L2 (1/BM + 1/BN)(D s + Dg s_g) bytes (each tile loads its rows and columns);
+* score-gradient kernel: the same, plus the operand F written to HBM (s bytes, twice for a tf32 split);
+* backward GEMMs: 4 D flops (dQ = F K and dK = F^T Q); HBM: F read twice, and per chunk the dK
+  accumulator read and written (8 D / chunk rows bytes per score);
+* fused row pass: 2 (D + Dg) + 2 D flops; L2: the tiles, the BM x D fp32 gradient rows read and written
+  for every column tile (8 D / BN) and the column rows for the product (D s / BM); the column pass
+  likewise with BM and BN swapped.
+
+Rows follow bench/common.py's schema; ``note`` carries the estimates, the ratio measured / estimate and
+the autotuner's pick. Every row is built from ``common.make_embeddings``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -34,79 +58,294 @@ else:
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from common import (  # noqa: E402
     make_embeddings, measure_once, split_detached, split_leaves, time_cpu, time_cuda, write_csv,
 )
 
 import cgist  # noqa: E402
 from cgist import streaming  # noqa: E402
+from cgist.kernels.launch import BackwardWork, forward_block, gist_forward, gist_loss_and_grads  # noqa: E402
+from cgist.numerics import normalize, tie_ids  # noqa: E402
 from cgist.options import GistOptions  # noqa: E402
-from cgist.kernels.launch import gist_backward, gist_forward, gist_loss_and_grads  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: Student/guide dtype pairs of the check (fp32 at torch's default matmul precision: tf32x3).
+PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
+         "bf16+fp32": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float16)}
 OPTIONS = GistOptions(temperature=0.01, margin=0.05)
-#: Largest batch at which sentence-transformers' loss stage is timed (it is O(B·N·D) in memory per
-#: mini-batch and its runtime grows as B²; beyond this it takes minutes per call).
+#: The (pair, B) runs of the check, most telling first.
+CHECK_ORDER = [("bf16", 65536), ("bf16", 16384), ("fp32", 65536), ("bf16+fp32", 65536), ("bf16", 4096),
+               ("fp32", 16384), ("bf16+fp32", 16384)]
+#: Largest batch at which sentence-transformers' loss stage and the streaming path are timed.
 ST_MAX_BATCH = 4096
 ST_MINI_BATCH = 32
 
 
-def score_columns(batch: int, n_cand: int, k: int) -> int:
-    """Columns C of all score blocks: AP + AA + PP + k·AN (both contrast flags on)."""
-    return n_cand + batch + n_cand + k * n_cand
+@dataclass(frozen=True)
+class Machine:
+    """The rates the estimates assume: tensor-core FLOP/s per operand class, L2 and HBM bytes/s."""
+
+    bf16: float
+    tf32: float
+    l2: float
+    hbm: float
+    triton_eff: float = 0.75
+    cublas_eff: float = 0.8
+
+    def rate(self, dtype: torch.dtype) -> float:
+        return self.bf16 if dtype in (torch.bfloat16, torch.float16) else self.tf32
 
 
-def gemm_flops(op: str, batch: int, n_cand: int, dim: int, dim_g: int, k: int) -> float:
-    """Flops of GEMM work in ``op`` ("fwd", "bwd" or "fwd+bwd"), as in the module docstring."""
-    unit = 2.0 * batch * score_columns(batch, n_cand, k)
-    fwd = unit * (dim + dim_g)
-    bwd = 2 * fwd + 2 * unit * dim
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[op]
+#: H200 SXM figures: dense tensor-core peaks from the data sheet, L2 as assumed in the original count, HBM3e.
+SPEC = Machine(bf16=989e12, tf32=495e12, l2=7.0e12, hbm=4.8e12)
+
+
+def _passes(dtype: torch.dtype) -> int:
+    """Tensor-core products per fp32 product: 3 for tf32x3 (fp32 at "highest"), else 1."""
+    return 3 if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else 1
+
+
+def estimate(kernel: str, scores: float, dim: int, dim_g: int, dtype: torch.dtype, guide_dtype: torch.dtype,
+             tiles: dict, chunk_rows: int, machine: Machine) -> tuple[float, str]:
+    """Estimated ms of ``kernel`` over ``scores`` score entries (see the module docstring), and its bound."""
+    s, s_g = torch.finfo(dtype).bits / 8, torch.finfo(guide_dtype).bits / 8
+    bm, bn = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    student = 2 * dim * _passes(dtype) / (machine.triton_eff * machine.rate(dtype))
+    guide = 2 * dim_g * _passes(guide_dtype) / (machine.triton_eff * machine.rate(guide_dtype))
+    tile_bytes = (1 / bm + 1 / bn) * (dim * s + dim_g * s_g)
+    split = 2 if _passes(dtype) == 3 else 1
+    if kernel == "fwd":
+        parts = {"compute": student + guide, "l2": tile_bytes / machine.l2}
+    elif kernel == "score_grad":
+        parts = {"compute": student + guide, "l2": tile_bytes / machine.l2, "hbm": split * s / machine.hbm}
+    elif kernel == "gemms":
+        compute = 4 * dim * _passes(dtype) / (machine.cublas_eff * machine.rate(dtype))
+        parts = {"compute": compute, "hbm": (2 * split * s + 8 * dim / chunk_rows) / machine.hbm}
+    elif kernel in ("fused_rows", "fused_cols"):
+        across, along = (bn, bm) if kernel == "fused_rows" else (bm, bn)
+        extra = 8 * dim / across + dim * s / along
+        parts = {"compute": 2 * student + guide, "l2": (tile_bytes + extra) / machine.l2}
+    else:
+        raise ValueError(kernel)
+    bound = max(parts, key=parts.get)
+    return parts[bound] * scores * 1e3, bound
 
 
 def timed(fn: Callable[[], object], quick: bool = False) -> tuple[float, float, float]:
-    """``(median, p20, p80)`` ms: ``do_bench`` on a GPU (``quick``: shorter, for calls of seconds)."""
+    """``(median, p20, p80)`` ms: ``do_bench`` on a GPU (``quick``: shorter, for calls of a second)."""
     if DEVICE.type != "cuda":
         fn()
         return time_cpu(fn, repeats=2)
     return time_cuda(fn, warmup_ms=1, rep_ms=50) if quick else time_cuda(fn)
 
 
-def mm_ceiling(dtype: torch.dtype, size: int) -> tuple[float, float, float]:
-    """``(median, p20, p80)`` ms of torch.mm on size³ in ``dtype``."""
-    a = torch.randn(size, size, device=DEVICE, dtype=dtype)
-    b = torch.randn(size, size, device=DEVICE, dtype=dtype)
-    return timed(lambda: torch.mm(a, b))
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (interpreter smoke test)"
 
 
-def copy_times(nbytes: int) -> tuple[float, float, float]:
-    """``(median, p20, p80)`` ms of a device-to-device copy of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src))
-
-
-def _row(impl, op, batch, n_cand, dim, dim_g, k, dtype_name, times, peak_mb, note="", impl_version=None):
+def _row(impl, op, batch, n_cand, dim, dim_g, k, dtype_name, times, peak_mb=0.0, note="", impl_version=None):
     median, p20, p80 = times
     return dict(impl=impl, op=op, B=batch, N=n_cand, D=dim, Dg=dim_g, k=k, dtype=dtype_name, device=_device_name(),
                 median_ms=median, p20_ms=p20, p80_ms=p80, peak_mb=peak_mb,
                 version=impl_version or f"cgist {cgist.__version__}", note=note)
 
 
-def _device_name() -> str:
-    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (interpreter smoke test)"
+def _vs(measured_ms: float, est_ms: float, est_cal_ms: float | None = None) -> str:
+    cal = f" est_cal={est_cal_ms:.2f}ms" if est_cal_ms is not None else ""
+    return f"est={est_ms:.2f}ms{cal} measured/est={measured_ms / est_ms:.2f}"
 
 
-def _rate_note(op, batch, n_cand, dim, dim_g, k, median_ms, ceiling_tflops) -> str:
-    tflops = gemm_flops(op, batch, n_cand, dim, dim_g, k) / (median_ms * 1e-3) / 1e12
-    return f"gemm_tflops={tflops:.1f} of_mm={tflops / ceiling_tflops:.2f}"
+# -- calibrations -----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _l2_read_kernel(x_ptr, out_ptr, n_chunks, reps, CHUNK: tl.constexpr):
+    """Each program reads ``reps`` chunks of the buffer, a different one each time, and sums them."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((CHUNK,), dtype=tl.float32)
+    for r in range(reps):
+        chunk = (pid + r) % n_chunks
+        acc += tl.load(x_ptr + chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK))
+    tl.store(out_ptr + pid * CHUNK + tl.arange(0, CHUNK), acc)
+
+
+def l2_bandwidth(nbytes: int, reps: int) -> tuple[tuple[float, float, float], float]:
+    """Times of ``reps`` reads of a resident ``nbytes`` buffer, and the bytes/s they imply."""
+    chunk = 4096
+    n_chunks = nbytes // (4 * chunk)
+    x = torch.randn(n_chunks * chunk, device=DEVICE)
+    out = torch.empty_like(x)
+    fn = lambda: _l2_read_kernel[(n_chunks,)](x, out, n_chunks, reps, CHUNK=chunk)  # noqa: E731
+    fn()
+    if DEVICE.type == "cuda":  # do_bench would flush L2 between calls: time back-to-back calls instead
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(5):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop))
+        samples.sort()
+        times = (samples[2], samples[1], samples[3])
+    else:
+        times = time_cpu(fn, repeats=1)
+    return times, reps * x.numel() * 4 / (times[0] * 1e-3)
+
+
+def calibrations(mm_size: int, copy_bytes: int, l2_bytes: int, l2_reps: int) -> tuple[list[dict], Machine]:
+    """The GEMM ceilings, copy and L2 bandwidth rows, and the machine they describe."""
+    rows = []
+    rates = {}
+    for name, dtype, precision in (("bf16", torch.bfloat16, "highest"), ("tf32", torch.float32, "high")):
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            a = torch.randn(mm_size, mm_size, device=DEVICE, dtype=dtype)
+            b = torch.randn(mm_size, mm_size, device=DEVICE, dtype=dtype)
+            times = timed(lambda: torch.mm(a, b))
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        rates[name] = 2 * mm_size**3 / (times[0] * 1e-3)
+        spec = getattr(SPEC, name)
+        rows.append(_row("torch.mm", f"gemm {mm_size}^3", mm_size, mm_size, mm_size, 0, 0, name, times,
+                         note=f"tflops={rates[name] / 1e12:.1f} spec={spec / 1e12:.0f} of_spec={rates[name] / spec:.2f}",
+                         impl_version=f"torch {torch.__version__}"))
+        del a, b
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    times = timed(lambda: dst.copy_(src))
+    hbm = 2 * copy_bytes / (times[0] * 1e-3)
+    rows.append(_row("copy", f"d2d {copy_bytes / 2**20:.0f}MiB", 0, 0, 0, 0, 0, "uint8", times,
+                     note=f"GB/s={hbm / 1e9:.0f} (read+write) spec={SPEC.hbm / 1e9:.0f}",
+                     impl_version=f"torch {torch.__version__}"))
+    del src, dst
+    times, l2 = l2_bandwidth(l2_bytes, l2_reps)
+    rows.append(_row("l2-read", f"{l2_bytes // 1024}KiB x{l2_reps}", 0, 0, 0, 0, 0, "fp32", times,
+                     note=f"GB/s={l2 / 1e9:.0f} assumed={SPEC.l2 / 1e9:.0f}"))
+    return rows, Machine(bf16=rates["bf16"], tf32=rates["tf32"], l2=l2, hbm=hbm)
+
+
+# -- tie ids ----------------------------------------------------------------------------------------------------
+
+
+def tie_id_rows(batch: int, dim_g: int, dtype: torch.dtype, dtype_name: str) -> list[dict]:
+    """Fingerprint ids against ``torch.unique`` ids on the guide columns: agreement, time, peak memory."""
+    _, guide = make_embeddings(batch, batch, 8, dim_g, 1, device=DEVICE, dtype=dtype)
+    guide[1][: batch // 8] = guide[0][: batch // 8]  # duplicates across columns, so ties exist
+    acc = torch.float32
+
+    def unique_ids():
+        rows = torch.cat([normalize(g, acc)[0] for g in guide])
+        return torch.unique(rows, dim=0, return_inverse=True)[1]
+
+    def fingerprint_ids():
+        return torch.cat(tie_ids(guide, acc))
+
+    a, b = unique_ids(), fingerprint_ids()
+    pairs = torch.unique(torch.stack([a, b.to(a.dtype)]), dim=1).shape[1]
+    agree = pairs == int(a.max()) + 1 == int(torch.unique(b).numel())
+    out = []
+    for impl, fn in (("torch.unique", unique_ids), ("fingerprint", fingerprint_ids)):
+        _, peak = measure_once(fn, DEVICE)
+        out.append(_row(f"tie-ids {impl}", "ids", batch, batch, 0, dim_g, 1, dtype_name, timed(fn), peak,
+                        note=f"same partition={agree} classes={pairs}"))
+    return out
+
+
+# -- the loss stage, per kernel and per block --------------------------------------------------------------------
+
+
+def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: dict[str, Machine]) -> list[dict]:
+    """Per-kernel and per-block times of both backwards at one size, the totals, the pick and the peak memory."""
+    dtype, guide_dtype = PAIRS[pair]
+    student, guide = make_embeddings(batch, batch, dim, dim_g, k, device=DEVICE, dtype=dtype)
+    guide = [g.to(guide_dtype) for g in guide]
+    rows: list[dict] = []
+
+    def add(impl, op, times, est_kernel=None, scores=0.0, tiles=None, chunk_rows=1, peak=0.0, note=""):
+        if est_kernel is not None:
+            ests = {name: estimate(est_kernel, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, m)
+                    for name, m in machines.items()}
+            est, bound = ests["spec"]
+            note = f"{_vs(times[0], est, ests['calibrated'][0] if 'calibrated' in ests else None)} bound={bound} {note}"
+        rows.append(_row(impl, op, batch, batch, dim, dim_g, k, pair, times, peak, note.strip()))
+        print(_format([rows[-1]], header=False), flush=True)
+        return rows[-1]
+
+    for tile_set, method in (("gemm", "gemm"), ("fused", "fused")):
+        loss, state = gist_forward(student, guide, OPTIONS, tile_set=tile_set)  # tunes the forward
+        tiles = state.tiles
+        pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
+        work = BackwardWork(state)
+        totals = {"fwd": 0.0, "bwd": 0.0, "est_fwd": 0.0, "est_bwd": 0.0}
+        for block in state.blocks:
+            scores = block.rows.x.shape[0] * block.cols.x.shape[0]
+            fwd = add(f"triton/{method}", f"fwd {block.kind}", timed(lambda: forward_block(state, block)), "fwd",
+                      scores, tiles, note=f"pick={pick}")
+            totals["fwd"] += fwd["median_ms"]
+            totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC)[0]
+            if method == "gemm":
+                chunks = work.chunks(block)
+                chunk_rows = work.buffers()[0].rows
+
+                def score_grads():
+                    for chunk in chunks:
+                        work.score_grad_chunk(block, *chunk)
+
+                def gemms():
+                    for chunk in chunks:
+                        work.chunk_gemms(block, *chunk)
+
+                parts = [add("triton/gemm", f"bwd {block.kind} score-grad", timed(score_grads), "score_grad", scores,
+                             tiles, chunk_rows, note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
+                         add("triton/gemm", f"bwd {block.kind} gemms", timed(gemms), "gemms", scores, tiles, chunk_rows)]
+                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC)[0]
+                        for kind in ("score_grad", "gemms")]
+            else:
+                parts = [add("triton/fused", f"bwd {block.kind} {side} pass", timed(lambda f=f: f(block)), kind, scores,
+                             tiles) for side, kind, f in (("row", "fused_rows", work.fused_rows),
+                                                          ("column", "fused_cols", work.fused_cols))]
+                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC)[0]
+                        for kind in ("fused_rows", "fused_cols")]
+            totals["bwd"] += sum(p["median_ms"] for p in parts)
+            totals["est_bwd"] += sum(ests)
+        del work, state, loss
+        add(f"triton/{method}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
+            note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
+        add(f"triton/{method}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
+
+        def stage(method=method, tile_set=tile_set):
+            loss, state = gist_forward(student, guide, OPTIONS, tile_set=tile_set)
+            return loss, BackwardWork(state).run(method)
+
+        stage()
+        _, peak = measure_once(stage, DEVICE)
+        times = timed(stage, quick=True)
+        add(f"triton/{method}", "fwd+bwd", times, peak=peak,
+            note=f"{_vs(times[0], totals['est_fwd'] + totals['est_bwd'])} "
+                 f"est_peak={_estimated_peak_mb(batch, dim, k, dtype):.0f}MB pick={pick}")
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    if batch <= ST_MAX_BATCH:
+        rows += reference_rows(batch, dim, dim_g, k, pair, student, guide)
+    return rows
+
+
+def _estimated_peak_mb(batch: int, dim: int, k: int, dtype: torch.dtype) -> float:
+    """Extra memory of the loss stage by count (B = N): the fp32 sums ``h`` and the gradients of every
+    embedding, one fp32 copy of an embedding in the normalisation backward, and the default chunk budget.
+    """
+    rows = batch * (2 + k)
+    size = torch.finfo(dtype).bits // 8
+    chunk = min(2**30, torch.cuda.mem_get_info()[0] // 8) if DEVICE.type == "cuda" else 16 * 2**20
+    return (rows * dim * (4 + size) + batch * dim * 4 + chunk) / 2**20
 
 
 def st_loss_stage(mini_batch_size: int = ST_MINI_BATCH):
-    """sentence-transformers' CachedGISTEmbedLoss with only the attributes its ``calculate_loss`` reads.
-
-    The loss stage needs no model, so none is built (that would need network or model files).
-    """
+    """sentence-transformers' CachedGISTEmbedLoss with only the attributes its ``calculate_loss`` reads."""
     from sentence_transformers.sentence_transformer.losses.cached_gist_embed import CachedGISTEmbedLoss
 
     loss = CachedGISTEmbedLoss.__new__(CachedGISTEmbedLoss)
@@ -121,68 +360,90 @@ def st_loss_stage(mini_batch_size: int = ST_MINI_BATCH):
     return loss
 
 
-def loss_stage_fns(batch, n_cand, dim, dim_g, k, dtype) -> dict[str, Callable[[], object]]:
-    """fwd+bwd of the loss stage per implementation, on one set of inputs from ``make_embeddings``."""
-    student, guide = make_embeddings(batch, n_cand, dim, dim_g, k, device=DEVICE, dtype=dtype)
-    fns = {
-        "triton": lambda: gist_loss_and_grads(student, guide, OPTIONS, need_grads=True),
-        "streaming": lambda: streaming.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True),
-    }
-    if batch <= ST_MAX_BATCH:
+def reference_rows(batch, dim, dim_g, k, pair, student, guide) -> list[dict]:
+    """fwd+bwd of the streaming path and of sentence-transformers' loss stage, with peak memory."""
+    fns = {"streaming": lambda: streaming.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True)}
+    if student[0].dtype == guide[0].dtype:
         st = st_loss_stage()
         reps, reps_guided = split_leaves(student, ST_MINI_BATCH), split_detached(guide, ST_MINI_BATCH)
         fns["sentence-transformers"] = lambda: st.calculate_loss(reps, reps_guided, with_backward=True)
-    return fns
-
-
-def kernel_rows(batch, n_cand, dim, dim_g, k, dtype_name, ceiling) -> list[dict]:
-    """fwd and bwd of the Triton kernels timed apart (bwd reuses one forward's state)."""
-    dtype = DTYPES[dtype_name]
-    student, guide = make_embeddings(batch, n_cand, dim, dim_g, k, device=DEVICE, dtype=dtype)
-    forward = lambda: gist_forward(student, guide, OPTIONS)  # noqa: E731
-    _, state = forward()
     rows = []
-    for op, fn in (("fwd", forward), ("bwd", lambda: gist_backward(state))):
-        times = timed(fn)
+    for impl, fn in fns.items():
+        fn()
         _, peak = measure_once(fn, DEVICE)
-        note = _rate_note(op, batch, n_cand, dim, dim_g, k, times[0], ceiling[dtype_name])
-        rows.append(_row("triton", op, batch, n_cand, dim, dim_g, k, dtype_name, times, peak, note))
-    return rows
-
-
-def check_rows(batch, n_cand, dim, dim_g, k, dtype_name, ceiling) -> list[dict]:
-    """fwd+bwd of each loss-stage implementation at one size, with peak memory."""
-    rows = []
-    for impl, fn in loss_stage_fns(batch, n_cand, dim, dim_g, k, DTYPES[dtype_name]).items():
-        fn()  # compile / autotune outside the measurements
-        _, peak = measure_once(fn, DEVICE)
-        times = timed(fn, quick=True)
-        note = _rate_note("fwd+bwd", batch, n_cand, dim, dim_g, k, times[0], ceiling[dtype_name])
         impl_version = f"sentence-transformers {version('sentence-transformers')}" if impl.startswith("sent") else None
-        rows.append(_row(impl, "fwd+bwd", batch, n_cand, dim, dim_g, k, dtype_name, times, peak, note, impl_version))
+        rows.append(_row(impl, "fwd+bwd", batch, batch, dim, dim_g, k, pair, timed(fn, quick=True), peak,
+                         impl_version=impl_version))
         print(_format([rows[-1]], header=False), flush=True)
     return rows
 
 
-def ceiling_rows(dtype_names: list[str], size: int, nbytes: int) -> tuple[list[dict], dict[str, float]]:
-    """torch.mm size³ per dtype and a copy of ``nbytes``; returns the rows and the mm TFLOP/s per dtype."""
-    rows, ceiling = [], {}
-    for name in dtype_names:
-        times = mm_ceiling(DTYPES[name], size)
-        ceiling[name] = 2 * size**3 / (times[0] * 1e-3) / 1e12
-        rows.append(dict(impl="torch.mm", op=f"gemm {size}^3", B=size, N=size, D=size, Dg=0, k=0, dtype=name,
-                         device=_device_name(), median_ms=times[0], p20_ms=times[1], p80_ms=times[2], peak_mb=0.0,
-                         version=f"torch {torch.__version__}", note=f"tflops={ceiling[name]:.1f}"))
-    times = copy_times(nbytes)
-    rows.append(dict(impl="copy", op=f"d2d {nbytes / 2**20:.0f}MiB", B=0, N=0, D=0, Dg=0, k=0, dtype="uint8",
-                     device=_device_name(), median_ms=times[0], p20_ms=times[1], p80_ms=times[2], peak_mb=0.0,
-                     version=f"torch {torch.__version__}",
-                     note=f"GB/s={2 * nbytes / (times[0] * 1e-3) / 1e9:.1f} (read+write)"))
-    return rows, ceiling
+def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str) -> list[dict]:
+    """The estimates of one size by count alone (``SPEC``), with the largest tile of each set taken as the pick.
+
+    Chunk rows follow the default budget on an H200 (1 GiB): ``2^30 / (N * operand bytes)``.
+    """
+    from cgist.kernels.gist import tile_configs
+    from cgist.kernels.launch import input_precision
+
+    dtype, guide_dtype = PAIRS[pair]
+    n_cols = [batch, batch, batch] + [batch] * k  # AP, AA, PP, AN (B = N)
+    entry = torch.finfo(dtype).bits // 8 * (2 if _passes(dtype) == 3 else 1)
+    chunk_rows = min(batch, 2**30 // (batch * entry))
+    rows = []
+    for method, tile_set, kernels in (("gemm", "gemm", ("fwd", "score_grad", "gemms")),
+                                      ("fused", "fused", ("fwd", "fused_rows", "fused_cols"))):
+        config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), 1, tile_set,
+                              9, interpret=False)[0]
+        tiles = config.kwargs
+        pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**tiles)
+        total = 0.0
+        for kernel in kernels:
+            ms, bound = estimate(kernel, batch * sum(n_cols), dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC)
+            total += ms
+            rows.append(_row(f"estimate/{method}", kernel, batch, batch, dim, dim_g, k, pair, (ms,) * 3,
+                             note=f"bound={bound} tiles={pick} chunk_rows={chunk_rows}"))
+        rows.append(_row(f"estimate/{method}", "fwd+bwd", batch, batch, dim, dim_g, k, pair, (total,) * 3,
+                         note=f"tiles={pick}"))
+    return rows
+
+
+def warmup(pairs: list[str], dim: int, dim_g: int, k: int) -> None:
+    """Compile and tune every kernel variant the check runs, at a small size with the same specialisation."""
+    for pair in pairs:
+        dtype, guide_dtype = PAIRS[pair]
+        student, guide = make_embeddings(512, 512, dim, dim_g, k, device=DEVICE, dtype=dtype)
+        guide = [g.to(guide_dtype) for g in guide]
+        gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
+        _, state = gist_forward(student, guide, OPTIONS, tile_set="fused")
+        BackwardWork(state).run("fused")
+        print(f"warm: {pair}", flush=True)
+
+
+def summary(rows: list[dict]) -> str:
+    """The figures that settle the design: each loss stage against its estimate, and the targets."""
+    stage = {(r["impl"], r["dtype"], r["B"]): r for r in rows if r["op"] == "fwd+bwd" and r["impl"].startswith("triton")}
+    shapes = sorted({f"D={r['D']}, Dg={r['Dg']}, k={r['k']}" for r in stage.values()})
+    lines = [f"loss stage fwd+bwd ({'; '.join(shapes)}), measured against the estimate by count:"]
+    for (impl, pair, batch), r in sorted(stage.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        lines.append(f"  {pair:10} B={batch:<6} {impl:13} {r['median_ms']:9.2f} ms  peak {r['peak_mb']:8.0f} MB  {r['note']}")
+    big = max((b for _, _, b in stage), default=None)
+    bf16 = stage.get(("triton/gemm", "bf16", big))
+    fp32 = stage.get(("triton/gemm", "fp32", big))
+    if bf16 is not None:
+        lines.append(f"target: bf16 at B={big} <= 250 ms: {bf16['median_ms']:.1f} ms "
+                     f"({'met' if bf16['median_ms'] <= 250 else 'missed'})")
+        fused = stage.get(("triton/fused", "bf16", big))
+        if fused is not None:
+            lines.append(f"backwards at B={big}, bf16: fused / gemm = {fused['median_ms'] / bf16['median_ms']:.2f}")
+    if bf16 is not None and fp32 is not None:
+        ratio = fp32["median_ms"] / bf16["median_ms"]
+        lines.append(f"target: fp32 (tf32x3) <= 2x bf16 at B={big}: {ratio:.2f}x ({'met' if ratio <= 2 else 'missed'})")
+    return "\n".join(lines)
 
 
 def _format(rows: list[dict], header: bool = True) -> str:
-    cols = ["impl", "op", "B", "N", "D", "Dg", "k", "dtype", "median_ms", "peak_mb", "note"]
+    cols = ["impl", "op", "B", "D", "Dg", "dtype", "median_ms", "peak_mb", "note"]
     cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = [" ".join(c.ljust(w) for c, w in zip(cols, widths))] if header else []
@@ -192,32 +453,55 @@ def _format(rows: list[dict], header: bool = True) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=["kernels", "check"], default="kernels")
+    parser.add_argument("--suite", choices=["kernels", "check", "warmup", "estimates"], default="kernels")
     parser.add_argument("--batch", type=int, nargs="+", default=None)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--guide-dim", type=int, default=384)
     parser.add_argument("--negatives", type=int, default=1)
-    parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=list(DTYPES))
+    parser.add_argument("--dtype", nargs="+", default=None, choices=list(PAIRS))
     parser.add_argument("--mm-size", type=int, default=8192, help="side of the torch.mm ceiling GEMM")
     parser.add_argument("--copy-mib", type=int, default=1024, help="MiB copied for the bandwidth row")
+    parser.add_argument("--l2-kib", type=int, default=24 * 1024, help="KiB of the resident buffer the L2 row re-reads")
+    parser.add_argument("--l2-reps", type=int, default=64, help="reads of that buffer")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="skip what would start after this")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    pairs = args.dtype or (["bf16", "fp32", "bf16+fp32"] if args.suite == "check" else ["bf16"])
     if DEVICE.type != "cuda":
         print("no CUDA GPU: smoke test under the Triton interpreter, the numbers mean nothing", file=sys.stderr)
+    if args.suite == "warmup":
+        warmup(pairs, args.dim, args.guide_dim, args.negatives)
+        return 0
+    if args.suite == "estimates":
+        rows = [r for pair in (args.dtype or ["bf16", "fp32", "bf16+fp32"]) for batch in (args.batch or [16384, 65536])
+                for r in paper_estimates(batch, args.dim, args.guide_dim, args.negatives, pair)]
+        print(_format(rows))
+        return 0
 
-    rows, ceiling = ceiling_rows(args.dtype, args.mm_size, args.copy_mib * 2**20)
+    start = time.time()
+    rows, calibrated = calibrations(args.mm_size, args.copy_mib * 2**20, args.l2_kib * 1024, args.l2_reps)
     print(_format(rows), flush=True)
-    batches = args.batch or ([4096, 16384, 65536] if args.suite == "check" else [4096, 16384])
-    for dtype_name in args.dtype:
-        for batch in batches:
-            measure = check_rows if args.suite == "check" else kernel_rows
-            rows += measure(batch, batch, args.dim, args.guide_dim, args.negatives, dtype_name, ceiling)
-            if DEVICE.type == "cuda":
-                torch.cuda.empty_cache()
-
+    machines = {"spec": SPEC, "calibrated": calibrated}
+    if args.batch:
+        runs = [(pair, batch) for pair in pairs for batch in args.batch]
+    elif args.suite == "check":  # what settles the design first, in case the time budget runs out
+        runs = [run for run in CHECK_ORDER if run[0] in pairs]
+    else:
+        runs = [(pair, batch) for pair in pairs for batch in (4096, 16384)]
+    rows += tie_id_rows(max(batch for _, batch in runs), args.guide_dim, torch.float32, "fp32")
+    skipped = []
+    for pair, batch in runs:
+        if time.time() - start > args.budget_s:
+            skipped.append(f"{pair} B={batch}")
+            continue
+        rows += stage_rows(batch, args.dim, args.guide_dim, args.negatives, pair, machines)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
     name = "gpu_check" if args.suite == "check" else "kernel_bench"
     path = write_csv(args.out / f"{name}.csv", rows)
-    table = _format(rows)
+    table = _format(rows) + "\n\n" + summary(rows)
+    if skipped:
+        table += f"\nskipped (time budget of {args.budget_s:.0f} s): {', '.join(skipped)}"
     (args.out / f"{name}.txt").write_text(table + "\n")
     print(f"\nwrote {path}\n{table}")
     return 0

@@ -512,22 +512,31 @@ class BackwardWork:
 
     # -- the fused backward -----------------------------------------------------------------------------------
 
+    def fused_rows(self, block: _Block) -> None:
+        """The fused row pass of one block: ``h[rows] += F @ k``."""
+        self._fused_pass(block, gist_bwd_rows_kernel, block.rows, "BLOCK_M")
+
+    def fused_cols(self, block: _Block) -> None:
+        """The fused column pass of one block: ``h[cols] += F^T @ q``."""
+        self._fused_pass(block, gist_bwd_cols_kernel, block.cols, "BLOCK_N")
+
     def fused_block(self, block: _Block) -> None:
         """The fused row and column passes of one block, adding into ``h``."""
+        self.fused_rows(block)
+        self.fused_cols(block)
+
+    def _fused_pass(self, block: _Block, kernel, side: _Side, tile: str) -> None:
         state = self.state
         if len(state.dims) > 1:
             raise NotImplementedError("the fused backward computes one dimension; Matryoshka runs on the GEMM backward")
-        args = block.kernel_args(state)
+        out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
         with _launch_device(state.pos.device):
-            for kernel, side, tile in ((gist_bwd_rows_kernel, block.rows, "BLOCK_M"),
-                                       (gist_bwd_cols_kernel, block.cols, "BLOCK_N")):
-                out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
-                kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                    **args, rw_ptr=self.row_weight, grad_ptr=out, stride_grad=out.stride(0),
-                    n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
-                    ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"],
-                    PRECISION_G=state.flags["PRECISION_G"], **state.tiles,
-                )
+            kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
+                **block.kernel_args(state), rw_ptr=self.row_weight, grad_ptr=out, stride_grad=out.stride(0),
+                n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
+                ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"], PRECISION_G=state.flags["PRECISION_G"],
+                **state.tiles,
+            )
 
     # -- both -------------------------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ def _run(student, guide, options, backward):
 
 def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, strategy="absolute",
            anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0, backward="gemm",
-           block_bytes=None):
+           block_bytes=None, guide_precision=None):
     """Loss and gradients (two runs, bitwise equal) match the float64 oracle.
 
     ``ties`` lists (column, row, anchor): that guide row becomes ``scale`` times the guide vector of
@@ -60,6 +60,8 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
             guide[1][offset + anchor] = _exact_norm_row(dim_g, seed + anchor).to(dtype)
     for column, row, anchor in ties:
         guide[column][row] = scale * guide[1][offset + anchor]
+    if guide_precision is not None:  # a guide of another dtype (the oracle sees its values in float64)
+        guide = [g.to(DTYPES[guide_precision]) for g in guide]
     options = GistOptions(temperature=temperature, margin=margin, margin_strategy=strategy, contrast_anchors=anchors,
                           contrast_positives=positives, offset=offset, block_bytes=block_bytes)
 
@@ -261,3 +263,18 @@ def test_small_loss_keeps_relative_precision(closeness):
 ])
 def test_gpu_precisions(batch, n_cand, dim, dim_g, k, offset, precision):
     _check(batch, n_cand, dim, dim_g, k, precision, offset=offset)
+
+
+@needs_cuda
+@pytest.mark.parametrize(("precision", "guide_precision"), [("bf16", "fp32"), ("fp32", "bf16"), ("fp16", "fp32")])
+def test_gpu_mixed_pairs(precision, guide_precision):
+    """A half student with an fp32 guide (tf32x3 guide products), and the reverse."""
+    _check(300, 600, 384, 384, 1, precision, offset=300, guide_precision=guide_precision)
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("backward", ["fused", "gemm-chunked"])
+def test_gpu_backwards(precision, backward):
+    kw = dict(backward="fused") if backward == "fused" else dict(block_bytes=2**20)
+    _check(300, 600, 384, 384, 1, precision, offset=300, **kw)

@@ -9,7 +9,7 @@ product over K terms with u = 2^-11 (the unit roundoff of tf32's 11-bit signific
 
     |tf32x3(a @ b) - a @ b| <= (5 + 4u) u^2 sum_k |a_k b_k|   (+ the fp32 accumulation of the terms)
 
-A single tf32 product is ~2u: about 400 times the bound, which the test shows too (so it can fail).
+A single tf32 product is ~2u: about 800 times the bound, which the test shows too (so it can fail).
 """
 
 from __future__ import annotations

@@ -1,0 +1,69 @@
+"""bench/kernel_bench.py, the GPU check's measuring script: its counting model, and a smoke run on the CPU.
+
+The smoke run goes through the real command line under the Triton interpreter at a tiny size (the numbers
+mean nothing there) and checks that every figure the check must report is in its CSV: the calibrations,
+the tie ids both ways, each block's kernels for both backwards, the totals with their estimates and the
+autotuner's pick, the loss stage with its peak memory, the references at small B, and the summary.
+The counting model is checked against the hand count that motivated the GEMM backward (fused kernels,
+128 x 64 tiles, B = 64k, bf16, H200): forward ~135 ms, backward row pass ~400 ms, column pass ~310 ms.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "kernel_bench.py"
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import kernel_bench
+
+    return kernel_bench
+
+
+@pytest.mark.parametrize(("kernel", "hand_count_ms"), [("fwd", 135), ("fused_rows", 400), ("fused_cols", 310)])
+def test_estimates_reproduce_the_hand_count(bench, kernel, hand_count_ms):
+    tiles = {"BLOCK_M": 128, "BLOCK_N": 64}
+    scores = 65536 * 65536 * 4  # AP, AA, PP and one AN block
+    ms, bound = bench.estimate(kernel, scores, 768, 384, torch.bfloat16, torch.bfloat16, tiles, 8192, bench.SPEC)
+    assert bound == "l2" and ms == pytest.approx(hand_count_ms, rel=0.03)
+
+
+def test_larger_tiles_and_the_gemm_backward_cut_the_estimate(bench):
+    """By count, bf16 at B = 64k: the GEMM backward with 128 x 128 tiles meets the 250 ms target; fused does not."""
+    rows = {(r["impl"], r["op"]): r["median_ms"] for r in bench.paper_estimates(65536, 768, 384, 1, "bf16")}
+    assert rows["estimate/gemm", "fwd+bwd"] <= 250 < rows["estimate/fused", "fwd+bwd"]
+
+
+def test_check_smoke(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--suite", "check", "--batch", "24", "--dtype", "fp32", "--dim", "16",
+         "--guide-dim", "8", "--mm-size", "32", "--copy-mib", "1", "--l2-kib", "64", "--l2-reps", "2",
+         "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with (tmp_path / "gpu_check.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    ops = {(r["impl"], r["op"]) for r in rows}
+    assert {("torch.mm", "gemm 32^3"), ("copy", "d2d 1MiB"), ("l2-read", "64KiB x2")} <= ops
+    assert {("tie-ids torch.unique", "ids"), ("tie-ids fingerprint", "ids")} <= ops
+    assert all("same partition=True" in r["note"] for r in rows if r["impl"].startswith("tie-ids"))
+    for kind in ("ap", "aa", "pp", "an"):
+        assert {("triton/gemm", f"fwd {kind}"), ("triton/gemm", f"bwd {kind} score-grad"),
+                ("triton/gemm", f"bwd {kind} gemms"), ("triton/fused", f"bwd {kind} row pass"),
+                ("triton/fused", f"bwd {kind} column pass")} <= ops
+    for method in ("gemm", "fused"):
+        total = next(r for r in rows if r["impl"] == f"triton/{method}" and r["op"] == "fwd+bwd")
+        assert "est=" in total["note"] and "pick=" in total["note"] and "est_peak=" in total["note"]
+        assert float(total["median_ms"]) > 0
+    assert {("streaming", "fwd+bwd"), ("sentence-transformers", "fwd+bwd")} <= ops
+    assert all("measured/est=" in r["note"] for r in rows if r["impl"].startswith("triton/") and " " in r["op"])
+    assert "target: bf16" not in proc.stdout and "loss stage fwd+bwd (D=16, Dg=8, k=1)" in proc.stdout
