@@ -6,6 +6,7 @@ backward, the accumulation dtype, the guide threshold, the guide-mask rule and t
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -125,8 +126,12 @@ _FINGERPRINT_ROWS = 4096
 _FINGERPRINT_SEED = 0x5EED
 
 
+@functools.lru_cache(maxsize=32)
 def _fingerprint_coefficients(dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Two vectors of fixed pseudo-random 64-bit integers, the same on every device, rank and run."""
+    """Two vectors of fixed pseudo-random 64-bit integers, the same on every device, rank and run.
+
+    Made once per (dim, device): a copy from host memory to a GPU waits for its stream.
+    """
     gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + dim)
     both = torch.randint(-(2**63), 2**63 - 1, (2, dim), generator=gen, dtype=torch.int64).to(device)
     return both[0], both[1]

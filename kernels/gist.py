@@ -135,13 +135,13 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
                         args["N_DIMS"], TILE_SETS[args["tile_set"]], _device_arch(args["q_ptr"].device))
 
 
-def pack_scalars(temperature: float, margin: float, dtype: torch.dtype, device) -> torch.Tensor:
-    """``[log2(e) / tau, margin]`` as a tensor of the accumulation dtype.
+def pack_scalars(temperature: float, margin: float) -> tuple[float, float]:
+    """``(log2(e) / tau, margin)``: the scalar tensor every kernel reads, in the accumulation dtype.
 
     A tensor rather than kernel arguments, so that float64 runs keep full precision (Python floats
     reach a kernel as float32).
     """
-    return torch.tensor([math.log2(math.e) / temperature, margin], dtype=dtype, device=device)
+    return (math.log2(math.e) / temperature, margin)
 
 
 @triton.jit

@@ -159,6 +159,13 @@ def _gemm_acc(out: Tensor, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> None
         _addmm_(out, a[0], b[0])
 
 
+@functools.lru_cache(maxsize=64)
+def _device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small constant tensor on ``device``, made once: a copy from host memory waits for the stream, so
+    each call would otherwise cost a host synchronisation. Read only."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _launch_device(device: torch.device):
     """Make ``device`` current while launching: Triton launches on the current CUDA device."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -321,14 +328,14 @@ def prepare_forward(
     state_rows = [torch.empty(n_dims, batch, dtype=acc, device=device) for _ in range(3)]
     return ForwardState(
         options=options, embeddings=embeddings, sides=sides, norms=norms, blocks=blocks, dims=dims,
-        weights=torch.tensor([w for _, w in pairs], dtype=acc, device=device).unsqueeze(1),
-        dims_tensor=torch.tensor(dims, dtype=torch.int32, device=device),
+        weights=_device_constant(tuple(w for _, w in pairs), acc, device).unsqueeze(1),
+        dims_tensor=_device_constant(tuple(dims), torch.int32, device),
         thr=torch.empty(batch, dtype=acc, device=device), theta=torch.empty(batch, dtype=acc, device=device),
         theta_masked=torch.empty(batch, dtype=torch.int8, device=device),
         pos=state_rows[0], run_max=state_rows[1], run_sum=state_rows[2],
         counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
                                                             device=device),
-        scalars=pack_scalars(options.temperature, options.margin, acc, device),
+        scalars=_device_constant(pack_scalars(options.temperature, options.margin), acc, device),
         flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype),
                    PRECISION_G=input_precision(guide_dtype), N_DIMS=n_dims),
     )

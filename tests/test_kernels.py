@@ -19,6 +19,8 @@ from cgist.kernels import gist_loss_and_grads
 from cgist.kernels.launch import chunk_plan, gist_backward, gist_forward
 from cgist.numerics import tie_ids
 from cgist.reference import gist_loss_reference, gist_scores
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16/fp16/tf32 tl.dot only run on a GPU")
 
@@ -223,6 +225,39 @@ def test_gradcheck_through_fused_backward():
     guide = [g.to(DEVICE) for g in guide]
     assert torch.autograd.gradcheck(lambda *xs: _FusedBackward.apply(options, guide, *xs), leaves, eps=1e-6,
                                     atol=1e-7, fast_mode=True)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that make the host wait for the device: reading a value, or copying host memory to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        reads = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                 torch.ops.aten.item.default)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        to_device = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and \
+            {t.device.type for t in tensors} >= {"cpu", "cuda"}
+        if func in reads or to_device:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_launcher_reads_no_value_on_the_host():
+    """Once warm, a call with gradients, statistics and Matryoshka dimensions never waits for the device.
+
+    (Host-to-device copies are seen on CUDA only; on the CPU the value reads are.)
+    """
+    student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, 0)
+    student, guide = [s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide]
+    options = GistOptions(margin=0.1, offset=5, matryoshka_dims=(40, 20))
+    gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+    with _HostReads() as probe:
+        gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+        gist_loss_and_grads(student, guide, GistOptions(margin=0.1, offset=5), need_grads=True)
+    assert probe.ops == []
 
 
 def _precise_loss(student, guide, options):
