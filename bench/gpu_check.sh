@@ -32,7 +32,7 @@ for pair in bf16 fp32 bf16+fp32; do
     warm_pids+=($!)
 done
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_stats.py \
-    tests/test_kernels_matryoshka.py tests/test_kernels_precision.py tests/test_determinism.py -k "not fused_loss" \
+    tests/test_kernels_matryoshka.py tests/test_kernels_precision.py tests/test_determinism.py \
     2>&1 | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "CUDA tests FAILED (see $OUT/tests.txt)"; status=1; }
 for pid in "${warm_pids[@]}"; do

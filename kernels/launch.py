@@ -385,7 +385,7 @@ class ChunkPlan:
 
 
 def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: int, acc_bytes: int,
-               block_bytes: int | None, device: torch.device) -> ChunkPlan:
+               block_bytes: int | None, device: torch.device, max_entries: int = 2**31 - 1) -> ChunkPlan:
     """The chunk shape of the GEMM backward, and the bytes its buffers take.
 
     A chunk of R rows and C columns holds one GEMM operand of ``entry_bytes`` per entry and segment
@@ -394,7 +394,8 @@ def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: i
     Rows are the largest multiple of BLOCK_M that fits ``block_bytes`` against whole blocks (``widest``
     columns); if not even BLOCK_M rows fit, BLOCK_M rows against the most columns (a multiple of
     BLOCK_N, at least one tile) that fit. With ``block_bytes=None`` the budget is
-    ``cgist.numerics.default_block_bytes``, grown to reach ``GEMM_ROW_FLOOR`` rows.
+    ``cgist.numerics.default_block_bytes``, grown to reach ``GEMM_ROW_FLOOR`` rows. A chunk holds at most
+    ``max_entries`` entries per segment (the kernel addresses its buffer with int32 offsets).
     """
     bm, bn = tiles["BLOCK_M"], tiles["BLOCK_N"]
 
@@ -406,7 +407,7 @@ def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: i
     if block_bytes is None:
         block_bytes = default_block_bytes(device, size(min(all_rows, GEMM_ROW_FLOOR), widest))
     if size(bm, widest) <= block_bytes:
-        rows = min(all_rows, bm * max(1, block_bytes // size(bm, widest)))
+        rows = min(all_rows, bm * max(1, block_bytes // size(bm, widest)), bm * max(1, max_entries // (bm * widest)))
         return ChunkPlan(rows, widest, size(rows, widest))
     cols = bn * max(1, block_bytes // size(bm, bn))
     while cols > bn and size(bm, cols) > block_bytes:  # the partials' ceil makes size slightly superlinear
@@ -454,7 +455,7 @@ class BackwardWork:
             n_dims = len(state.dims)
             acc_bytes = state.pos.element_size()
             plan = chunk_plan(state.batch, widest, state.tiles, n_dims, parts * x.element_size(), acc_bytes,
-                              self.block_bytes, x.device)
+                              self.block_bytes, x.device, (2**31 - 1) // (n_dims * parts))
             f = torch.empty(n_dims, parts, plan.rows, plan.cols, dtype=x.dtype, device=x.device)
             bm, bn = state.tiles["BLOCK_M"], state.tiles["BLOCK_N"]
             if n_dims > 1:

@@ -163,6 +163,12 @@ def test_chunk_plan_follows_the_budget(block_bytes, rows, cols):
     assert plan.bytes == rows * cols * 8 <= block_bytes
 
 
+def test_chunk_plan_keeps_int32_offsets():
+    """However large the budget, a chunk's buffer stays addressable with int32 offsets."""
+    plan = chunk_plan(2**20, 2**20, {"BLOCK_M": 128, "BLOCK_N": 128}, 1, 2, 4, 2**40, torch.device("cpu"))
+    assert plan.cols == 2**20 and plan.rows % 128 == 0 and plan.rows * plan.cols < 2**31
+
+
 # (column, row, anchor): column 0 = anchors, 1 = positives, 2.. = negative sets. Copies of the positive
 # of anchor 3 sit in other column tiles and at other positions within a tile than the label itself.
 TIES = ((1, 2, 3), (1, 25, 3), (2, 19, 3), (3, 0, 7), (1, 30, 7))
