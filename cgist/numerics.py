@@ -141,7 +141,8 @@ def _fingerprint(rows: Tensor) -> Tensor:
     """A 64-bit hash of each row's bits: equal rows hash equal, different rows collide with odds ~2^-64.
 
     Each element's bits become an integer whose differences between two different values have at most
-    31 trailing zero bits (fp32: the 32 bits as they are; fp64: the high half folded into the low one).
+    31 trailing zero bits (fp32: the 32 bits as a signed integer, so any two differ by less than 2^32;
+    fp64: the high half folded into the low one).
     Two sums of those times random 64-bit integers, modulo 2^64 (integer sums do not depend on their
     order, so a matrix product computes them exactly), are then mixed into one value.
     """
@@ -150,7 +151,7 @@ def _fingerprint(rows: Tensor) -> Tensor:
         bits = bits.view(torch.int64)
         bits = bits ^ ((bits >> 32) & 0xFFFFFFFF)  # a bijection that also flips low bits where high ones differ
     else:
-        bits = bits.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        bits = bits.view(torch.int32).to(torch.int64)
     # Integer matrix-vector products on the CPU (faster than a product with both columns at once); CUDA
     # has no integer matrix products.
     high, low = (bits @ c if bits.device.type == "cpu" else (bits * c).sum(dim=1)
@@ -159,7 +160,7 @@ def _fingerprint(rows: Tensor) -> Tensor:
     return high ^ low ^ ((low >> 29) & 0x7FFFFFFFF)
 
 
-def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool = False) -> list[Tensor]:
     """An int32 id per row of each guide column: equal ids for rows whose normalised vectors are equal.
 
     sentence-transformers computes every guide score by one element-wise formula, so a candidate whose
@@ -167,7 +168,8 @@ def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     kernels differ with shape and position), so the tie is decided by identity instead of by the rounding
     of two different products.
 
-    Each row of a column, normalised in ``dtype`` (``normalize``), gets a 64-bit fingerprint of its bits,
+    Each row of a column, normalised in ``dtype`` (``normalize``; pass ``normalized=True`` for columns that
+    already are, in ``dtype``), gets a 64-bit fingerprint of its bits,
     computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
     (sorted on the device, no host sync). Memory is O(rows). Each of the fingerprint's two sums collides
     for two given different rows with probability 2^(v - 64), where 2^v is the largest power of two
@@ -177,7 +179,8 @@ def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     when theta_i > T_i instead of by its own guide score, in one step.
     """
     prints = torch.cat([
-        _fingerprint(normalize(chunk, dtype)[0]) for column in columns for chunk in column.split(_FINGERPRINT_ROWS)
+        _fingerprint(chunk if normalized else normalize(chunk, dtype)[0])
+        for column in columns for chunk in column.split(_FINGERPRINT_ROWS)
     ])
     ordered, order = prints.sort()
     ids = torch.empty_like(order, dtype=torch.int32)

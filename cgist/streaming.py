@@ -104,15 +104,16 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     """
     # On a GPU one launch per block is better than cache-sized tiles.
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
-    scratch = (2 + (n_dims > 1)) * itemsize  # guide, mask[, scratch] per tile column
-    one_pass_row = n_dims * sum(block_widths) * itemsize + tile * scratch + top * itemsize
+    scratch = 2 * itemsize  # guide scores and mask per tile column
+    kept = (2 * n_dims if n_dims > 1 else 1) * itemsize  # per kept column: the terms [and term x logit] per dim
+    one_pass_row = sum(block_widths) * kept + tile * scratch + top * itemsize
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
         block_bytes = default_block_bytes(device, floor * one_pass_row)
     rows = min(batch, block_bytes // one_pass_row)
     if rows >= floor:
         return Plan(rows, tile, True)
-    cols = (block_bytes // floor - top * itemsize) // (n_dims * itemsize + scratch)
+    cols = (block_bytes // floor - top * itemsize) // (kept + scratch)
     return Plan(floor, max(1, min(tile, cols)), False)
 
 
@@ -170,8 +171,8 @@ class _Workspace:
     """Buffers that every row block reuses, so that its large tiles are neither allocated nor paged in again.
 
     ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
-    (two passes); ``guide`` and ``mask``: one tile's guide scores and mask; ``prefix``: one tile's scratch
-    (Matryoshka prefix products, and their gradient's entropy terms); ``rows``: a row block's R x top product.
+    (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike;
+    ``guide`` and ``mask``: one tile's guide scores and mask; ``rows``: a row block's R x top product.
     """
 
     def __init__(self, problem: _Problem, schedule: Plan) -> None:
@@ -188,20 +189,20 @@ class _Workspace:
             "mask": torch.empty(widest, dtype=dtype, device=device),
             "rows": torch.empty(rows * problem.dims.top, dtype=dtype, device=device),
         }
-        if len(problem.dims) > 1:
-            self.flat["prefix"] = torch.empty(widest, dtype=dtype, device=device)
+        if len(problem.dims) > 1:  # each term times its logit, for the gradient's radial sums
+            self.flat["products"] = torch.empty(len(problem.dims) * self.stride, dtype=dtype, device=device)
 
     def view(self, name: str, shape: tuple[int, int], start: int = 0) -> Tensor:
         """A contiguous ``shape`` view of buffer ``name`` from element ``start``."""
         return self.flat[name][start : start + shape[0] * shape[1]].view(shape)
 
-    def terms(self, dim: int, block: _Block, lo: int, shape: tuple[int, int]) -> Tensor:
-        """The term buffer of dimension ``dim`` for the tile of ``block`` from column ``lo``.
+    def terms(self, dim: int, block: _Block, lo: int, shape: tuple[int, int], name: str = "terms") -> Tensor:
+        """The buffer ``name`` ("terms" or "products") of dimension ``dim`` for the tile of ``block`` from ``lo``.
 
         In one pass every tile of a row block has its own place; in two passes they all share one.
         """
         start = self.rows * (self.starts[id(block)] + lo) if self.one_pass else 0
-        return self.view("terms", shape, dim * self.stride + start)
+        return self.view(name, shape, dim * self.stride + start)
 
 
 class _Problem:
@@ -212,8 +213,9 @@ class _Problem:
         self.options = options
         self.dtype = compute_dtype(embeddings[0].dtype)
         self.dims = _Dims(options, embeddings[0].shape[1])
-        ids = tie_ids(guide_embeddings, self.dtype)
-        self.columns = [self._column(e, g, i, need_grads) for e, g, i in zip(embeddings, guide_embeddings, ids)]
+        guide = [normalize(g, self.dtype)[0] for g in guide_embeddings]
+        ids = tie_ids(guide, self.dtype, normalized=True)
+        self.columns = [self._column(e, g, i, need_grads) for e, g, i in zip(embeddings, guide, ids)]
         anchor, positive, *negatives = self.columns
         self.blocks = [_Block("ap", positive)]
         if options.contrast_anchors:
@@ -232,6 +234,7 @@ class _Problem:
             if need_stats else None
 
     def _column(self, student: Tensor, guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
+        """One column from its student rows and its normalised guide rows."""
         dims = self.dims
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
         x1 = torch.ones(student.shape[0], dims.top + 1, dtype=self.dtype, device=student.device)
@@ -244,7 +247,7 @@ class _Problem:
         kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
         radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
-        return _Column(x1, norm, rho, kappa, normalize(guide, self.dtype)[0], ids, grad, radial)
+        return _Column(x1, norm, rho, kappa, guide, ids, grad, radial)
 
     def count(self, field: str, value: Tensor) -> None:
         self.counters[STATS_FIELDS.index(field)] += value
@@ -371,7 +374,8 @@ class _RowBlock:
             masked = mask.sum(dim=1)
             problem.count(f"masked_{block.kind}", masked.sum() - label_rows.shape[0])
             unmasked += (hi - lo) - masked
-        out = [work.terms(m, block, lo, shape) for m in range(len(dims))]
+        # With several dimensions the logits go where their products with the terms will be kept.
+        out = [work.terms(m, block, lo, shape, "terms" if len(dims) == 1 else "products") for m in range(len(dims))]
         # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
         # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
         # sums; each smaller dimension is taken from it, rescaled by its rho, when its segment is in.
@@ -390,11 +394,20 @@ class _RowBlock:
         return out
 
     def terms(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
-        """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff."""
-        out = self.masked_logits(block, lo, hi, unmasked)
-        for t in out:
-            torch.nn.functional.threshold_(t, self.problem.cutoff, float("-inf"))
-            t.exp2_()
+        """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff.
+
+        With several dimensions the logits' buffers keep each term times its shifted logit (the radial sums
+        of ``accumulate`` need them, and taking the logarithm back would be several times slower).
+        """
+        logits = self.masked_logits(block, lo, hi, unmasked)
+        if len(logits) == 1:
+            torch.nn.functional.threshold_(logits[0], self.problem.cutoff, float("-inf"))
+            return [logits[0].exp2_()]
+        out = []
+        for m, t in enumerate(logits):
+            torch.nn.functional.threshold_(t, self.problem.cutoff, -MASKED)  # finite: 0 * logit stays 0
+            out.append(torch.exp2(t, out=self.problem.work.terms(m, block, lo, t.shape)))
+            t.mul_(out[-1])
         return out
 
     def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor]) -> None:
@@ -418,14 +431,16 @@ class _RowBlock:
         summed = None
         for m in reversed(range(len(terms))):
             tile = terms[m]
-            # sum over the tile of dL/dcos * cos, by rows and by columns, with cos = (logit + shift) /
-            # logit_scale and logit * 2^logit = xlogy(term, term) / ln 2 (0 where masked)
-            entropy = torch.special.xlogy(tile, tile, out=self.problem.work.view("prefix", tile.shape)).div_(LN2)
-            entropy[label_rows, label_cols] = -others[m, label_rows] * (self.positive[m, label_rows] - shift[m, label_rows])
+            # The tile's sums of dL/dcos * cos, by rows and by columns. cos = z / logit_scale with z the base-2
+            # logit, and 2^L * z = 2^L * L + shift * 2^L for the shifted logit L (0 where masked); the label's
+            # term is -others * z_pos.
+            products = self.problem.work.terms(m, block, lo, tile.shape, "products")  # 2^L * L from ``terms``
+            products.addcmul_(tile, shift[m].unsqueeze(1))
+            products[label_rows, label_cols] = -others[m, label_rows] * self.positive[m, label_rows]
             tile[label_rows, label_cols] = -others[m, label_rows]
-            rows.radial[m] += row_weight[m] * (entropy.sum(dim=1) + shift[m] * tile.sum(dim=1)) * inv_scale
-            cols.radial[m, lo:hi] += (entropy.T @ row_weight[m] + tile.T @ (row_weight[m] * shift[m])) * inv_scale
-            del entropy
+            rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
+            cols.radial[m, lo:hi] += (products.T @ row_weight[m]) * inv_scale
+            del products
             weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))
             if m < len(terms) - 1:  # the top dimension's rho is 1
                 weights.mul_(cols.rho[m, lo:hi].unsqueeze(0))
