@@ -23,7 +23,8 @@ __all__ = ["BACKENDS", "GistLossFunction", "check_embeddings", "gist_loss", "gis
 BACKENDS = ("auto", "torch", "triton")
 
 #: A backend: ``(embeddings, guide_embeddings, options, *, need_grads, need_stats)`` ->
-#: ``(loss, grads or None, counters or None)``, counters as in ``cgist.numerics.STATS_FIELDS``.
+#: ``(loss, grads or None, counters or None)``, counters as in ``cgist.numerics.STATS_FIELDS``. Each column
+#: is a tensor or a list of row chunks; each gradient is its whole column's.
 Backend = Callable[..., tuple[Tensor, "list[Tensor] | None", "Tensor | None"]]
 
 
@@ -37,40 +38,60 @@ def _where(arg: str, i: int) -> str:
     return f"{arg}[{i}] ({'student' if arg == 'embeddings' else 'guide'} {column_name(i)})"
 
 
-def _check_group(tensors: object, arg: str) -> list[Tensor]:
-    """One side's columns: 2-D, non-empty, floating, one dtype, one dim, negatives as tall as the positives."""
-    if isinstance(tensors, (Tensor, str, bytes)) or not isinstance(tensors, Sequence):
-        raise TypeError(f"{arg} must be a list of 2-D tensors [anchor, positive, *negatives], got {type(tensors).__name__}")
-    tensors = list(tensors)
-    if len(tensors) < 2:
-        raise ValueError(f"{arg} needs at least two columns (anchor, positive), got {len(tensors)}")
-    for i, t in enumerate(tensors):
+def _check_group(columns: object, arg: str) -> list[list[Tensor]]:
+    """One side's columns as lists of row chunks, checked: 2-D, non-empty, floating, one dtype, one dim,
+    negatives as tall as the positives.
+
+    A column is a 2-D tensor, or a list of them stacked by rows (GradCache's mini-batches), each chunk
+    checked as a column would be.
+    """
+    if isinstance(columns, (Tensor, str, bytes)) or not isinstance(columns, Sequence):
+        raise TypeError(f"{arg} must be a list of 2-D tensors [anchor, positive, *negatives], got {type(columns).__name__}")
+    columns = list(columns)
+    if len(columns) < 2:
+        raise ValueError(f"{arg} needs at least two columns (anchor, positive), got {len(columns)}")
+    out: list[list[Tensor]] = []
+    for i, column in enumerate(columns):
         where = _where(arg, i)
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{where} must have a floating dtype, got {t.dtype}")
-        if t.dim() != 2:
-            raise ValueError(f"{where} must be 2-D (rows x dim), got shape {tuple(t.shape)}")
-        if t.shape[0] == 0 or t.shape[1] == 0:
-            raise ValueError(f"{where} must be non-empty, got shape {tuple(t.shape)}")
-        if t.dtype != tensors[0].dtype:
-            raise TypeError(f"{where} has dtype {t.dtype}, but {arg}[0] has {tensors[0].dtype}")
-        if t.shape[1] != tensors[0].shape[1]:
-            raise ValueError(f"{where} has dim {t.shape[1]}, but {arg}[0] has dim {tensors[0].shape[1]}")
-        if i >= 2 and t.shape[0] != tensors[1].shape[0]:
-            raise ValueError(f"{where} has {t.shape[0]} rows, but the positives have {tensors[1].shape[0]}")
-    return tensors
+        whole = isinstance(column, Tensor)
+        if not whole and (isinstance(column, (str, bytes)) or not isinstance(column, Sequence) or not column):
+            raise TypeError(f"{where} must be a torch.Tensor or a non-empty list of them (row chunks), "
+                            f"got {type(column).__name__}")
+        chunks = [column] if whole else list(column)
+        first = out[0][0] if out else chunks[0]
+        for j, t in enumerate(chunks):
+            name = where if whole else f"{where} chunk {j}"
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D (rows x dim), got shape {tuple(t.shape)}")
+            if t.shape[0] == 0 or t.shape[1] == 0:
+                raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
+            if t.dtype != first.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, but {arg}[0] has {first.dtype}")
+            if t.shape[1] != first.shape[1]:
+                raise ValueError(f"{name} has dim {t.shape[1]}, but {arg}[0] has dim {first.shape[1]}")
+        if i >= 2 and rows(chunks) != rows(out[1]):
+            raise ValueError(f"{where} has {rows(chunks)} rows, but the positives have {rows(out[1])}")
+        out.append(chunks)
+    return out
+
+
+def rows(chunks: Sequence[Tensor]) -> int:
+    """Rows of a column given as row chunks."""
+    return sum(t.shape[0] for t in chunks)
 
 
 def check_embeddings(
     embeddings: object, guide_embeddings: object, options: GistOptions
-) -> tuple[list[Tensor], list[Tensor]]:
+) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
     """Validate shapes, dtypes, devices, finiteness, the offset's range and the Matryoshka dimensions.
 
-    Returns both groups as lists.
+    Returns both groups as lists of columns, each a list of row chunks (one for a column given whole).
 
-    Costs one host sync (the finiteness test), however many columns there are.
+    Costs one host sync (the finiteness test), however many columns and chunks there are.
     """
     student = _check_group(embeddings, "embeddings")
     guide = _check_group(guide_embeddings, "guide_embeddings")
@@ -79,17 +100,19 @@ def check_embeddings(
             f"guide_embeddings has {len(guide)} columns but embeddings has {len(student)}; they must hold the same columns"
         )
     for i, (s, g) in enumerate(zip(student, guide)):
-        if g.shape[0] != s.shape[0]:
-            raise ValueError(f"{_where('guide_embeddings', i)} has {g.shape[0]} rows, but embeddings[{i}] has {s.shape[0]}")
-    named = [(_where("embeddings", i), t) for i, t in enumerate(student)]
-    named += [(_where("guide_embeddings", i), t) for i, t in enumerate(guide)]
+        if rows(g) != rows(s):
+            raise ValueError(f"{_where('guide_embeddings', i)} has {rows(g)} rows, but embeddings[{i}] has {rows(s)}")
+    named = [(_where(arg, i) + (f" chunk {j}" if len(column) > 1 else ""), t)
+             for arg, group in (("embeddings", student), ("guide_embeddings", guide))
+             for i, column in enumerate(group) for j, t in enumerate(column)]
+    device = student[0][0].device
     for where, t in named:
-        if t.device != student[0].device:
+        if t.device != device:
             raise ValueError(
-                f"{where} is on {t.device}, but embeddings[0] (student anchor) is on {student[0].device}; "
+                f"{where} is on {t.device}, but embeddings[0] (student anchor) is on {device}; "
                 "all embeddings must be on one device"
             )
-    batch, n_cand = student[0].shape[0], student[1].shape[0]
+    batch, n_cand = rows(student[0]), rows(student[1])
     if n_cand < batch:
         raise ValueError(
             f"embeddings[1] (student positive) has {n_cand} rows, fewer than the {batch} anchors; "
@@ -101,7 +124,7 @@ def check_embeddings(
             f"offset must be in [0, N - B] = [0, {n_cand - batch}] so that labels offset..offset+B-1 are candidates "
             f"(B={batch} anchors, N={n_cand} candidates), got {offset}"
         )
-    dim = student[0].shape[1]
+    dim = student[0][0].shape[1]
     too_large = [d for d in options.matryoshka_dims or () if d > dim]
     if too_large:
         raise ValueError(
@@ -143,14 +166,24 @@ def select_backend(backend: object, device: torch.device) -> Backend:
 
 
 class GistLossFunction(torch.autograd.Function):
-    """Autograd node: forward returns the loss (and the mask counters); backward scales the kept gradients."""
+    """Autograd node: forward returns the loss (and the mask counters); backward scales the kept gradients.
+
+    ``tensors`` are the row chunks of the student columns, then of the guide columns; ``layout`` gives each
+    column's number of chunks, student columns first (``n_cols`` of them). The backends take the columns
+    as lists of chunks, and each chunk gets its rows of its column's gradient.
+    """
 
     @staticmethod
-    def forward(ctx, backend: Backend, options: GistOptions, n_cols: int, need_grads: bool, need_stats: bool,
-                *tensors: Tensor) -> tuple[Tensor, Tensor]:
-        loss, grads, counters = backend(tensors[:n_cols], tensors[n_cols:], options, need_grads=need_grads,
+    def forward(ctx, backend: Backend, options: GistOptions, layout: tuple[int, ...], n_cols: int, need_grads: bool,
+                need_stats: bool, *tensors: Tensor) -> tuple[Tensor, Tensor]:
+        columns, start = [], 0
+        for n in layout:
+            columns.append(list(tensors[start : start + n]))
+            start += n
+        loss, grads, counters = backend(columns[:n_cols], columns[n_cols:], options, need_grads=need_grads,
                                         need_stats=need_stats)
-        ctx.n_guides = len(tensors) - n_cols
+        ctx.chunk_rows = [[t.shape[0] for t in column] for column in columns[:n_cols]]
+        ctx.n_guide_chunks = sum(layout[n_cols:])
         if grads is not None:
             ctx.save_for_backward(*grads)
         counters = counters if counters is not None else loss.new_zeros(0)
@@ -160,13 +193,14 @@ class GistLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: Tensor, _grad_counters: Tensor) -> tuple[Tensor | None, ...]:
-        grads = [g * grad_output.to(g.dtype) for g in ctx.saved_tensors]
-        return (None, None, None, None, None, *grads, *([None] * ctx.n_guides))
+        grads = [chunk for g, sizes in zip(ctx.saved_tensors, ctx.chunk_rows)
+                 for chunk in (g * grad_output.to(g.dtype)).split(sizes)]
+        return (None,) * 6 + (*grads, *([None] * ctx.n_guide_chunks))
 
 
 def gist_loss_with_options(
-    embeddings: Sequence[Tensor],
-    guide_embeddings: Sequence[Tensor],
+    embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
     options: GistOptions,
     *,
     backend: str = "auto",
@@ -174,20 +208,22 @@ def gist_loss_with_options(
 ) -> Tensor | tuple[Tensor, GistStats]:
     """``gist_loss`` with its loss options given as one validated ``GistOptions``."""
     student, guide = check_embeddings(embeddings, guide_embeddings, options)
-    run = select_backend(backend, student[0].device)
-    need_grads = torch.is_grad_enabled() and any(t.requires_grad for t in student)
-    guide = [g.detach() for g in guide]
-    loss, counters = GistLossFunction.apply(run, options, len(student), need_grads, return_stats, *student, *guide)
+    run = select_backend(backend, student[0][0].device)
+    need_grads = torch.is_grad_enabled() and any(t.requires_grad for column in student for t in column)
+    guide = [[g.detach() for g in column] for column in guide]
+    layout = tuple(len(column) for column in student + guide)
+    flat = [t for column in student + guide for t in column]
+    loss, counters = GistLossFunction.apply(run, options, layout, len(student), need_grads, return_stats, *flat)
     if not return_stats:
         return loss
-    stats = GistStats.from_counters(counters, batch=student[0].shape[0], n_cand=student[1].shape[0],
+    stats = GistStats.from_counters(counters, batch=rows(student[0]), n_cand=rows(student[1]),
                                     n_negatives=len(student) - 2, options=options)
     return loss, stats
 
 
 def gist_loss(
-    embeddings: Sequence[Tensor],
-    guide_embeddings: Sequence[Tensor],
+    embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
     *,
     temperature: float = 0.01,
     margin: float = 0.0,
@@ -204,7 +240,9 @@ def gist_loss(
     """GIST loss of sentence-transformers' ``CachedGISTEmbedLoss``, over embeddings.
 
     Args:
-        embeddings: ``[anchor (B x D), positive (N x D), *negatives (N x D)]`` from the student.
+        embeddings: ``[anchor (B x D), positive (N x D), *negatives (N x D)]`` from the student. A column
+            may also be a list of tensors stacked by rows (GradCache's mini-batches): it is never
+            concatenated into a copy on the PyTorch path, and each chunk gets its rows of the gradient.
         guide_embeddings: the same columns embedded by the guide, in any dimension Dg. Never differentiated.
         temperature: divides the cosine similarities before the softmax.
         margin, margin_strategy: candidate j of anchor i is masked when its guide score is strictly greater

@@ -210,14 +210,17 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         """``calculate_loss``, over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given."""
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
-        anchors, *candidates = (torch.cat(r) for r in reps)
-        anchors_guide, *candidates_guide = (torch.cat(r) for r in reps_guided)
+        # Each column stays a list of its mini-batches: the loss stage takes them as row chunks, so the
+        # embeddings are not concatenated into a copy.
+        anchors, *candidates = (list(r) for r in reps)
+        anchors_guide, *candidates_guide = (list(r) for r in reps_guided)
         options = self.options
         if self.gather_across_devices:
-            check_equal_batches(anchors.shape[0], anchors.device)
-            candidates = [all_gather_with_grad(c) for c in candidates]
-            candidates_guide = [all_gather_with_grad(c) for c in candidates_guide]
-            options = options.replace(offset=get_rank() * anchors.shape[0])
+            batch = sum(r.shape[0] for r in anchors)
+            check_equal_batches(batch, anchors[0].device)
+            candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
+            candidates_guide = [all_gather_with_grad(torch.cat(c)) for c in candidates_guide]
+            options = options.replace(offset=get_rank() * batch)
         if dims is not None:
             options = options.replace(matryoshka_dims=tuple(d for d, _ in dims),
                                       matryoshka_weights=tuple(w for _, w in dims))

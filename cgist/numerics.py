@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "threshold", "tie_ids"]
+__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "row_chunks", "stack_rows", "threshold", "tie_ids"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -61,6 +61,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def row_chunks(column: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """A column of embeddings as the list of its row chunks: itself for a tensor."""
+    return [column] if isinstance(column, Tensor) else list(column)
+
+
+def stack_rows(column: Tensor | Sequence[Tensor]) -> Tensor:
+    """A column as one tensor: its row chunks concatenated (a copy), or the tensor itself."""
+    chunks = row_chunks(column)
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
 def normalize(x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``(x / max(||x||_2, eps), ||x||_2)`` row-wise, in ``dtype`` (default: x's own); differentiable."""
     x = x if dtype is None else x.to(dtype)
@@ -73,7 +84,8 @@ def normalize_backward_(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor
 
     Rows whose norm was clamped get ``g / eps``. Shapes: ``x_hat`` and ``grad_hat`` rows x dim, ``norm`` rows x 1.
     """
-    radial = torch.linalg.vecdot(x_hat, grad_hat).unsqueeze(-1).masked_fill_(norm < EPS, 0.0)
+    # A batch of 1 x dim by dim x 1 products: no rows x dim temporary (``vecdot`` makes one).
+    radial = (x_hat.unsqueeze(-2) @ grad_hat.unsqueeze(-1)).squeeze(-1).masked_fill_(norm < EPS, 0.0)
     return grad_hat.addcmul_(x_hat, radial, value=-1.0).div_(norm.clamp_min(EPS))
 
 

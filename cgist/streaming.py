@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize, normalize_backward_,
+    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
     threshold, tie_ids,
 )
 from .options import GistOptions
@@ -211,9 +211,10 @@ class _Problem:
     def __init__(self, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions,
                  need_grads: bool, need_stats: bool) -> None:
         self.options = options
-        self.dtype = compute_dtype(embeddings[0].dtype)
-        self.dims = _Dims(options, embeddings[0].shape[1])
-        guide = [normalize(g, self.dtype)[0] for g in guide_embeddings]
+        embeddings = [row_chunks(e) for e in embeddings]
+        self.dtype = compute_dtype(embeddings[0][0].dtype)
+        self.dims = _Dims(options, embeddings[0][0].shape[1])
+        guide = [self._normalized_guide(row_chunks(g)) for g in guide_embeddings]
         ids = tie_ids(guide, self.dtype, normalized=True)
         self.columns = [self._column(e, g, i, need_grads) for e, g, i in zip(embeddings, guide, ids)]
         anchor, positive, *negatives = self.columns
@@ -233,16 +234,22 @@ class _Problem:
         self.counters = torch.zeros(len(STATS_FIELDS), dtype=torch.float64, device=anchor.x.device) \
             if need_stats else None
 
-    def _column(self, student: Tensor, guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
-        """One column from its student rows and its normalised guide rows."""
+    def _normalized_guide(self, chunks: list[Tensor]) -> Tensor:
+        """A guide column's rows, normalised in the compute dtype, written straight from its chunks."""
+        g = _copy_rows(chunks, torch.empty(sum(c.shape[0] for c in chunks), chunks[0].shape[1], dtype=self.dtype,
+                                           device=chunks[0].device))
+        return g.div_(torch.linalg.vector_norm(g, dim=1, keepdim=True).clamp_min(EPS))
+
+    def _column(self, student: list[Tensor], guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
+        """One column from the row chunks of its student rows and its normalised guide rows."""
         dims = self.dims
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
-        x1 = torch.ones(student.shape[0], dims.top + 1, dtype=self.dtype, device=student.device)
-        x = x1[:, :-1].copy_(student[:, : dims.top])
+        x1 = torch.ones(guide.shape[0], dims.top + 1, dtype=self.dtype, device=guide.device)
+        x = _copy_rows(student, x1[:, :-1])
+        prefix = [torch.linalg.vector_norm(x[:, :d], dim=1) for d in dims.sizes[:-1]]
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
         x.div_(norm.clamp_min(EPS))
         floor_top = norm.squeeze(1).clamp_min(EPS)
-        prefix = [torch.linalg.vector_norm(student[:, :d], dim=1, dtype=self.dtype) for d in dims.sizes[:-1]]
         rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])
         kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
@@ -259,7 +266,7 @@ class _Problem:
         with one dimension ``c = x_hat . grad`` (``normalize_backward_``). Components past ``top`` get 0.
         """
         out = []
-        for column, e in zip(self.columns, embeddings):
+        for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
             if column.radial is None:
                 normalize_backward_(column.x, column.norm, grad)
@@ -450,6 +457,15 @@ class _RowBlock:
             cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
 
 
+def _copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
+    """``out`` (rows x w) filled with the first w components of the row chunks, one after the other."""
+    start = 0
+    for chunk in chunks:
+        out[start : start + chunk.shape[0]].copy_(chunk[:, : out.shape[1]])
+        start += chunk.shape[0]
+    return out
+
+
 def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
     """The column ranges ``(lo, hi)`` of ``block``'s tiles, ``cols`` wide."""
     n = block.cols.x.shape[0]
@@ -507,8 +523,8 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
 
 @torch.no_grad()
 def gist_loss_and_grads(
-    embeddings: Sequence[Tensor],
-    guide_embeddings: Sequence[Tensor],
+    embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
     options: GistOptions,
     *,
     need_grads: bool,
@@ -517,7 +533,8 @@ def gist_loss_and_grads(
     """Loss, d(loss)/d(embeddings) if ``need_grads`` and the mask counters if ``need_stats``.
 
     ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. ``options.block_bytes``
+    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. A column may be a list of
+    row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
     bounds the score buffers held at once (``plan``). The loss is float64 for float64 inputs and float32
     otherwise; the gradients have the dtype of their embedding; the counters are float64, in the order of
     ``cgist.numerics.STATS_FIELDS``.

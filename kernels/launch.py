@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.numerics import EPS, compute_dtype, default_block_bytes, tie_ids
+from cgist.numerics import EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
 
 from .gist import (
     TILE_SETS, gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
@@ -294,6 +294,7 @@ def prepare_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, need_stats: bool = False
 ) -> ForwardState:
     """Norms, tie ids, blocks and the per-row buffers of one call; launches nothing."""
+    embeddings, guide_embeddings = [stack_rows(x) for x in embeddings], [stack_rows(g) for g in guide_embeddings]
     acc = compute_dtype(embeddings[0].dtype)
     guide_dtype = guide_embeddings[0].dtype
     if acc == torch.float64 or guide_dtype == torch.float64:
@@ -593,7 +594,8 @@ def gist_loss_and_grads(
     """Loss, d(loss)/d(embeddings) if ``need_grads``, and the mask counters if ``need_stats``.
 
     ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. Inputs are assumed
+    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. A column may be a list of
+    row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
     gradients have the dtype of their embedding; the counters are float64, in the order of
     ``cgist.numerics.STATS_FIELDS``. No host synchronisation.

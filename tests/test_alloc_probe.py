@@ -1,4 +1,6 @@
-"""Memory of the loss stage: no single allocation exceeds the score budget or O((B + N) * max(D, Dg)) elements.
+"""Memory of the loss stage: no single allocation exceeds the score budget or O((B + N) * max(D, Dg)) elements,
+and through ``FusedCachedGISTLoss`` the memory held at once stays within one copy of the embeddings, their
+gradients, the budget and O(rows).
 
 A ``TorchDispatchMode`` sees the outputs of every torch op the loss stage runs (``torch.empty`` and the
 like included). An output whose storage is not an input's is a new allocation; each must hold at most
@@ -11,12 +13,16 @@ the Triton one under the interpreter without CUDA (whose copies of kernel argume
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from helpers import DEVICE, make_inputs, one_thread  # noqa: F401  (one_thread: autouse)
+from helpers_models import guide_model, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import cgist
 from cgist import GistOptions, streaming
 from cgist.kernels import gist_loss_and_grads
 
@@ -63,3 +69,78 @@ def test_no_allocation_exceeds_the_budget_or_the_embeddings(backend, matryoshka)
     offenders = [a for a in probe.allocations if a[0] > BUDGET and a[1] > embedding_bound]
     assert not offenders, f"allocations over the budget and the embeddings' size: {offenders[:5]}"
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads) and counters is not None
+
+
+class LiveBytesProbe(TorchDispatchMode):
+    """The peak, over the ops run, of the bytes held by storages that ops allocated (inputs' storages excluded).
+
+    A storage counts as held while any tensor that an op returned on it is alive (tensors kept by autograd
+    included: their Python objects live as long as they do).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.held = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.held -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.refs:
+                if key in seen or not storage.nbytes():
+                    continue
+                self.refs[key], self.sizes[key] = 0, storage.nbytes()
+                self.held += storage.nbytes()
+                self.peak = max(self.peak, self.held)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float32, hidden_size=64), guide_model(torch.float32)
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+def test_loss_stage_holds_one_copy_of_the_embeddings(models, monkeypatch, dim):
+    """``calculate_loss`` over mini-batches, with backward: at most the normalised copy of the embeddings
+    (student and guide), their gradients, the budget, one row block's operands and 48 bytes per row.
+
+    Concatenating the mini-batches into a copy first, or a rows x dim temporary in the normalisation
+    backward, exceeds it. Rows per block are lowered to 8, so that B is many row blocks.
+    """
+    monkeypatch.setattr(streaming, "ROW_FLOOR", 8)
+    mini, dim_g, block = 16, 48, 8
+    loss = cgist.FusedCachedGISTLoss(*models, mini_batch_size=mini, margin=0.05, block_bytes=BUDGET, backend="torch")
+    generator = torch.Generator().manual_seed(0)
+
+    def column(rows: int, width: int, grad: bool) -> list[torch.Tensor]:
+        return [torch.randn(mini, width, generator=generator).requires_grad_(grad) for _ in range(rows // mini)]
+
+    sizes = (BATCH, N_CAND, N_CAND)
+    reps = [column(n, dim, True) for n in sizes]
+    reps_guided = [column(n, dim_g, False) for n in sizes]
+    loss.calculate_loss(reps, reps_guided, with_backward=True)
+    for part in (p for r in reps for p in r):
+        part.grad = None
+    with LiveBytesProbe() as probe:
+        loss.calculate_loss(reps, reps_guided, with_backward=True)
+    assert all(p.grad is not None for r in reps for p in r)
+    rows = sum(sizes)
+    embeddings, gradients = 4 * rows * (dim + dim_g), 4 * rows * dim
+    row_block = 4 * 4 * block * (dim + 1)  # the block's shifted and weighted rows, for anchors and positives
+    bound = embeddings + gradients + BUDGET + row_block + 48 * rows
+    assert probe.peak <= bound, f"held {probe.peak} bytes at once, more than {bound} ({probe.peak - bound} over)"

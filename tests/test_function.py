@@ -200,8 +200,30 @@ TENSOR_CASES = [
         r"guide_embeddings has 2 columns but embeddings has 3; they must hold the same columns", id="guide-columns",
     ),
     pytest.param(
+        dict(embeddings=_with(STUDENT, 2, 1.0)), TypeError,
+        r"embeddings\[2\] \(student negative 1\) must be a torch\.Tensor or a non-empty list of them \(row chunks\), "
+        r"got float", id="not-a-tensor",
+    ),
+    pytest.param(
         dict(embeddings=_with(STUDENT, 2, [[1.0]])), TypeError,
-        r"embeddings\[2\] \(student negative 1\) must be a torch\.Tensor, got list", id="not-a-tensor",
+        r"embeddings\[2\] \(student negative 1\) chunk 0 must be a torch\.Tensor, got list", id="chunk-not-a-tensor",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 2, [])), TypeError,
+        r"embeddings\[2\] \(student negative 1\) must be a torch\.Tensor or a non-empty list of them", id="no-chunks",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 1, [STUDENT[1][:3], STUDENT[1][3:, :-1]])), ValueError,
+        r"embeddings\[1\] \(student positive\) chunk 1 has dim \d+, but embeddings\[0\] has dim \d+", id="chunk-dim",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 1, [GUIDE[1][:3], GUIDE[1][3:].float()])), TypeError,
+        r"guide_embeddings\[1\] \(guide positive\) chunk 1 has dtype torch\.float32, but guide_embeddings\[0\] has "
+        r"torch\.float64", id="chunk-dtype",
+    ),
+    pytest.param(
+        dict(guide_embeddings=_with(GUIDE, 2, [GUIDE[2][:3], GUIDE[2][:2]])), ValueError,
+        r"guide_embeddings\[2\] \(guide negative 1\) has 5 rows, but the positives have \d+", id="chunk-rows",
     ),
     pytest.param(
         dict(embeddings=_with(STUDENT, 1, STUDENT[1].to(torch.int64))), TypeError,
@@ -278,6 +300,33 @@ def test_gist_loss_non_finite(arg, side, index, column, value):
     columns = dict(embeddings=STUDENT, guide_embeddings=GUIDE)[arg]
     match = rf"{arg}\[{index}\] \({side} {column}\) contains NaN or infinite values"
     _check(ValueError, match, **{arg: _with(columns, index, _poisoned(columns[index], value))})
+
+
+def test_non_finite_chunk_is_named():
+    chunks = [STUDENT[1][:2], _poisoned(STUDENT[1][2:], math.nan)]
+    _check(ValueError, r"embeddings\[1\] \(student positive\) chunk 1 contains NaN or infinite values",
+           embeddings=_with(STUDENT, 1, chunks))
+
+
+@pytest.mark.parametrize("matryoshka", [None, (9, 4)], ids=["one-dim", "dims9.4"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_row_chunks_equal_the_concatenated_columns(backend, matryoshka):
+    """Columns given as row chunks (uneven, one of them a single chunk) give the loss, the statistics and,
+    chunk by chunk, the gradient rows of the same columns concatenated."""
+    student, guide = make_inputs(6, 12, 9, 5, 2, seed=11, requires_grad=True)
+    options = dict(temperature=0.1, margin=0.05, offset=6, matryoshka_dims=matryoshka, backend=backend,
+                   return_stats=True)
+    loss, stats = cgist.gist_loss(student, guide, **options)
+    expected = torch.autograd.grad(loss, student)
+    sizes = [[1, 5], [5, 4, 3], [12], [7, 5]]
+    leaves = [[part.detach().clone().requires_grad_() for part in column.split(n)] for column, n in zip(student, sizes)]
+    guide_chunks = [list(g.split(n)) for g, n in zip(guide, [[3, 3], [12], [2, 10], [6, 6]])]
+    chunked_loss, chunked_stats = cgist.gist_loss(leaves, guide_chunks, **options)
+    chunked_loss.backward()
+    torch.testing.assert_close(chunked_loss, loss, **TIGHT)
+    assert chunked_stats == stats
+    for column, want in zip(leaves, expected):
+        torch.testing.assert_close(torch.cat([part.grad for part in column]), want, **TIGHT)
 
 
 def test_triton_needs_the_interpreter_on_cpu(monkeypatch):
