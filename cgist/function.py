@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import streaming
+from .numerics import compute_dtype
 from .options import GistOptions
 from .stats import GistStats
 
@@ -130,10 +131,16 @@ def check_embeddings(
         raise ValueError(
             f"matryoshka_dims {too_large} exceed the student embedding dimension D={dim} of embeddings[0]"
         )
-    # One host sync for all columns; look for the culprit only when something is wrong.
-    finite = torch.stack([t.isfinite().all() for _, t in named])
-    if not bool(finite.all()):
-        raise ValueError(f"{named[int((~finite).nonzero()[0])][0]} contains NaN or infinite values")
+    # One host sync for all columns and chunks: a NaN or an infinity makes its chunk's sum non-finite (one
+    # fast reduction per chunk). A sum can also overflow, so only a chunk with a non-finite sum gets the
+    # exact test, which names it.
+    with torch.no_grad():
+        sums = torch.stack([t.sum(dtype=compute_dtype(t.dtype)).to(torch.float64) for _, t in named])
+    suspect = ~sums.isfinite()
+    if bool(suspect.any()):
+        for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
+            if not bool(t.isfinite().all()):
+                raise ValueError(f"{where} contains NaN or infinite values")
     return student, guide
 
 

@@ -302,6 +302,17 @@ def test_gist_loss_non_finite(arg, side, index, column, value):
     _check(ValueError, match, **{arg: _with(columns, index, _poisoned(columns[index], value))})
 
 
+def test_finite_values_whose_sum_overflows_pass():
+    """The finiteness test sums each chunk first; a finite chunk whose sum overflows still passes, exactly."""
+    huge = [t.float() for t in STUDENT]
+    huge[2] = torch.full_like(huge[2], 3e38)
+    assert not torch.isfinite(huge[2].sum())
+    check_embeddings(huge, [g.float() for g in GUIDE], GistOptions(offset=B))
+    huge[2][1, 2] = math.nan
+    with pytest.raises(ValueError, match=r"embeddings\[2\] \(student negative 1\) contains NaN or infinite values"):
+        check_embeddings(huge, [g.float() for g in GUIDE], GistOptions(offset=B))
+
+
 def test_non_finite_chunk_is_named():
     chunks = [STUDENT[1][:2], _poisoned(STUDENT[1][2:], math.nan)]
     _check(ValueError, r"embeddings\[1\] \(student positive\) chunk 1 contains NaN or infinite values",
