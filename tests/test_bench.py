@@ -1,4 +1,4 @@
-"""Tests of bench/loss_stage.py (measuring) and bench/loss_stage_report.py (reporting).
+"""Tests of bench/loss_stage.py (measuring), bench/loss_stage_report.py (reporting) and bench/stats_overhead.py.
 
 The smoke tests run tiny sweeps through the real command line (the default providers, then the
 Matryoshka and statistics providers), then ``--from-csv`` on a CSV, and check the outputs' shape,
@@ -283,3 +283,15 @@ def test_table_comparisons(bench):
         "statistics overhead at B=64, D=8, k=1: +5.0% (cgist-torch 10.5 ms, nostats 10.0 ms)",
         f"mat-fused at B=128, D=8, k=1 ({dims}): 40x faster than mat-st",
     ]
+
+
+def test_stats_overhead_smoke():
+    """bench/stats_overhead.py runs a few pairs and reports both medians and the paired difference."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "stats_overhead.py"), "--batch", "48", "--dim", "16",
+                           "--pairs", "3", "--threads", "1"], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    match = re.fullmatch(r"B=48, D=Dg=16, k=1, 3 alternating pairs on cpu \(1 threads\): with statistics ([\d.]+) ms, "
+                         r"without ([\d.]+) ms, medians [+-][\d.]+%, median paired difference [+-][\d.]+%\n", proc.stdout)
+    assert match and all(float(v) > 0 for v in match.groups()), proc.stdout
+
