@@ -44,7 +44,8 @@ def _check_group(columns: object, arg: str) -> list[list[Tensor]]:
     negatives as tall as the positives.
 
     A column is a 2-D tensor, or a list of them stacked by rows (GradCache's mini-batches), each chunk
-    checked as a column would be.
+    checked as a column would be; messages name a chunk by its index when a column has several, as the
+    finiteness test does.
     """
     if isinstance(columns, (Tensor, str, bytes)) or not isinstance(columns, Sequence):
         raise TypeError(f"{arg} must be a list of 2-D tensors [anchor, positive, *negatives], got {type(columns).__name__}")
@@ -61,7 +62,7 @@ def _check_group(columns: object, arg: str) -> list[list[Tensor]]:
         chunks = [column] if whole else list(column)
         first = out[0][0] if out else chunks[0]
         for j, t in enumerate(chunks):
-            name = where if whole else f"{where} chunk {j}"
+            name = where if len(chunks) == 1 else f"{where} chunk {j}"
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if not t.is_floating_point():

@@ -205,8 +205,12 @@ TENSOR_CASES = [
         r"got float", id="not-a-tensor",
     ),
     pytest.param(
-        dict(embeddings=_with(STUDENT, 2, [[1.0]])), TypeError,
-        r"embeddings\[2\] \(student negative 1\) chunk 0 must be a torch\.Tensor, got list", id="chunk-not-a-tensor",
+        dict(embeddings=_with(STUDENT, 2, [STUDENT[2][:3], [[1.0]]])), TypeError,
+        r"embeddings\[2\] \(student negative 1\) chunk 1 must be a torch\.Tensor, got list", id="chunk-not-a-tensor",
+    ),
+    pytest.param(
+        dict(embeddings=_with(STUDENT, 2, [[[1.0]]])), TypeError,
+        r"embeddings\[2\] \(student negative 1\) must be a torch\.Tensor, got list", id="one-chunk-not-a-tensor",
     ),
     pytest.param(
         dict(embeddings=_with(STUDENT, 2, [])), TypeError,
