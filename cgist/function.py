@@ -135,9 +135,12 @@ def check_embeddings(
     # One host sync for all columns and chunks: a NaN or an infinity makes its chunk's sum non-finite (one
     # fast reduction per chunk). A sum can also overflow, so only a chunk with a non-finite sum gets the
     # exact test, which names it.
+    # Each side's chunks share a dtype, so each side's sums stack as they are.
     with torch.no_grad():
-        sums = torch.stack([t.sum(dtype=compute_dtype(t.dtype)).to(torch.float64) for _, t in named])
-    suspect = ~sums.isfinite()
+        n_student = sum(map(len, student))
+        sums = [torch.stack([t.sum(dtype=compute_dtype(t.dtype)) for _, t in side]).to(torch.float64)
+                for side in (named[:n_student], named[n_student:])]
+    suspect = ~torch.cat(sums).isfinite()
     if bool(suspect.any()):
         for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
             if not bool(t.isfinite().all()):

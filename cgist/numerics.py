@@ -133,43 +133,54 @@ def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: tuple[T
     return mask
 
 
-#: Rows fingerprinted at once; bounds the int64 temporaries to this many rows x dim.
-_FINGERPRINT_ROWS = 4096
+#: Rows fingerprinted at once; bounds the float64 temporaries to this many rows x dim.
+_FINGERPRINT_ROWS = 2048
 _FINGERPRINT_SEED = 0x5EED
+#: Each fingerprint sum of two different rows collides with probability 2^-b (b bits per coefficient);
+#: there are enough sums for 2^-80 together.
+_FINGERPRINT_BITS = 80
 
 
 @functools.lru_cache(maxsize=32)
-def _fingerprint_coefficients(dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Two vectors of fixed pseudo-random 64-bit integers, the same on every device, rank and run.
+def _fingerprint_coefficients(width: int, device: torch.device) -> Tensor:
+    """``width x m`` fixed pseudo-random integers below 2^b, as float64: the same on every device, rank and run.
 
-    Made once per (dim, device): a copy from host memory to a GPU waits for its stream.
+    A row of ``width`` 16-bit integers times them sums to less than 2^53 in magnitude, so every partial sum
+    of a float64 matrix product is an exact integer, in any order; b = 52 - 15 - ceil(log2(width)) and
+    m = ceil(80 / b). Made once per (width, device): a copy from host memory to a GPU waits for its stream.
     """
-    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + dim)
-    both = torch.randint(-(2**63), 2**63 - 1, (2, dim), generator=gen, dtype=torch.int64).to(device)
-    return both[0], both[1]
+    bits = 52 - 15 - max(1, (width - 1).bit_length())
+    if bits < 16:
+        raise ValueError(f"guide rows of {width} 16-bit words are too wide to fingerprint exactly")
+    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + width)
+    count = -(-_FINGERPRINT_BITS // bits)
+    return torch.randint(0, 2**bits, (width, count), generator=gen, dtype=torch.int64).to(torch.float64).to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _mix_constants(count: int, device: torch.device) -> Tensor:
+    """``count`` fixed odd pseudo-random 64-bit integers that mix the fingerprint sums into one value."""
+    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED)
+    return (torch.randint(-(2**63), 2**63 - 1, (count,), generator=gen, dtype=torch.int64) | 1).to(device)
 
 
 def _fingerprint(rows: Tensor) -> Tensor:
     """A 64-bit hash of each row's bits: equal rows hash equal, different rows collide with odds ~2^-64.
 
-    Each element's bits become an integer whose differences between two different values have at most
-    31 trailing zero bits (fp32: the 32 bits as a signed integer, so any two differ by less than 2^32;
-    fp64: the high half folded into the low one).
-    Two sums of those times random 64-bit integers, modulo 2^64 (integer sums do not depend on their
-    order, so a matrix product computes them exactly), are then mixed into one value.
+    The row's bits are read as 16-bit integers (two per fp32 element, four per fp64 one) and multiplied by
+    m vectors of random b-bit integers (``_fingerprint_coefficients``) in one float64 matrix product, exact
+    because every partial sum is an integer below 2^53. For two different rows each sum collides with
+    probability at most 2^-b (fix every coefficient but one where the rows differ: at most one value of
+    it makes the sums equal), all m of them with at most 2^-80. The m sums are then mixed into one value
+    (about 2^-64 more).
     """
-    bits = rows + 0.0  # -0.0 and 0.0 compare equal, so they must hash equal
-    if bits.dtype == torch.float64:
-        bits = bits.view(torch.int64)
-        bits = bits ^ ((bits >> 32) & 0xFFFFFFFF)  # a bijection that also flips low bits where high ones differ
-    else:
-        bits = bits.view(torch.int32).to(torch.int64)
-    # Integer matrix-vector products on the CPU (faster than a product with both columns at once); CUDA
-    # has no integer matrix products.
-    high, low = (bits @ c if bits.device.type == "cpu" else (bits * c).sum(dim=1)
-                 for c in _fingerprint_coefficients(rows.shape[1], rows.device))
-    low = low * -7046029254386353131  # an odd constant: a bijection that spreads low bits upwards
-    return high ^ low ^ ((low >> 29) & 0x7FFFFFFFF)
+    words = (rows + 0.0).view(torch.int16)  # -0.0 and 0.0 compare equal, so they must hash equal
+    coefficients = _fingerprint_coefficients(words.shape[1], rows.device)
+    # Word by word of each element (fp32: 2, fp64: 4), so that the float64 temporary is rows x dim.
+    planes = words.shape[1] // rows.shape[1]
+    sums = sum(words[:, p::planes].to(torch.float64) @ coefficients[p::planes] for p in range(planes))
+    sums = sums.to(torch.int64)
+    return (sums * _mix_constants(sums.shape[1], rows.device)).sum(dim=1)  # modulo 2^64
 
 
 def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool = False) -> list[Tensor]:
@@ -183,11 +194,9 @@ def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool =
     Each row of a column, normalised in ``dtype`` (``normalize``; pass ``normalized=True`` for columns that
     already are, in ``dtype``), gets a 64-bit fingerprint of its bits,
     computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
-    (sorted on the device, no host sync). Memory is O(rows). Each of the fingerprint's two sums collides
-    for two given different rows with probability 2^(v - 64), where 2^v is the largest power of two
-    dividing all their element differences (v <= 31), so both collide with probability at most 2^-66,
-    and the final mix adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about
-    10^-7. A collision would make one candidate count as a tie with theta_i: it would be masked exactly
+    (sorted on the device, no host sync). Memory is O(rows). The fingerprint's sums all collide for two
+    given different rows with probability at most 2^-80 (``_fingerprint``), and mixing them into 64 bits
+    adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about 10^-7. A collision would make one candidate count as a tie with theta_i: it would be masked exactly
     when theta_i > T_i instead of by its own guide score, in one step.
     """
     prints = torch.cat([

@@ -15,10 +15,10 @@ Two schedules, chosen per call by ``plan``:
   then a second sweep that recomputes each tile (the same products, so the same masks) and forms its
   gradients. Memory is then bounded at any B, for one more set of score products.
 
-Block shape. Rows per block below a few hundred make the products thin (and the gradient of the columns
-is read and written once per row block), so ``ROW_FLOOR`` rows are the target and the default budget
-grows to reach them, up to an eighth of the memory available. Tiles of ``TILE_COLS`` columns bound the
-guide and mask scratch. Both were chosen by measurement (``plan``).
+Block shape. Fewer rows per block make the products thin (and the gradient of the columns is read and
+written once per row block), so the default budget grows until ``ROW_TARGET`` rows fit, up to an eighth
+of the memory available. Tiles of ``TILE_COLS`` columns bound the guide scratch. Both were chosen by
+measurement (``plan``). The workspace is kept between calls on a CPU (``_kept_buffer``).
 
 Precision. Logits are in base 2 (``log2(e) / tau`` rides on the product) and shifted by each row's
 positive logit, which the product subtracts itself (``[scale * x_hat, -shift] . [k_hat, 1]``). The label
@@ -46,6 +46,7 @@ products in all, not one per dimension.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,9 +59,11 @@ from .numerics import (
 )
 from .options import GistOptions
 
-__all__ = ["ROW_FLOOR", "Plan", "gist_loss_and_grads", "plan"]
+__all__ = ["ROW_FLOOR", "ROW_TARGET", "Plan", "gist_loss_and_grads", "plan", "release_workspace"]
 
 #: Rows per block that the default budget grows to reach (measured, see ``plan``).
+ROW_TARGET = 1024
+#: Fewer rows per block than this in one pass, and the call runs in two passes of this many (see ``plan``).
 ROW_FLOOR = 256
 #: Columns per tile on a CPU (measured, see ``plan``): wide enough that the per-tile overhead is small.
 TILE_COLS = 4096
@@ -89,27 +92,31 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     """Choose the schedule for B = ``batch`` anchor rows against score blocks of ``block_widths`` columns.
 
     The budget bounds the workspace (``_Workspace``), per row: the softmax terms of every kept column for
-    each of the ``n_dims`` dimensions, one tile's guide scores and mask (plus a scratch tile with several
-    dimensions), and an R x ``top`` product. One pass keeps all ``sum(block_widths)`` columns. The rows per
-    block are the budget divided by that; with the default budget (``block_bytes=None``) it first grows so
-    that ``ROW_FLOOR`` rows fit, unless that exceeds an eighth of the available memory. When fewer than
-    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
-    as many columns per tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
+    each of the ``n_dims`` dimensions, one tile's guide scores, and an R x ``top`` product. One pass keeps
+    all ``sum(block_widths)`` columns. The rows per block are the budget divided by that; with the default
+    budget (``block_bytes=None``) it first grows so that ``ROW_TARGET`` rows fit, unless that exceeds an
+    eighth of the available memory. When fewer than ``min(ROW_FLOOR, B)`` rows fit, the call runs in two
+    passes with ``min(ROW_FLOOR, B)`` rows per block and as many columns per tile as the budget allows (at
+    least one, at most ``TILE_COLS`` on a CPU).
 
-    Measured (B = N = 4096, D = Dg = 384, k = 1, fp32, one thread, time over the bare GEMMs of the same
-    shapes; one-pass schedules forced with each row count): 128 rows per block 1.41-1.53x, 256 rows
-    1.27-1.29x, 512 rows 1.24-1.32x, 1024 rows 1.25-1.31x, for tiles of 1024, 4096 or all 16384 columns
-    alike (within 3% of each other, the element-wise passes being cheap). Hence ``ROW_FLOOR`` = 256, the
-    knee, and ``TILE_COLS`` = 4096, which bounds the tile scratch at no measurable cost.
+    Measured (``gist_loss_and_grads`` with gradients and statistics, fp32, D = Dg = 384, k = 1, 2 threads,
+    one-pass schedules forced by the budget; median of 5 calls). B = N = 4096: 256 rows per block 981 ms,
+    512 rows 892 ms, 1024 rows 870 ms, 2048 rows 881 ms (the bare GEMMs of the same shapes in blocks of
+    those rows: 748, 726, 704, 697 ms); with 256 rows, tiles of 1024 columns 1067 ms, 2048 1018 ms, 4096
+    988 ms, 8192 or 16384 within 1% of 4096. B = N = 1024: 762 rows 71.0 ms, one block of 1024 rows 66.3 ms.
+    Larger blocks read and write the columns' gradients fewer times and keep the products' inner
+    dimension wide. Hence ``ROW_TARGET`` = 1024 and ``TILE_COLS`` = 4096. ``ROW_FLOOR`` = 256 is the
+    smallest one-pass block: a budget too small for it gets two passes of 256 rows instead, blocks that
+    stay GEMM-efficient at any B for one more set of score products.
     """
     # On a GPU one launch per block is better than cache-sized tiles.
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
-    scratch = 2 * itemsize  # guide scores and mask per tile column
+    scratch = itemsize  # guide scores per tile column (the mask goes where the logits will)
     kept = (2 * n_dims if n_dims > 1 else 1) * itemsize  # per kept column: the terms [and term x logit] per dim
     one_pass_row = sum(block_widths) * kept + tile * scratch + top * itemsize
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
-        block_bytes = default_block_bytes(device, floor * one_pass_row)
+        block_bytes = default_block_bytes(device, min(ROW_TARGET, batch) * one_pass_row)
     rows = min(batch, block_bytes // one_pass_row)
     if rows >= floor:
         return Plan(rows, tile, True)
@@ -167,12 +174,40 @@ class _Block:
         return self.kind == "ap"
 
 
+_KEPT = threading.local()
+
+
+def _kept_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``numel`` elements of scratch; on a CPU, carved from a buffer that this thread keeps between calls.
+
+    A fresh buffer of many megabytes is paged in by the kernel at its first write, one page fault per 4 KiB
+    (measured at B = 1024: ~7,500 faults per call, about a tenth of the loss stage's time). The kept buffer
+    is the largest workspace this thread has used in ``dtype`` (at most the byte budget of that call),
+    replaced when a call needs more; ``release_workspace`` frees it. CUDA's caching allocator already
+    reuses its blocks.
+    """
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffers = _KEPT.__dict__.setdefault("buffers", {})
+    kept = buffers.get(dtype)
+    if kept is None or kept.numel() < numel:
+        buffers[dtype] = kept = None  # freed before the larger one is allocated
+        buffers[dtype] = kept = torch.empty(numel, dtype=dtype)
+    return kept[:numel]
+
+
+def release_workspace() -> None:
+    """Free the workspace buffers that the calling thread keeps between CPU calls (``_kept_buffer``)."""
+    _KEPT.__dict__.pop("buffers", None)
+
+
 class _Workspace:
     """Buffers that every row block reuses, so that its large tiles are neither allocated nor paged in again.
 
     ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
     (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike;
-    ``guide`` and ``mask``: one tile's guide scores and mask; ``rows``: a row block's R x top product.
+    ``guide``: one tile's guide scores; ``rows``: a row block's R x top product. All are views of one
+    buffer (``_kept_buffer``).
     """
 
     def __init__(self, problem: _Problem, schedule: Plan) -> None:
@@ -183,14 +218,14 @@ class _Workspace:
         self.rows = rows
         self.stride = rows * (sum(sizes) if self.one_pass else schedule.cols)
         widest = rows * min(schedule.cols, max(sizes))
-        self.flat = {
-            "terms": torch.empty(len(problem.dims) * self.stride, dtype=dtype, device=device),
-            "guide": torch.empty(widest, dtype=dtype, device=device),
-            "mask": torch.empty(widest, dtype=dtype, device=device),
-            "rows": torch.empty(rows * problem.dims.top, dtype=dtype, device=device),
-        }
+        sizes = {"terms": len(problem.dims) * self.stride, "guide": widest, "rows": rows * problem.dims.top}
         if len(problem.dims) > 1:  # each term times its logit, for the gradient's radial sums
-            self.flat["products"] = torch.empty(len(problem.dims) * self.stride, dtype=dtype, device=device)
+            sizes["products"] = len(problem.dims) * self.stride
+        flat = _kept_buffer(sum(sizes.values()), dtype, device)
+        self.flat, start = {}, 0
+        for name, n in sizes.items():
+            self.flat[name] = flat[start : start + n]
+            start += n
 
     def view(self, name: str, shape: tuple[int, int], start: int = 0) -> Tensor:
         """A contiguous ``shape`` view of buffer ``name`` from element ``start``."""
@@ -341,6 +376,22 @@ class _RowBlock:
         if len(self.problem.dims) == 1:
             for rows in (self.anchor_rows, self.positive_rows):
                 rows.weighted = rows.x * row_weight[0].unsqueeze(1)
+        else:
+            self.weighted_shift = row_weight * self.shift
+
+    def add_radial_rows(self, anchor_sums: Tensor, pp_sums: Tensor) -> None:
+        """The parts of the radial sums that need no tile: the shift's and the label's (several dimensions).
+
+        A row's radial sum is ``sum_j dL/dcos_d[row, j] * cos_d[row, j]``, with ``cos = z / logit_scale`` and
+        ``2^L * z = 2^L * L + shift * 2^L`` for the shifted logit L: the tiles give the sums of ``2^L * L``
+        (``accumulate``); the shift's part is ``shift`` times the row's sum of terms, here ``anchor_sums`` for
+        the anchor rows' blocks and ``pp_sums`` for PP's (n_dims x R). The label's term is
+        ``-others * z_pos``, for the anchor row and for its label's column, the positive row.
+        """
+        scale = 1.0 / self.problem.logit_scale
+        label = self.row_weight * self.others * self.positive
+        self.anchor_rows.radial.add_((self.weighted_shift * anchor_sums - label) * scale)
+        self.positive_rows.radial.add_((self.weighted_shift * pp_sums - label) * scale)
 
     def tie_pairs(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that tie with theta (cols counted from ``lo``)."""
@@ -366,34 +417,33 @@ class _RowBlock:
         of row i (AP column ``offset + i``) is never masked, but its logit is carried apart (``self.positive``),
         so here it is pushed down too. ``unmasked``, if given, gets each row's count of entries left (R): the
         statistics, taken on the first sweep only. The results are views of the workspace's term buffers.
-        The mask is kept as 0.0 / 1.0 in the compute dtype: on CPUs a comparison into floats, a multiply-add
-        and a float sum run several times faster than a boolean mask, ``masked_fill`` and a boolean count.
+        The mask is kept as 0.0 / 1.0 in the compute dtype, written where the logits will be: the first score
+        product scales it by -MASKED as it adds (``beta`` of ``addmm_``), so masking costs one comparison. On
+        CPUs a comparison into floats and a float sum run several times faster than a boolean mask,
+        ``masked_fill`` and a boolean count.
         """
         problem, dims, work = self.problem, self.problem.dims, self.problem.work
         rows, cols = self.rows_of(block), block.cols
         shape = (rows.x.shape[0], hi - lo)
+        # With several dimensions the logits go where their products with the terms will be kept.
+        out = [work.terms(m, block, lo, shape, "terms" if len(dims) == 1 else "products") for m in range(len(dims))]
+        # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
+        prefix, last = out[-1], len(dims) - 1
         guide = torch.mm(rows.g, cols.g[lo:hi].T, out=work.view("guide", shape))
-        mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi),
-                          out=work.view("mask", shape))
+        mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi), out=prefix)
         label_rows, label_cols = self.labels(block, lo, hi)
         mask[label_rows, label_cols] = 1.0
         if unmasked is not None:
             masked = mask.sum(dim=1)
             problem.count(f"masked_{block.kind}", masked.sum() - label_rows.shape[0])
             unmasked += (hi - lo) - masked
-        # With several dimensions the logits go where their products with the terms will be kept.
-        out = [work.terms(m, block, lo, shape, "terms" if len(dims) == 1 else "products") for m in range(len(dims))]
         # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
         # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
         # sums; each smaller dimension is taken from it, rescaled by its rho, when its segment is in.
-        prefix, last = out[-1], len(dims) - 1
         for m, (a, b) in enumerate(dims.segments):
             cols_part = cols.x1[lo:hi, a:] if m == last else cols.x[lo:hi, a:b]
             rows_part = rows.shifted[:, a:] if m == last else rows.shifted[:, a:b]
-            if m == 0:
-                torch.mm(rows_part, cols_part.T, out=prefix).add_(mask, alpha=-MASKED)
-            else:
-                prefix.addmm_(rows_part, cols_part.T)
+            prefix.addmm_(rows_part, cols_part.T, beta=-MASKED if m == 0 else 1.0)
             if m < last:  # logits = rho_row * (prefix * rho_col - shift / rho_row): two passes instead of three
                 row_rho = rows.rho[m].unsqueeze(1)
                 torch.addcmul(-self.shift[m].unsqueeze(1) / row_rho, prefix, cols.rho[m, lo:hi].unsqueeze(0),
@@ -425,7 +475,7 @@ class _RowBlock:
         prefix dot products are ``dL/dcos_d * rho_d,i * rho_d,j``; segment s takes their sum over d >= d_s.
         """
         rows, cols = self.rows_of(block), block.cols
-        shift, others, row_weight = self.shift, self.others, self.row_weight
+        others, row_weight = self.others, self.row_weight
         label_rows, label_cols = self.labels(block, lo, hi)
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
@@ -438,20 +488,19 @@ class _RowBlock:
         summed = None
         for m in reversed(range(len(terms))):
             tile = terms[m]
-            # The tile's sums of dL/dcos * cos, by rows and by columns. cos = z / logit_scale with z the base-2
-            # logit, and 2^L * z = 2^L * L + shift * 2^L for the shifted logit L (0 where masked); the label's
-            # term is -others * z_pos.
+            # The tile's parts of the radial sums (``add_radial_rows``): by rows, the sums of 2^L * L; by
+            # columns, those weighted by the rows plus the shift's part. 0 where masked and at the label.
             products = self.problem.work.terms(m, block, lo, tile.shape, "products")  # 2^L * L from ``terms``
-            products.addcmul_(tile, shift[m].unsqueeze(1))
-            products[label_rows, label_cols] = -others[m, label_rows] * self.positive[m, label_rows]
-            tile[label_rows, label_cols] = -others[m, label_rows]
             rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
-            cols.radial[m, lo:hi] += (products.T @ row_weight[m]) * inv_scale
+            by_cols = torch.addmv(products.T @ row_weight[m], tile.T, self.weighted_shift[m])
+            cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
             del products
-            weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))
-            if m < len(terms) - 1:  # the top dimension's rho is 1
-                weights.mul_(cols.rho[m, lo:hi].unsqueeze(0))
-            summed = weights if summed is None else summed.add_(weights)
+            tile[label_rows, label_cols] = -others[m, label_rows]
+            weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))  # times the columns' rho_d
+            if summed is None:  # the top dimension, whose rho is 1
+                summed = weights
+            else:
+                summed.addcmul_(weights, cols.rho[m, lo:hi].unsqueeze(0))
             a, b = self.problem.dims.segments[m]
             rows.grad[:, a:b].addmm_(summed, cols.x[lo:hi, a:b])
             cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
@@ -473,20 +522,24 @@ def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
 
 
 def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, keep: bool, count: bool):
-    """Row sums of the softmax terms of every tile (n_dims x R), and the tiles themselves if ``keep``."""
+    """Row sums of the softmax terms of every tile (n_dims x R), those of PP's tiles alone, and the tiles
+    themselves if ``keep``."""
     rb.set_shift(shift)
-    others = torch.zeros_like(shift)
+    others, pp_sums = torch.zeros_like(shift), torch.zeros_like(shift)
     unmasked = torch.zeros_like(shift[0]) if count else None
     tiles = []
     for b in problem.blocks:
         for lo, hi in _spans(b, cols):
             terms = rb.terms(b, lo, hi, unmasked)
-            others += torch.stack([t.sum(dim=1) for t in terms])
+            sums = torch.stack([t.sum(dim=1) for t in terms])
+            others += sums
+            if b.kind == "pp":
+                pp_sums += sums
             if keep:
                 tiles.append((b, lo, hi, terms))
     if count:
         problem.count("positive_only", (unmasked == 0).sum())
-    return others, tiles
+    return others, pp_sums, tiles
 
 
 def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
@@ -500,7 +553,8 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     """
     one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
     shift = rb.positive
-    others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=problem.counters is not None)
+    others, pp_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads,
+                                    count=problem.counters is not None)
     if not bool((others <= LARGEST_SUM).all()):  # also catches inf and NaN
         peak = torch.zeros_like(shift)
         for b in problem.blocks:
@@ -508,12 +562,14 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
                 for m, logits in enumerate(rb.masked_logits(b, lo, hi)):
                     torch.maximum(peak[m], logits.amax(dim=1), out=peak[m])
         shift = shift + peak
-        others, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
+        others, pp_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
     gap = (shift - rb.positive) * LN2
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
     loss = (weights * (gap + torch.log1p(others + torch.expm1(-gap)))).sum()
     if want_grads:
         rb.set_weights(weights * problem.grad_scale / (others + torch.exp(-gap)), others)
+        if len(problem.dims) > 1:
+            rb.add_radial_rows(others - pp_sums, pp_sums)
         if not one_pass:
             tiles = ((b, lo, hi, rb.terms(b, lo, hi)) for b in problem.blocks for lo, hi in _spans(b, cols))
         for b, lo, hi, terms in tiles:

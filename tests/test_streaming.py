@@ -7,7 +7,7 @@ import torch
 from helpers import TOL, make_inputs, precision, shape_id
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgist import GistOptions
+from cgist import GistOptions, streaming
 from cgist.reference import gist_loss_reference, gist_scores
 from cgist.streaming import gist_loss_and_grads
 
@@ -155,7 +155,7 @@ def test_zero_vector_row():
 
 
 class _LargestAllocation(TorchDispatchMode):
-    """Records the largest number of elements of any tensor produced by an op."""
+    """Records the largest number of elements of any tensor produced by an op that allocates (not a view)."""
 
     def __init__(self):
         super().__init__()
@@ -163,6 +163,8 @@ class _LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # shares its input's memory (a dtype view may have more elements than its input)
+            return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
@@ -172,10 +174,14 @@ class _LargestAllocation(TorchDispatchMode):
 @pytest.mark.parametrize("dims", [None, (8, 4)], ids=["flat", "matryoshka"])
 @pytest.mark.parametrize("block_bytes", [64 * 1024, 1], ids=["64KiB", "1B"])
 def test_allocations_stay_within_the_budget_and_the_inputs(block_bytes, dims):
-    """No single allocation exceeds the score budget or the size of an input column (B x N never appears)."""
-    B, N, D = 64, 128, 8
+    """No single allocation exceeds the score budget or the size of an input column (B x N never appears).
+
+    The workspace is one allocation of at most the budget, so B x N is larger than 64 KiB of fp32 here.
+    """
+    B, N, D = 64, 512, 8
     student, guide = make_inputs(B, N, D, D, 1, dtype=torch.float32, seed=8)
     options = GistOptions(block_bytes=block_bytes, matryoshka_dims=dims)
+    streaming.release_workspace()  # so that this call allocates its workspace where the probe sees it
     with _LargestAllocation() as probe:
         gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
     inputs = max(t.numel() for t in student + guide)
@@ -223,3 +229,40 @@ def test_one_pass_over_many_tiles(dims, monkeypatch):
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
         for got, want in zip(grads, torch.autograd.grad(expected, leaves)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dims", [None, (16, 9, 4)], ids=["flat", "matryoshka"])
+def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
+    """A CPU call reuses the workspace buffer of the thread's previous call, whatever that call left in it;
+    another thread gets its own, and ``release_workspace`` frees it."""
+    import threading
+
+    options = GistOptions(offset=3, margin=0.05, matryoshka_dims=dims, block_bytes=4096)
+    first = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=21)
+    other = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=22)
+
+    def run(inputs):
+        loss, grads, counters = gist_loss_and_grads(*inputs, options, need_grads=True, need_stats=True)
+        return [loss, *grads, counters]
+
+    streaming.release_workspace()
+    fresh = run(first)
+    kept = streaming._KEPT.buffers[torch.float32]
+    run(other)  # leaves its own values in the buffer
+    again = run(first)
+    assert streaming._KEPT.buffers[torch.float32] is kept
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again))
+
+    in_thread = {}
+
+    def worker():
+        in_thread["result"] = run(first)
+        in_thread["buffer"] = streaming._KEPT.buffers[torch.float32]
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert in_thread["buffer"].data_ptr() != kept.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(fresh, in_thread["result"]))
+    streaming.release_workspace()
+    assert not getattr(streaming._KEPT, "buffers", None)
