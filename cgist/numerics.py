@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "row_chunks", "stack_rows", "threshold", "tie_ids"]
+__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -79,13 +79,18 @@ def normalize(x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tens
     return x / norm.clamp_min(EPS), norm
 
 
+def row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` for rows x dim ``a`` and ``b``, as a batch of 1 x dim by dim x 1 products: no rows x
+    dim temporary (``vecdot`` makes one)."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+
+
 def normalize_backward_(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
     """Gradient through ``x / max(||x||, eps)``, in place of ``grad_hat``: ``(g - x_hat (x_hat . g)) / ||x||``.
 
     Rows whose norm was clamped get ``g / eps``. Shapes: ``x_hat`` and ``grad_hat`` rows x dim, ``norm`` rows x 1.
     """
-    # A batch of 1 x dim by dim x 1 products: no rows x dim temporary (``vecdot`` makes one).
-    radial = (x_hat.unsqueeze(-2) @ grad_hat.unsqueeze(-1)).squeeze(-1).masked_fill_(norm < EPS, 0.0)
+    radial = row_dots(x_hat, grad_hat).unsqueeze(-1).masked_fill_(norm < EPS, 0.0)
     return grad_hat.addcmul_(x_hat, radial, value=-1.0).div_(norm.clamp_min(EPS))
 
 
@@ -145,13 +150,13 @@ _FINGERPRINT_BITS = 80
 def _fingerprint_coefficients(width: int, device: torch.device) -> Tensor:
     """``width x m`` fixed pseudo-random integers below 2^b, as float64: the same on every device, rank and run.
 
-    A row of ``width`` 16-bit integers times them sums to less than 2^53 in magnitude, so every partial sum
-    of a float64 matrix product is an exact integer, in any order; b = 52 - 15 - ceil(log2(width)) and
+    A row of ``width`` 32-bit integers times them sums to less than 2^53 in magnitude, so every partial sum
+    of a float64 matrix product is an exact integer, in any order; b = 52 - 31 - ceil(log2(width)) and
     m = ceil(80 / b). Made once per (width, device): a copy from host memory to a GPU waits for its stream.
     """
-    bits = 52 - 15 - max(1, (width - 1).bit_length())
-    if bits < 16:
-        raise ValueError(f"guide rows of {width} 16-bit words are too wide to fingerprint exactly")
+    bits = 52 - 31 - max(1, (width - 1).bit_length())
+    if bits < 1:
+        raise ValueError(f"guide rows of {width} 32-bit words are too wide to fingerprint exactly")
     gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + width)
     count = -(-_FINGERPRINT_BITS // bits)
     return torch.randint(0, 2**bits, (width, count), generator=gen, dtype=torch.int64).to(torch.float64).to(device)
@@ -167,16 +172,16 @@ def _mix_constants(count: int, device: torch.device) -> Tensor:
 def _fingerprint(rows: Tensor) -> Tensor:
     """A 64-bit hash of each row's bits: equal rows hash equal, different rows collide with odds ~2^-64.
 
-    The row's bits are read as 16-bit integers (two per fp32 element, four per fp64 one) and multiplied by
+    The row's bits are read as 32-bit integers (one per fp32 element, two per fp64 one) and multiplied by
     m vectors of random b-bit integers (``_fingerprint_coefficients``) in one float64 matrix product, exact
     because every partial sum is an integer below 2^53. For two different rows each sum collides with
     probability at most 2^-b (fix every coefficient but one where the rows differ: at most one value of
     it makes the sums equal), all m of them with at most 2^-80. The m sums are then mixed into one value
     (about 2^-64 more).
     """
-    words = (rows + 0.0).view(torch.int16)  # -0.0 and 0.0 compare equal, so they must hash equal
+    words = (rows + 0.0).view(torch.int32)  # -0.0 and 0.0 compare equal, so they must hash equal
     coefficients = _fingerprint_coefficients(words.shape[1], rows.device)
-    # Word by word of each element (fp32: 2, fp64: 4), so that the float64 temporary is rows x dim.
+    # Word by word of each element (fp64: 2), so that the float64 temporary is rows x dim.
     planes = words.shape[1] // rows.shape[1]
     sums = sum(words[:, p::planes].to(torch.float64) @ coefficients[p::planes] for p in range(planes))
     sums = sums.to(torch.int64)
@@ -196,8 +201,9 @@ def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool =
     computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
     (sorted on the device, no host sync). Memory is O(rows). The fingerprint's sums all collide for two
     given different rows with probability at most 2^-80 (``_fingerprint``), and mixing them into 64 bits
-    adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about 10^-7. A collision would make one candidate count as a tie with theta_i: it would be masked exactly
-    when theta_i > T_i instead of by its own guide score, in one step.
+    adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about 10^-7. A collision
+    would make one candidate count as a tie with theta_i: it would be masked exactly when theta_i > T_i
+    instead of by its own guide score, in one step.
     """
     prints = torch.cat([
         _fingerprint(chunk if normalized else normalize(chunk, dtype)[0])

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .numerics import (
     EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
-    threshold, tie_ids,
+    row_dots, threshold, tie_ids,
 )
 from .options import GistOptions
 
@@ -92,12 +92,12 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     """Choose the schedule for B = ``batch`` anchor rows against score blocks of ``block_widths`` columns.
 
     The budget bounds the workspace (``_Workspace``), per row: the softmax terms of every kept column for
-    each of the ``n_dims`` dimensions, one tile's guide scores, and an R x ``top`` product. One pass keeps
-    all ``sum(block_widths)`` columns. The rows per block are the budget divided by that; with the default
-    budget (``block_bytes=None``) it first grows so that ``ROW_TARGET`` rows fit, unless that exceeds an
-    eighth of the available memory. When fewer than ``min(ROW_FLOOR, B)`` rows fit, the call runs in two
-    passes with ``min(ROW_FLOOR, B)`` rows per block and as many columns per tile as the budget allows (at
-    least one, at most ``TILE_COLS`` on a CPU).
+    each of the ``n_dims`` dimensions, one tile's guide scores, and the row block's operands and product
+    (a few R x ``top``). One pass keeps all ``sum(block_widths)`` columns. The rows per block are the budget
+    divided by that; with the default budget (``block_bytes=None``) it first grows so that ``ROW_TARGET``
+    rows fit, unless that exceeds an eighth of the available memory. When fewer than ``min(ROW_FLOOR, B)``
+    rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and as many columns per
+    tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
 
     Measured (``gist_loss_and_grads`` with gradients and statistics, fp32, D = Dg = 384, k = 1, 2 threads,
     one-pass schedules forced by the budget; median of 5 calls). B = N = 4096: 256 rows per block 981 ms,
@@ -113,14 +113,15 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
     scratch = itemsize  # guide scores per tile column (the mask goes where the logits will)
     kept = (2 * n_dims if n_dims > 1 else 1) * itemsize  # per kept column: the terms [and term x logit] per dim
-    one_pass_row = sum(block_widths) * kept + tile * scratch + top * itemsize
+    operands = (top + 2 * (top + 1) + (2 * top if n_dims == 1 else 0)) * itemsize  # per row: see _Workspace
+    one_pass_row = sum(block_widths) * kept + tile * scratch + operands
     floor = min(ROW_FLOOR, batch)
     if block_bytes is None:
         block_bytes = default_block_bytes(device, min(ROW_TARGET, batch) * one_pass_row)
     rows = min(batch, block_bytes // one_pass_row)
     if rows >= floor:
         return Plan(rows, tile, True)
-    cols = (block_bytes // floor - top * itemsize) // (kept + scratch)
+    cols = (block_bytes // floor - operands) // (kept + scratch)
     return Plan(floor, max(1, min(tile, cols)), False)
 
 
@@ -206,8 +207,9 @@ class _Workspace:
 
     ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
     (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike;
-    ``guide``: one tile's guide scores; ``rows``: a row block's R x top product. All are views of one
-    buffer (``_kept_buffer``).
+    ``guide``: one tile's guide scores; ``rows``: a row block's R x top product; ``shifted`` and ``weighted``:
+    the anchor and positive rows as the score products and (one dimension) the columns' gradient products
+    take them. All are views of one buffer (``_kept_buffer``).
     """
 
     def __init__(self, problem: _Problem, schedule: Plan) -> None:
@@ -218,7 +220,11 @@ class _Workspace:
         self.rows = rows
         self.stride = rows * (sum(sizes) if self.one_pass else schedule.cols)
         widest = rows * min(schedule.cols, max(sizes))
-        sizes = {"terms": len(problem.dims) * self.stride, "guide": widest, "rows": rows * problem.dims.top}
+        top = problem.dims.top
+        sizes = {"terms": len(problem.dims) * self.stride, "guide": widest, "rows": rows * top,
+                 "shifted": 2 * rows * (top + 1)}
+        if len(problem.dims) == 1:
+            sizes["weighted"] = 2 * rows * top
         if len(problem.dims) > 1:  # each term times its logit, for the gradient's radial sums
             sizes["products"] = len(problem.dims) * self.stride
         flat = _kept_buffer(sum(sizes.values()), dtype, device)
@@ -350,10 +356,10 @@ class _RowBlock:
         self.positive_rows = _Rows.of(positive, lo, hi, anchor.ids[start:stop])
         label_rows = self.positive_rows
         # theta_i and the positive logits: anchor i against its label, candidate offset + i.
-        theta = (self.anchor_rows.g * label_rows.g).sum(dim=1, keepdim=True)
+        theta = row_dots(self.anchor_rows.g, label_rows.g).unsqueeze(1)
         self.limit = threshold(theta, options.margin, options.relative)
         self.theta_masked = theta > self.limit
-        dots = torch.stack([(self.anchor_rows.x[:, a:b] * label_rows.x[:, a:b]).sum(dim=1) for a, b in dims.segments])
+        dots = torch.stack([row_dots(self.anchor_rows.x[:, a:b], label_rows.x[:, a:b]) for a, b in dims.segments])
         self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * problem.logit_scale  # n_dims x R
         self.local = torch.arange(stop - start, device=theta.device)
         self.ties: dict[int, tuple[Tensor, Tensor]] = {}
@@ -364,18 +370,25 @@ class _RowBlock:
     def rows_of(self, block: _Block) -> _Rows:
         return self.positive_rows if block.kind == "pp" else self.anchor_rows
 
+    def _row_operand(self, name: str, rows: _Rows, extra: int = 0) -> Tensor:
+        """The workspace's R x (top + ``extra``) buffer ``name`` for the anchor or the positive rows."""
+        shape = (self.stop - self.start, self.problem.dims.top + extra)
+        return self.problem.work.view(name, shape, 0 if rows is self.anchor_rows else shape[0] * shape[1])
+
     def set_shift(self, shift: Tensor) -> None:
         """Shift the logits of the next sweeps by ``shift`` (n_dims x R)."""
         self.shift = shift
         for rows in (self.anchor_rows, self.positive_rows):
-            rows.shifted = torch.cat([rows.x * self.problem.logit_scale, -shift[-1].unsqueeze(1)], dim=1)
+            rows.shifted = self._row_operand("shifted", rows, 1)
+            torch.mul(rows.x, self.problem.logit_scale, out=rows.shifted[:, :-1])
+            rows.shifted[:, -1] = -shift[-1]
 
     def set_weights(self, row_weight: Tensor, others: Tensor) -> None:
         """The score-gradient weight of each row (n_dims x R) and the sums of the others' terms, for ``accumulate``."""
         self.row_weight, self.others = row_weight, others
         if len(self.problem.dims) == 1:
             for rows in (self.anchor_rows, self.positive_rows):
-                rows.weighted = rows.x * row_weight[0].unsqueeze(1)
+                rows.weighted = torch.mul(rows.x, row_weight[0].unsqueeze(1), out=self._row_operand("weighted", rows))
         else:
             self.weighted_shift = row_weight * self.shift
 
