@@ -93,7 +93,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
                 every rank must then hold the same number of anchors.
             backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
             block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
-                device (at most an eighth of its free memory).
+                device (at most an eighth of its free memory and 1 GiB).
 
         With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
         computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with

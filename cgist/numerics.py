@@ -27,6 +27,8 @@ STATS_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_on
 MIN_BLOCK_BYTES = 16 * 2**20
 #: The default budget never exceeds this share of the memory available to the process.
 MEMORY_SHARE = 8
+#: Nor this many bytes (blocks of 1024 rows fit up to B = 32k at D = 384 with one dimension).
+MAX_BLOCK_BYTES = 2**30
 
 
 def available_bytes(device: torch.device) -> int:
@@ -47,12 +49,10 @@ def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
     """The score-buffer budget when none is given (``block_bytes=None``), shared by both backends.
 
     At least ``MIN_BLOCK_BYTES``, grown to ``floor_bytes`` (what a backend needs for blocks of an
-    efficient shape), but never above an eighth of the memory available on ``device``, nor above 1 GiB
-    on CUDA.
+    efficient shape), but never above an eighth of the memory available on ``device``, nor above
+    ``MAX_BLOCK_BYTES`` (a CPU keeps its buffers between calls: ``cgist.streaming.release_workspace``).
     """
-    cap = available_bytes(device) // MEMORY_SHARE
-    if device.type == "cuda":
-        cap = min(cap, 2**30)
+    cap = min(available_bytes(device) // MEMORY_SHARE, MAX_BLOCK_BYTES)
     return max(min(max(MIN_BLOCK_BYTES, floor_bytes), cap), 1)
 
 

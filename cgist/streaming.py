@@ -17,7 +17,7 @@ Two schedules, chosen per call by ``plan``:
 
 Block shape. Fewer rows per block make the products thin (and the gradient of the columns is read and
 written once per row block), so the default budget grows until ``ROW_TARGET`` rows fit, up to an eighth
-of the memory available. Tiles of ``TILE_COLS`` columns bound the guide scratch. Both were chosen by
+of the memory available and 1 GiB. Tiles of ``TILE_COLS`` columns bound the guide scratch. Both were chosen by
 measurement (``plan``). The workspace is kept between calls on a CPU (``_kept_buffer``).
 
 Precision. Logits are in base 2 (``log2(e) / tau`` rides on the product) and shifted by each row's
@@ -95,9 +95,9 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     each of the ``n_dims`` dimensions, one tile's guide scores, and the row block's operands and product
     (a few R x ``top``). One pass keeps all ``sum(block_widths)`` columns. The rows per block are the budget
     divided by that; with the default budget (``block_bytes=None``) it first grows so that ``ROW_TARGET``
-    rows fit, unless that exceeds an eighth of the available memory. When fewer than ``min(ROW_FLOOR, B)``
-    rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and as many columns per
-    tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
+    rows fit, unless that exceeds an eighth of the available memory or 1 GiB. When fewer than
+    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
+    as many columns per tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
 
     Measured (``gist_loss_and_grads`` with gradients and statistics, fp32, D = Dg = 384, k = 1, 2 threads,
     one-pass schedules forced by the budget; median of 5 calls). B = N = 4096: 256 rows per block 981 ms,

@@ -266,3 +266,28 @@ def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
     assert all(torch.equal(a, b) for a, b in zip(fresh, in_thread["result"]))
     streaming.release_workspace()
     assert not getattr(streaming._KEPT, "buffers", None)
+
+
+def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to_the_floor(monkeypatch):
+    """The schedule rule of ``plan``: the default budget reaches ``ROW_TARGET`` rows (memory permitting, and
+    never beyond an eighth of it or 1 GiB), an explicit budget gets as many rows as fit in one pass down to
+    ``ROW_FLOOR``, and below that two passes of ``ROW_FLOOR`` rows with narrower tiles."""
+    from cgist import numerics
+
+    widths, top, item = [4096] * 4, 384, 4
+    monkeypatch.setattr(numerics, "available_bytes", lambda device: 2**40)
+    full = streaming.plan(4096, widths, top, 1, item, None)
+    assert full == streaming.Plan(streaming.ROW_TARGET, streaming.TILE_COLS, True)
+    assert streaming.plan(300, [300] * 4, top, 1, item, None) == streaming.Plan(300, 300, True)
+    # Four Matryoshka dimensions at B = 16k: 1024 rows would need 2 GiB; the default stops at 1 GiB.
+    matryoshka = streaming.plan(16384, [16384] * 4, top, 4, item, None)
+    assert matryoshka.one_pass and streaming.ROW_FLOOR <= matryoshka.rows < streaming.ROW_TARGET
+    assert matryoshka.rows * 16384 * 4 * 2 * 4 * item <= numerics.MAX_BLOCK_BYTES
+    per_row = 4 * 4096 * item  # the kept terms alone
+    monkeypatch.setattr(numerics, "available_bytes", lambda device: 8 * 450 * per_row)
+    capped = streaming.plan(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
+    assert capped.one_pass and streaming.ROW_FLOOR <= capped.rows < 450
+    middle = streaming.plan(4096, widths, top, 1, item, 600 * per_row)
+    assert middle.one_pass and streaming.ROW_FLOOR < middle.rows < 600
+    small = streaming.plan(4096, widths, top, 1, item, 100 * per_row)
+    assert not small.one_pass and small.rows == streaming.ROW_FLOOR and 1 <= small.cols < streaming.TILE_COLS
