@@ -155,7 +155,7 @@ def test_zero_vector_row():
 
 
 class _LargestAllocation(TorchDispatchMode):
-    """Records the largest number of elements of any tensor produced by an op that allocates (not a view)."""
+    """Records the largest number of elements of any tensor produced by an op."""
 
     def __init__(self):
         super().__init__()
@@ -163,8 +163,6 @@ class _LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view:  # shares its input's memory (a dtype view may have more elements than its input)
-            return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
