@@ -134,8 +134,7 @@ def check_embeddings(
         )
     # One host sync for all columns and chunks: a NaN or an infinity makes its chunk's sum non-finite (one
     # fast reduction per chunk). A sum can also overflow, so only a chunk with a non-finite sum gets the
-    # exact test, which names it.
-    # Each side's chunks share a dtype, so each side's sums stack as they are.
+    # exact test, which names it. Each side's chunks share a dtype, so each side's sums stack as they are.
     with torch.no_grad():
         n_student = sum(map(len, student))
         sums = [torch.stack([t.sum(dtype=compute_dtype(t.dtype)) for _, t in side]).to(torch.float64)
