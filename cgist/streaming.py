@@ -112,7 +112,7 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     # On a GPU one launch per block is better than cache-sized tiles.
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
     scratch = itemsize  # guide scores per tile column (the mask goes where the logits will)
-    kept = (2 * n_dims if n_dims > 1 else 1) * itemsize  # per kept column: the terms [and term x logit] per dim
+    kept = (2 * n_dims - 1) * itemsize  # per kept column: the terms per dim, term x logit but for the top dim
     operands = (top + 2 * (top + 1) + (2 * top if n_dims == 1 else 0)) * itemsize  # per row: see _Workspace
     one_pass_row = sum(block_widths) * kept + tile * scratch + operands
     floor = min(ROW_FLOOR, batch)
@@ -206,7 +206,8 @@ class _Workspace:
     """Buffers that every row block reuses, so that its large tiles are neither allocated nor paged in again.
 
     ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
-    (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike;
+    (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike,
+    for every dimension but the top one;
     ``guide``: one tile's guide scores; ``rows``: a row block's R x top product; ``shifted`` and ``weighted``:
     the anchor and positive rows as the score products and (one dimension) the columns' gradient products
     take them. All are views of one buffer (``_kept_buffer``).
@@ -225,8 +226,8 @@ class _Workspace:
                  "shifted": 2 * rows * (top + 1)}
         if len(problem.dims) == 1:
             sizes["weighted"] = 2 * rows * top
-        if len(problem.dims) > 1:  # each term times its logit, for the gradient's radial sums
-            sizes["products"] = len(problem.dims) * self.stride
+        if len(problem.dims) > 1:  # each term times its logit, for the smaller dimensions' radial sums
+            sizes["products"] = (len(problem.dims) - 1) * self.stride
         flat = _kept_buffer(sum(sizes.values()), dtype, device)
         self.flat, start = {}, 0
         for name, n in sizes.items():
@@ -304,7 +305,10 @@ class _Problem:
         """d(loss)/d(embeddings) from the accumulated dL/d x_hat and radial sums, in each embedding's dtype.
 
         Segment s of row i gets ``(grad[s] - x_hat[s] * sum_{d >= d_s} kappa_d c_d) / max(||x[:top]||, eps)``;
-        with one dimension ``c = x_hat . grad`` (``normalize_backward_``). Components past ``top`` get 0.
+        with one dimension ``c = x_hat . grad`` (``normalize_backward_``). With several, the accumulated
+        ``grad`` is ``sum_d sum_j dL/dcos_d[i, j] rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum
+        of every dimension's radial sum c_d: the top dimension's is that minus the smaller ones' (which the
+        tiles accumulated). Components past ``top`` get 0.
         """
         out = []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
@@ -312,6 +316,7 @@ class _Problem:
             if column.radial is None:
                 normalize_backward_(column.x, column.norm, grad)
             else:
+                column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
                 suffix = (column.kappa * column.radial).flip(0).cumsum(0).flip(0)  # row s: sum over d >= d_s
                 for (lo, hi), coefficient in zip(self.dims.segments, suffix):
                     grad[:, lo:hi].addcmul_(column.x[:, lo:hi], coefficient.unsqueeze(1), value=-1.0)
@@ -393,7 +398,7 @@ class _RowBlock:
             self.weighted_shift = row_weight * self.shift
 
     def add_radial_rows(self, anchor_sums: Tensor, pp_sums: Tensor) -> None:
-        """The parts of the radial sums that need no tile: the shift's and the label's (several dimensions).
+        """The parts of the smaller dimensions' radial sums that need no tile: the shift's and the label's.
 
         A row's radial sum is ``sum_j dL/dcos_d[row, j] * cos_d[row, j]``, with ``cos = z / logit_scale`` and
         ``2^L * z = 2^L * L + shift * 2^L`` for the shifted logit L: the tiles give the sums of ``2^L * L``
@@ -402,9 +407,10 @@ class _RowBlock:
         ``-others * z_pos``, for the anchor row and for its label's column, the positive row.
         """
         scale = 1.0 / self.problem.logit_scale
-        label = self.row_weight * self.others * self.positive
-        self.anchor_rows.radial.add_((self.weighted_shift * anchor_sums - label) * scale)
-        self.positive_rows.radial.add_((self.weighted_shift * pp_sums - label) * scale)
+        label = (self.row_weight * self.others * self.positive)[:-1]
+        shift = self.weighted_shift[:-1]
+        self.anchor_rows.radial[:-1].add_((shift * anchor_sums[:-1] - label) * scale)
+        self.positive_rows.radial[:-1].add_((shift * pp_sums[:-1] - label) * scale)
 
     def tie_pairs(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that tie with theta (cols counted from ``lo``)."""
@@ -438,10 +444,12 @@ class _RowBlock:
         problem, dims, work = self.problem, self.problem.dims, self.problem.work
         rows, cols = self.rows_of(block), block.cols
         shape = (rows.x.shape[0], hi - lo)
-        # With several dimensions the logits go where their products with the terms will be kept.
-        out = [work.terms(m, block, lo, shape, "terms" if len(dims) == 1 else "products") for m in range(len(dims))]
+        # A smaller dimension's logits go where their products with the terms will be kept; the top
+        # dimension's, where its terms will be (``exp2_`` in place).
+        last = len(dims) - 1
+        out = [work.terms(m, block, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
         # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
-        prefix, last = out[-1], len(dims) - 1
+        prefix = out[-1]
         guide = torch.mm(rows.g, cols.g[lo:hi].T, out=work.view("guide", shape))
         mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi), out=prefix)
         label_rows, label_cols = self.labels(block, lo, hi)
@@ -466,19 +474,18 @@ class _RowBlock:
     def terms(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
         """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff.
 
-        With several dimensions the logits' buffers keep each term times its shifted logit (the radial sums
-        of ``accumulate`` need them, and taking the logarithm back would be several times slower).
+        The top dimension's terms replace its logits. A smaller dimension's logits' buffer keeps each term
+        times its shifted logit (its radial sums in ``accumulate`` need them; the top dimension's come from
+        the gradient itself, ``_Problem.gradients``).
         """
-        logits = self.masked_logits(block, lo, hi, unmasked)
-        if len(logits) == 1:
-            torch.nn.functional.threshold_(logits[0], self.problem.cutoff, float("-inf"))
-            return [logits[0].exp2_()]
+        *smaller, top = self.masked_logits(block, lo, hi, unmasked)
         out = []
-        for m, t in enumerate(logits):
+        for m, t in enumerate(smaller):
             torch.nn.functional.threshold_(t, self.problem.cutoff, -MASKED)  # finite: 0 * logit stays 0
             out.append(torch.exp2(t, out=self.problem.work.terms(m, block, lo, t.shape)))
             t.mul_(out[-1])
-        return out
+        torch.nn.functional.threshold_(top, self.problem.cutoff, float("-inf"))
+        return [*out, top.exp2_()]
 
     def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor]) -> None:
         """Add one tile's gradients, from its softmax ``terms``, into its rows' and columns' accumulators.
@@ -497,17 +504,19 @@ class _RowBlock:
                                row_weight[0].unsqueeze(1))
             cols.grad[lo:hi].addmm_(tile.T, rows.weighted)
             return
-        inv_scale = 1.0 / self.problem.logit_scale
+        inv_scale, last = 1.0 / self.problem.logit_scale, len(terms) - 1
         summed = None
         for m in reversed(range(len(terms))):
             tile = terms[m]
-            # The tile's parts of the radial sums (``add_radial_rows``): by rows, the sums of 2^L * L; by
-            # columns, those weighted by the rows plus the shift's part. 0 where masked and at the label.
-            products = self.problem.work.terms(m, block, lo, tile.shape, "products")  # 2^L * L from ``terms``
-            rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
-            by_cols = torch.addmv(products.T @ row_weight[m], tile.T, self.weighted_shift[m])
-            cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
-            del products
+            if m < last:
+                # The tile's parts of a smaller dimension's radial sums (``add_radial_rows``): by rows, the sums
+                # of 2^L * L; by columns, those weighted by the rows plus the shift's part. 0 where masked and
+                # at the label.
+                products = self.problem.work.terms(m, block, lo, tile.shape, "products")  # 2^L * L, ``terms``
+                rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
+                by_cols = torch.addmv(products.T @ row_weight[m], tile.T, self.weighted_shift[m])
+                cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
+                del products
             tile[label_rows, label_cols] = -others[m, label_rows]
             weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))  # times the columns' rho_d
             if summed is None:  # the top dimension, whose rho is 1

@@ -277,10 +277,10 @@ def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to
     full = streaming.plan(4096, widths, top, 1, item, None)
     assert full == streaming.Plan(streaming.ROW_TARGET, streaming.TILE_COLS, True)
     assert streaming.plan(300, [300] * 4, top, 1, item, None) == streaming.Plan(300, 300, True)
-    # Four Matryoshka dimensions at B = 16k: 1024 rows would need 2 GiB; the default stops at 1 GiB.
+    # Four Matryoshka dimensions at B = 16k: 1024 rows would need 1.75 GiB; the default stops at 1 GiB.
     matryoshka = streaming.plan(16384, [16384] * 4, top, 4, item, None)
     assert matryoshka.one_pass and streaming.ROW_FLOOR <= matryoshka.rows < streaming.ROW_TARGET
-    assert matryoshka.rows * 16384 * 4 * 2 * 4 * item <= numerics.MAX_BLOCK_BYTES
+    assert matryoshka.rows * 16384 * 4 * (2 * 4 - 1) * item <= numerics.MAX_BLOCK_BYTES  # terms, products
     per_row = 4 * 4096 * item  # the kept terms alone
     monkeypatch.setattr(numerics, "available_bytes", lambda device: 8 * 450 * per_row)
     capped = streaming.plan(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
