@@ -8,7 +8,8 @@
 #   3. torch.unique ids against fingerprint ids (same partition, time, peak memory);
 #   4. per kernel and per block, both backwards (GEMM and fused), the autotuner's pick, the loss stage and its
 #      peak memory, at B = 64k and 16k for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32, and at 4k beside the
-#      streaming path and sentence-transformers' loss stage;
+#      streaming path and sentence-transformers' loss stage; five Matryoshka dimensions (768/512/256/128/64,
+#      bf16, GEMM backward) at 64k and 16k, and their ratio to one dimension;
 #   5. the CSV and a table into OUTDIR; the summary (targets, fused against GEMM backward) is printed last.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default: gpu_check_out)

@@ -14,19 +14,28 @@ The check measures, on one GPU:
 * at B = N = 16k and 64k, k = 1, D = 768, Dg = 384, for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32:
   every kernel per block (forward row pass; the GEMM backward's score-gradient kernel and its GEMMs; the
   fused backward's row and column passes), the loss stage with each backward, the autotuner's pick and
-  the peak memory; at 4k also the streaming path and sentence-transformers' loss stage.
+  the peak memory; at 4k also the streaming path and sentence-transformers' loss stage;
+* Matryoshka, bf16 at 64k and 16k: the same rows for five dimensions (768/512/256/128/64 at D = 768) with
+  the GEMM backward, and their ratio to one dimension (the target: at most 1.6x).
 
-Estimates. Every time has an estimate from counting the work, ``est_ms = max(flops / (eff * peak),
-l2_bytes / l2_bw, hbm_bytes / hbm_bw)`` with H200 figures (``SPEC``: 989 TFLOP/s dense bf16, 495 tf32;
-L2 7 TB/s, as assumed in the count that motivated this design; HBM 4.8 TB/s) and ``eff`` 0.75 for the
-Triton tiles, 0.8 for cuBLAS. A tf32x3 product is three tf32 products. ``est_cal_ms`` is the same count
-with the calibrations measured in this run instead of the spec figures. Per score (one entry of a
-block), with s and s_g the bytes of a student and a guide element and BM x BN the tile:
+Estimates. Every time has an estimate from counting the work, ``est_ms = max(flops / (eff * peak) +
+elementwise, l2_bytes / l2_bw, hbm_bytes / hbm_bw)`` with H200 figures (``SPEC``: 989 TFLOP/s dense bf16,
+495 tf32; L2 7 TB/s, as assumed in the count that motivated this design; HBM 4.8 TB/s) and ``eff`` 0.75
+for the Triton tiles, 0.8 for cuBLAS. A tf32x3 product is three tf32 products. ``elementwise`` is the
+tile's exp2 at the special-function rate plus its other element-wise ops (``MASK_OPS`` ... ``RADIAL_OPS``)
+at the FP32 rate, added to the products because the same warps issue both (no warp specialisation).
+``est_cal_ms`` is the same count with the calibrations measured in this run instead of the spec
+figures. Per score (one entry of a block), with s and s_g the bytes of a student and a guide element,
+BM x BN the tile and M Matryoshka dimensions (1 without):
 
-* forward: 2 (D + Dg) flops; L2 (1/BM + 1/BN)(D s + Dg s_g) bytes (each tile loads its rows and columns);
-* score-gradient kernel: the same, plus the operand F written to HBM (s bytes, twice for a tf32 split);
-* backward GEMMs: 4 D flops (dQ = F K and dK = F^T Q); HBM: F read twice, and per chunk the dK
-  accumulator read and written (8 D / chunk rows bytes per score);
+* forward: 2 (D + Dg) flops, M exp2; L2 (1/BM + 1/BN)(D s + Dg s_g) bytes (each tile loads its rows
+  and columns);
+* score-gradient kernel: the same, plus the operands F written to HBM (M s bytes, twice for a tf32
+  split); with M > 1 a second sweep over the prefixes up to the second-largest dimension d_{M-1}
+  (D + d_{M-1} in the flops and the L2 bytes, 2M - 1 exp2);
+* backward GEMMs, per segment of width w between consecutive dimensions (one segment, w = D, without
+  Matryoshka), each bound by its own limit: 4 w flops (dQ = F K and dK = F^T Q); HBM: its F read twice,
+  and per chunk the dK accumulator read and written (8 w / chunk rows bytes per score);
 * fused row pass: 2 (D + Dg) + 2 D flops; L2: the tiles, the BM x D fp32 gradient rows read and written
   for every column tile (8 D / BN) and the column rows for the product (D s / BM); the column pass
   likewise with BM and BN swapped.
@@ -38,8 +47,9 @@ the autotuner's pick. Every row is built from ``common.make_embeddings``.
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -66,7 +76,9 @@ from common import (  # noqa: E402
 
 import cgist  # noqa: E402
 from cgist import streaming  # noqa: E402
-from cgist.kernels.launch import BackwardWork, forward_block, gist_forward, gist_loss_and_grads  # noqa: E402
+from cgist.kernels.launch import (  # noqa: E402
+    BackwardWork, chunk_plan, forward_block, gist_forward, gist_loss_and_grads,
+)
 from cgist.numerics import normalize, tie_ids  # noqa: E402
 from cgist.options import GistOptions  # noqa: E402
 
@@ -74,9 +86,12 @@ from cgist.options import GistOptions  # noqa: E402
 PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
          "bf16+fp32": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float16)}
 OPTIONS = GistOptions(temperature=0.01, margin=0.05)
-#: The (pair, B) runs of the check, most telling first.
-CHECK_ORDER = [("bf16", 65536), ("bf16", 16384), ("fp32", 65536), ("bf16+fp32", 65536), ("bf16", 4096),
-               ("fp32", 16384), ("bf16+fp32", 16384)]
+#: The (pair, B, Matryoshka) runs of the check, most telling first.
+CHECK_ORDER = [("bf16", 65536, False), ("bf16", 65536, True), ("bf16", 16384, False), ("fp32", 65536, False),
+               ("bf16+fp32", 65536, False), ("bf16", 16384, True), ("bf16", 4096, False), ("fp32", 16384, False),
+               ("bf16+fp32", 16384, False)]
+#: The Matryoshka target: this many dimensions in at most this multiple of one dimension's loss stage.
+MATRYOSHKA_TARGET = 1.6
 #: Largest batch at which sentence-transformers' loss stage and the streaming path are timed.
 ST_MAX_BATCH = 4096
 ST_MINI_BATCH = 32
@@ -84,12 +99,16 @@ ST_MINI_BATCH = 32
 
 @dataclass(frozen=True)
 class Machine:
-    """The rates the estimates assume: tensor-core FLOP/s per operand class, L2 and HBM bytes/s."""
+    """The rates the estimates assume: tensor-core FLOP/s per operand class, L2 and HBM bytes/s, and the
+    element-wise rates of the tiles: exp2 results/s of the special-function units, other ops/s of the FP32 lanes.
+    """
 
     bf16: float
     tf32: float
     l2: float
     hbm: float
+    mufu: float = 3.9e12
+    alu: float = 33.5e12
     triton_eff: float = 0.75
     cublas_eff: float = 0.8
 
@@ -97,8 +116,16 @@ class Machine:
         return self.bf16 if dtype in (torch.bfloat16, torch.float16) else self.tf32
 
 
-#: H200 SXM figures: dense tensor-core peaks from the data sheet, L2 as assumed in the original count, HBM3e.
+#: H200 SXM figures: dense tensor-core peaks from the data sheet, L2 as assumed in the original count, HBM3e;
+#: exp2 at 3.9e12/s (the special-function rate of an H100 SXM5, FlashAttention-3 paper, Shah et al. 2024, same
+#: GH100 die), other element-wise ops at 33.5e12/s (67 TFLOP/s non-tensor FP32 on the data sheet, an FMA as 2).
 SPEC = Machine(bf16=989e12, tf32=495e12, l2=7.0e12, hbm=4.8e12)
+#: Element-wise ops per score entry besides exp2, counted from the kernels' code: the guide's verdict once per
+#: tile (guide scaling, threshold and tie-id compares, label test, selects); per dimension in the forward (two
+#: scalings, max, shift, sum) and in a score-gradient sweep (two scalings, shift, row weight, label select, both
+#: inverse norms, conversion); per dimension in the first Matryoshka sweep also the radial term, its row and
+#: column sums and the running segment sum.
+MASK_OPS, FWD_OPS, GRAD_OPS, RADIAL_OPS = 8, 5, 9, 5
 
 
 def _passes(dtype: torch.dtype) -> int:
@@ -107,29 +134,51 @@ def _passes(dtype: torch.dtype) -> int:
 
 
 def estimate(kernel: str, scores: float, dim: int, dim_g: int, dtype: torch.dtype, guide_dtype: torch.dtype,
-             tiles: dict, chunk_rows: int, machine: Machine) -> tuple[float, str]:
-    """Estimated ms of ``kernel`` over ``scores`` score entries (see the module docstring), and its bound."""
+             tiles: dict, chunk_rows: int, machine: Machine, dims: tuple[int, ...] | None = None) -> tuple[float, str]:
+    """Estimated ms of ``kernel`` over ``scores`` score entries (see the module docstring), and its bound.
+
+    ``dims``: the Matryoshka dimensions, ascending, the largest ``dim`` (default: ``dim`` alone).
+    """
+    dims = dims or (dim,)
+    n = len(dims)
     s, s_g = torch.finfo(dtype).bits / 8, torch.finfo(guide_dtype).bits / 8
     bm, bn = tiles["BLOCK_M"], tiles["BLOCK_N"]
-    student = 2 * dim * _passes(dtype) / (machine.triton_eff * machine.rate(dtype))
+    # the score-gradient kernel's second sweep (Matryoshka): the prefixes again, up to the second-largest dimension
+    swept = dim + (dims[-2] if n > 1 else 0) if kernel == "score_grad" else dim
+    student = 2 * swept * _passes(dtype) / (machine.triton_eff * machine.rate(dtype))
     guide = 2 * dim_g * _passes(guide_dtype) / (machine.triton_eff * machine.rate(guide_dtype))
-    tile_bytes = (1 / bm + 1 / bn) * (dim * s + dim_g * s_g)
+    tile_bytes = (1 / bm + 1 / bn) * (swept * s + dim_g * s_g)
     split = 2 if _passes(dtype) == 3 else 1
+    sweeps = 2 * n - 1 if kernel == "score_grad" else n  # dimensions whose logits a sweep exponentiates
+    ops = MASK_OPS + sweeps * (FWD_OPS if kernel == "fwd" else GRAD_OPS) + (n * RADIAL_OPS if n > 1 else 0)
+    elementwise = sweeps / machine.mufu + ops / machine.alu  # issued by the same warps as the products
     if kernel == "fwd":
-        parts = {"compute": student + guide, "l2": tile_bytes / machine.l2}
+        parts = {"compute": student + guide + elementwise, "l2": tile_bytes / machine.l2}
     elif kernel == "score_grad":
-        parts = {"compute": student + guide, "l2": tile_bytes / machine.l2, "hbm": split * s / machine.hbm}
-    elif kernel == "gemms":
-        compute = 4 * dim * _passes(dtype) / (machine.cublas_eff * machine.rate(dtype))
-        parts = {"compute": compute, "hbm": (2 * split * s + 8 * dim / chunk_rows) / machine.hbm}
+        parts = {"compute": student + guide + elementwise, "l2": tile_bytes / machine.l2,
+                 "hbm": n * split * s / machine.hbm}
+    elif kernel == "gemms":  # one pair of GEMMs per segment, each bound by its own limit
+        per_segment = []
+        for width in (hi - lo for lo, hi in zip((0, *dims[:-1]), dims)):
+            compute = 4 * width * _passes(dtype) / (machine.cublas_eff * machine.rate(dtype))
+            per_segment.append({"compute": compute, "hbm": (2 * split * s + 8 * width / chunk_rows) / machine.hbm})
+        bounds = sorted({max(p, key=p.get) for p in per_segment})
+        return sum(max(p.values()) for p in per_segment) * scores * 1e3, "+".join(bounds)
     elif kernel in ("fused_rows", "fused_cols"):
+        if n > 1:
+            raise ValueError("the fused backward computes one dimension")
         across, along = (bn, bm) if kernel == "fused_rows" else (bm, bn)
         extra = 8 * dim / across + dim * s / along
-        parts = {"compute": 2 * student + guide, "l2": (tile_bytes + extra) / machine.l2}
+        parts = {"compute": 2 * student + guide + elementwise, "l2": (tile_bytes + extra) / machine.l2}
     else:
         raise ValueError(kernel)
     bound = max(parts, key=parts.get)
     return parts[bound] * scores * 1e3, bound
+
+
+def matryoshka_dims(dim: int) -> tuple[int, ...]:
+    """The check's Matryoshka dimensions for a student of ``dim``, ascending: 64/128/256/512/768 at 768."""
+    return (dim // 12, dim // 6, dim // 3, 2 * dim // 3, dim)
 
 
 def timed(fn: Callable[[], object], quick: bool = False) -> tuple[float, float, float]:
@@ -152,8 +201,8 @@ def _row(impl, op, batch, n_cand, dim, dim_g, k, dtype_name, times, peak_mb=0.0,
 
 
 def _vs(measured_ms: float, est_ms: float, est_cal_ms: float | None = None) -> str:
-    cal = f" est_cal={est_cal_ms:.2f}ms" if est_cal_ms is not None else ""
-    return f"est={est_ms:.2f}ms{cal} measured/est={measured_ms / est_ms:.2f}"
+    cal = f" est_cal={est_cal_ms:.4g}ms" if est_cal_ms is not None else ""
+    return f"est={est_ms:.4g}ms{cal} measured/est={measured_ms / est_ms:.3g}"
 
 
 # -- calibrations -----------------------------------------------------------------------------------------------
@@ -258,16 +307,29 @@ def tie_id_rows(batch: int, dim_g: int, dtype: torch.dtype, dtype_name: str) -> 
 # -- the loss stage, per kernel and per block --------------------------------------------------------------------
 
 
-def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: dict[str, Machine]) -> list[dict]:
-    """Per-kernel and per-block times of both backwards at one size, the totals, the pick and the peak memory."""
+def _options(dims: tuple[int, ...] | None) -> GistOptions:
+    return OPTIONS if dims is None else dataclasses.replace(OPTIONS, matryoshka_dims=dims[::-1])
+
+
+def _method_name(method: str, dims: tuple[int, ...] | None) -> str:
+    return method if dims is None else f"{method}-mat{len(dims)}"
+
+
+def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: dict[str, Machine],
+               dims: tuple[int, ...] | None = None) -> list[dict]:
+    """Per-kernel and per-block times of both backwards at one size, the totals, the pick and the peak memory.
+
+    With Matryoshka ``dims`` (ascending), the GEMM backward only (the fused one computes one dimension).
+    """
     dtype, guide_dtype = PAIRS[pair]
     student, guide = make_embeddings(batch, batch, dim, dim_g, k, device=DEVICE, dtype=dtype)
     guide = [g.to(guide_dtype) for g in guide]
+    options = _options(dims)
     rows: list[dict] = []
 
     def add(impl, op, times, est_kernel=None, scores=0.0, tiles=None, chunk_rows=1, peak=0.0, note=""):
         if est_kernel is not None:
-            ests = {name: estimate(est_kernel, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, m)
+            ests = {name: estimate(est_kernel, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, m, dims)
                     for name, m in machines.items()}
             est, bound = ests["spec"]
             note = f"{_vs(times[0], est, ests['calibrated'][0] if 'calibrated' in ests else None)} bound={bound} {note}"
@@ -275,18 +337,19 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         print(_format([rows[-1]], header=False), flush=True)
         return rows[-1]
 
-    for tile_set, method in (("gemm", "gemm"), ("fused", "fused")):
-        loss, state = gist_forward(student, guide, OPTIONS, tile_set=tile_set)  # tunes the forward
+    for tile_set, method in (("gemm", "gemm"),) + ((("fused", "fused"),) if dims is None else ()):
+        name = _method_name(method, dims)
+        loss, state = gist_forward(student, guide, options, tile_set=tile_set)  # tunes the forward
         tiles = state.tiles
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
         work = BackwardWork(state)
         totals = {"fwd": 0.0, "bwd": 0.0, "est_fwd": 0.0, "est_bwd": 0.0}
         for block in state.blocks:
             scores = block.rows.x.shape[0] * block.cols.x.shape[0]
-            fwd = add(f"triton/{method}", f"fwd {block.kind}", timed(lambda: forward_block(state, block)), "fwd",
+            fwd = add(f"triton/{name}", f"fwd {block.kind}", timed(lambda: forward_block(state, block)), "fwd",
                       scores, tiles, note=f"pick={pick}")
             totals["fwd"] += fwd["median_ms"]
-            totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC)[0]
+            totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC, dims)[0]
             if method == "gemm":
                 chunks = work.chunks(block)
                 chunk_rows = work.buffers()[0].rows
@@ -299,10 +362,12 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
                     for chunk in chunks:
                         work.chunk_gemms(block, *chunk)
 
-                parts = [add("triton/gemm", f"bwd {block.kind} score-grad", timed(score_grads), "score_grad", scores,
-                             tiles, chunk_rows, note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
-                         add("triton/gemm", f"bwd {block.kind} gemms", timed(gemms), "gemms", scores, tiles, chunk_rows)]
-                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC)[0]
+                parts = [add(f"triton/{name}", f"bwd {block.kind} score-grad", timed(score_grads), "score_grad",
+                             scores, tiles, chunk_rows,
+                             note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
+                         add(f"triton/{name}", f"bwd {block.kind} gemms", timed(gemms), "gemms", scores, tiles,
+                             chunk_rows)]
+                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, dims)[0]
                         for kind in ("score_grad", "gemms")]
             else:
                 parts = [add("triton/fused", f"bwd {block.kind} {side} pass", timed(lambda f=f: f(block)), kind, scores,
@@ -313,23 +378,23 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
             totals["bwd"] += sum(p["median_ms"] for p in parts)
             totals["est_bwd"] += sum(ests)
         del work, state, loss
-        add(f"triton/{method}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
+        add(f"triton/{name}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
             note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
-        add(f"triton/{method}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
+        add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
 
         def stage(method=method, tile_set=tile_set):
-            loss, state = gist_forward(student, guide, OPTIONS, tile_set=tile_set)
+            loss, state = gist_forward(student, guide, options, tile_set=tile_set)
             return loss, BackwardWork(state).run(method)
 
         stage()
         _, peak = measure_once(stage, DEVICE)
         times = timed(stage, quick=True)
-        add(f"triton/{method}", "fwd+bwd", times, peak=peak,
+        add(f"triton/{name}", "fwd+bwd", times, peak=peak,
             note=f"{_vs(times[0], totals['est_fwd'] + totals['est_bwd'])} "
                  f"est_peak={_estimated_peak_mb(batch, dim, k, dtype):.0f}MB pick={pick}")
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
-    if batch <= ST_MAX_BATCH:
+    if batch <= ST_MAX_BATCH and dims is None:
         rows += reference_rows(batch, dim, dim_g, k, pair, student, guide)
     return rows
 
@@ -378,33 +443,49 @@ def reference_rows(batch, dim, dim_g, k, pair, student, guide) -> list[dict]:
     return rows
 
 
-def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str) -> list[dict]:
+def _chunk_rows(batch: int, tiles: dict, n_dims: int, dtype: torch.dtype) -> int:
+    """Rows of a GEMM-backward chunk at B = N by the launcher's own plan, with the default budget on an H200 (1 GiB)."""
+    parts = 2 if _passes(dtype) == 3 else 1
+    return chunk_plan(batch, batch, tiles, n_dims, parts * torch.finfo(dtype).bits // 8, 4, 2**30, DEVICE,
+                      (2**31 - 1) // (n_dims * parts)).rows
+
+
+def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str,
+                    dims: tuple[int, ...] | None = None) -> list[dict]:
     """The estimates of one size by count alone (``SPEC``), with the largest tile of each set taken as the pick.
 
-    Chunk rows follow the default budget on an H200 (1 GiB): ``2^30 / (N * operand bytes)``.
+    With Matryoshka ``dims`` (ascending), also the GEMM backward over those dimensions and its ratio to one.
     """
     from cgist.kernels.gist import tile_configs
     from cgist.kernels.launch import input_precision
 
     dtype, guide_dtype = PAIRS[pair]
     n_cols = [batch, batch, batch] + [batch] * k  # AP, AA, PP, AN (B = N)
-    entry = torch.finfo(dtype).bits // 8 * (2 if _passes(dtype) == 3 else 1)
-    chunk_rows = min(batch, 2**30 // (batch * entry))
-    rows = []
-    for method, tile_set, kernels in (("gemm", "gemm", ("fwd", "score_grad", "gemms")),
-                                      ("fused", "fused", ("fwd", "fused_rows", "fused_cols"))):
-        config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), 1, tile_set,
-                              9, interpret=False)[0]
+    rows, totals = [], {}
+    runs = [("gemm", "gemm", ("fwd", "score_grad", "gemms"), None),
+            ("fused", "fused", ("fwd", "fused_rows", "fused_cols"), None)]
+    if dims is not None:
+        runs.append(("gemm", "gemm", ("fwd", "score_grad", "gemms"), dims))
+    for method, tile_set, kernels, run_dims in runs:
+        n_dims = len(run_dims or (dim,))
+        config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), n_dims,
+                              tile_set, 9, interpret=False)[0]
         tiles = config.kwargs
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**tiles)
+        chunk_rows = _chunk_rows(batch, tiles, n_dims, dtype)
+        name = f"estimate/{_method_name(method, run_dims)}"
         total = 0.0
         for kernel in kernels:
-            ms, bound = estimate(kernel, batch * sum(n_cols), dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC)
+            ms, bound = estimate(kernel, batch * sum(n_cols), dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC,
+                                 run_dims)
             total += ms
-            rows.append(_row(f"estimate/{method}", kernel, batch, batch, dim, dim_g, k, pair, (ms,) * 3,
+            rows.append(_row(name, kernel, batch, batch, dim, dim_g, k, pair, (ms,) * 3,
                              note=f"bound={bound} tiles={pick} chunk_rows={chunk_rows}"))
-        rows.append(_row(f"estimate/{method}", "fwd+bwd", batch, batch, dim, dim_g, k, pair, (total,) * 3,
-                         note=f"tiles={pick}"))
+        totals[name] = total
+        note = f"tiles={pick}"
+        if run_dims is not None:
+            note += f" dims={'/'.join(map(str, run_dims[::-1]))} vs_one_dim={total / totals['estimate/gemm']:.2f}"
+        rows.append(_row(name, "fwd+bwd", batch, batch, dim, dim_g, k, pair, (total,) * 3, note=note))
     return rows
 
 
@@ -417,6 +498,8 @@ def warmup(pairs: list[str], dim: int, dim_g: int, k: int) -> None:
         gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
         _, state = gist_forward(student, guide, OPTIONS, tile_set="fused")
         BackwardWork(state).run("fused")
+        if (pair, True) in {(p, mat) for p, _, mat in CHECK_ORDER}:
+            gist_loss_and_grads(student, guide, _options(matryoshka_dims(dim)), need_grads=True)
         print(f"warm: {pair}", flush=True)
 
 
@@ -426,7 +509,7 @@ def summary(rows: list[dict]) -> str:
     shapes = sorted({f"D={r['D']}, Dg={r['Dg']}, k={r['k']}" for r in stage.values()})
     lines = [f"loss stage fwd+bwd ({'; '.join(shapes)}), measured against the estimate by count:"]
     for (impl, pair, batch), r in sorted(stage.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
-        lines.append(f"  {pair:10} B={batch:<6} {impl:13} {r['median_ms']:9.2f} ms  peak {r['peak_mb']:8.0f} MB  {r['note']}")
+        lines.append(f"  {pair:10} B={batch:<6} {impl:16} {r['median_ms']:9.2f} ms  peak {r['peak_mb']:8.0f} MB  {r['note']}")
     big = max((b for _, _, b in stage), default=None)
     bf16 = stage.get(("triton/gemm", "bf16", big))
     fp32 = stage.get(("triton/gemm", "fp32", big))
@@ -439,7 +522,20 @@ def summary(rows: list[dict]) -> str:
     if bf16 is not None and fp32 is not None:
         ratio = fp32["median_ms"] / bf16["median_ms"]
         lines.append(f"target: fp32 (tf32x3) <= 2x bf16 at B={big}: {ratio:.2f}x ({'met' if ratio <= 2 else 'missed'})")
+    for (impl, pair, batch), r in sorted(stage.items(), key=lambda item: (item[0][1], -item[0][2])):
+        one = stage.get(("triton/gemm", pair, batch))
+        if "-mat" not in impl or one is None:
+            continue
+        ratio, est_ratio = r["median_ms"] / one["median_ms"], _estimated_ms(r) / _estimated_ms(one)
+        lines.append(f"target: {impl.split('-mat')[1]} Matryoshka dims <= {MATRYOSHKA_TARGET}x one dimension "
+                     f"({pair}, B={batch}): {ratio:.2f}x measured, {est_ratio:.2f}x by count "
+                     f"({'met' if ratio <= MATRYOSHKA_TARGET else 'missed'})")
     return "\n".join(lines)
+
+
+def _estimated_ms(row: dict) -> float:
+    """The spec estimate a measured row carries in its note (``est=...ms``)."""
+    return float(re.search(r"\best=([0-9.e+-]+)ms", row["note"]).group(1))
 
 
 def _format(rows: list[dict], header: bool = True) -> str:
@@ -474,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.suite == "estimates":
         rows = [r for pair in (args.dtype or ["bf16", "fp32", "bf16+fp32"]) for batch in (args.batch or [16384, 65536])
-                for r in paper_estimates(batch, args.dim, args.guide_dim, args.negatives, pair)]
+                for r in paper_estimates(batch, args.dim, args.guide_dim, args.negatives, pair,
+                                         matryoshka_dims(args.dim))]
         print(_format(rows))
         return 0
 
@@ -482,19 +579,21 @@ def main(argv: list[str] | None = None) -> int:
     rows, calibrated = calibrations(args.mm_size, args.copy_mib * 2**20, args.l2_kib * 1024, args.l2_reps)
     print(_format(rows), flush=True)
     machines = {"spec": SPEC, "calibrated": calibrated}
-    if args.batch:
-        runs = [(pair, batch) for pair in pairs for batch in args.batch]
+    if args.batch:  # the check adds Matryoshka for the first pair
+        runs = [(pair, batch, False) for pair in pairs for batch in args.batch]
+        runs += [(pairs[0], batch, True) for batch in args.batch if args.suite == "check"]
     elif args.suite == "check":  # what settles the design first, in case the time budget runs out
         runs = [run for run in CHECK_ORDER if run[0] in pairs]
     else:
-        runs = [(pair, batch) for pair in pairs for batch in (4096, 16384)]
-    rows += tie_id_rows(max(batch for _, batch in runs), args.guide_dim, torch.float32, "fp32")
+        runs = [(pair, batch, False) for pair in pairs for batch in (4096, 16384)]
+    rows += tie_id_rows(max(batch for _, batch, _ in runs), args.guide_dim, torch.float32, "fp32")
     skipped = []
-    for pair, batch in runs:
+    for pair, batch, matryoshka in runs:
         if time.time() - start > args.budget_s:
-            skipped.append(f"{pair} B={batch}")
+            skipped.append(f"{pair} B={batch}{' Matryoshka' if matryoshka else ''}")
             continue
-        rows += stage_rows(batch, args.dim, args.guide_dim, args.negatives, pair, machines)
+        rows += stage_rows(batch, args.dim, args.guide_dim, args.negatives, pair, machines,
+                           matryoshka_dims(args.dim) if matryoshka else None)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
     name = "gpu_check" if args.suite == "check" else "kernel_bench"

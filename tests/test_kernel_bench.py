@@ -43,6 +43,34 @@ def test_larger_tiles_and_the_gemm_backward_cut_the_estimate(bench):
     assert rows["estimate/gemm", "fwd+bwd"] <= 250 < rows["estimate/fused", "fwd+bwd"]
 
 
+def test_matryoshka_estimate_counts_each_dimension(bench):
+    """One dimension given as ``dims`` is the one-dimension count; five add the second sweep and the segment GEMMs."""
+    tiles = {"BLOCK_M": 64, "BLOCK_N": 64}
+    args = (65536 * 65536 * 4, 768, 384, torch.bfloat16, torch.bfloat16, tiles, 1536, bench.SPEC)
+    dims = bench.matryoshka_dims(768)
+    assert dims == (64, 128, 256, 512, 768)
+    for kernel in ("fwd", "score_grad", "gemms"):
+        assert bench.estimate(kernel, *args, dims=(768,)) == bench.estimate(kernel, *args)
+    # both L2-bound at 64 x 64: the second sweep reads the student prefixes up to 512 again
+    (one, one_bound), (five, five_bound) = (bench.estimate("score_grad", *args, dims=d) for d in (None, dims))
+    assert one_bound == five_bound == "l2"
+    assert five / one == pytest.approx((2 * (768 + 512) + 2 * 384) / (2 * 768 + 2 * 384))
+    # the segments cover D once: more than one pair of GEMMs (the narrow ones read F at HBM speed), far below five
+    gemms_one, gemms_five = (bench.estimate("gemms", *args, dims=d)[0] for d in (None, dims))
+    assert gemms_one < gemms_five < 2 * gemms_one
+    with pytest.raises(ValueError, match="one dimension"):
+        bench.estimate("fused_rows", *args, dims=dims)
+
+
+def test_paper_estimates_give_the_matryoshka_ratio(bench):
+    rows = {(r["impl"], r["op"]): r for r in bench.paper_estimates(65536, 768, 384, 1, "bf16", (64, 128, 256, 512, 768))}
+    one, five = rows["estimate/gemm", "fwd+bwd"], rows["estimate/gemm-mat5", "fwd+bwd"]
+    assert f"vs_one_dim={five['median_ms'] / one['median_ms']:.2f}" in five["note"]
+    assert "tiles=64x64x64" in five["note"]  # the Matryoshka tiles (a second tile in the score-gradient kernel)
+    assert five["median_ms"] == pytest.approx(sum(rows["estimate/gemm-mat5", k]["median_ms"]
+                                                  for k in ("fwd", "score_grad", "gemms")))
+
+
 def test_check_smoke(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
@@ -64,6 +92,11 @@ def test_check_smoke(tmp_path):
         total = next(r for r in rows if r["impl"] == f"triton/{method}" and r["op"] == "fwd+bwd")
         assert "est=" in total["note"] and "pick=" in total["note"] and "est_peak=" in total["note"]
         assert float(total["median_ms"]) > 0
+    for kind in ("ap", "aa", "pp", "an"):  # Matryoshka (five dimensions), GEMM backward
+        assert {("triton/gemm-mat5", f"fwd {kind}"), ("triton/gemm-mat5", f"bwd {kind} score-grad"),
+                ("triton/gemm-mat5", f"bwd {kind} gemms")} <= ops
+    assert ("triton/gemm-mat5", "fwd+bwd") in ops and ("triton/fused-mat5", "fwd+bwd") not in ops
+    assert "target: 5 Matryoshka dims <= 1.6x one dimension (fp32, B=24)" in proc.stdout
     assert {("streaming", "fwd+bwd"), ("sentence-transformers", "fwd+bwd")} <= ops
     assert all("measured/est=" in r["note"] for r in rows if r["impl"].startswith("triton/") and " " in r["op"])
     assert "target: bf16" not in proc.stdout and "loss stage fwd+bwd (D=16, Dg=8, k=1)" in proc.stdout
