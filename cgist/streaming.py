@@ -530,11 +530,8 @@ class _RowBlock:
 
 def _copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
     """``out`` (rows x w) filled with the first w components of the row chunks, one after the other."""
-    start = 0
-    for chunk in chunks:
-        out[start : start + chunk.shape[0]].copy_(chunk[:, : out.shape[1]])
-        start += chunk.shape[0]
-    return out
+    width = out.shape[1]
+    return torch.cat([c if c.shape[1] == width else c[:, :width] for c in chunks], out=out)
 
 
 def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
