@@ -23,6 +23,10 @@ These providers are measured only when ``--providers`` names them:
 * ``cgist-torch-nostats``  ``cgist-torch``'s work without the guide's mask statistics: the same ``torch.cat``
                     of the leaves, then ``cgist.gist_loss(..., backend="torch")`` (``return_stats=False``) and
                     its ``.backward()``; ``cgist-torch`` over it is the statistics' overhead, a line under the table;
+* ``cgist-torch-core``  ``cgist-torch``'s own work without GradCache's mini-batches and autograd: the streaming
+                    path's ``gist_loss_and_grads`` on the whole columns (``need_grads``, ``need_stats``), no
+                    leaves to hand gradients to; ``cgist-torch`` over it is what the chunks, the input checks
+                    and the hand-back cost, a line under the table;
 * ``mat-fused``     the loss stage of ``MatryoshkaLoss(model, FusedCachedGISTLoss(backend="torch"), dims)``: the
                     inner loss's decorated ``calculate_loss``, as the trainer calls it, all dimensions in one pass;
 * ``mat-loop``      the same with ``FusedMatryoshka``'s takeover disabled: sentence-transformers' loop over the
@@ -73,9 +77,12 @@ PROVIDERS = ("st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm")
 BASELINES = ("st", "st-cos_sim")
 LIMIT = "gemm"
 NOSTATS = "cgist-torch-nostats"
+CORE = "cgist-torch-core"
 MATRYOSHKA = ("mat-st-cos_sim", "mat-loop", "mat-fused")
 #: Every provider, in table and plot order.
-ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, "cgist-triton", "dense", *MATRYOSHKA, LIMIT)
+ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, CORE, "cgist-triton", "dense", *MATRYOSHKA, LIMIT)
+#: Providers that take the whole columns, not GradCache's mini-batch leaves.
+WHOLE_COLUMNS = (CORE, LIMIT)
 #: Providers whose version is sentence-transformers'.
 ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim")
 OP = "fwd+bwd"
@@ -93,7 +100,7 @@ LEGEND = loss_stage_report.Legend(
     featured=("cgist-torch", "cgist-triton"),
     separate=MATRYOSHKA,
     speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")),),
-    overheads=(("statistics", "cgist-torch", NOSTATS),),
+    overheads=(("statistics", "cgist-torch", NOSTATS), ("mini-batches, checks and hand-back", "cgist-torch", CORE)),
     header=f"Loss stage {OP}, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32",
     title=f"CachedGIST loss stage, {OP}",
 )
@@ -207,8 +214,9 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
     elif impl == "dense":
         return on_concatenated(lambda student, guide: gist_loss_reference(student, guide, GistOptions(margin=MARGIN)))
     else:
-        stages = tuple(p for p in ALL_PROVIDERS if p != LIMIT)
-        raise ValueError(f"impl must be a loss stage, one of {stages}, got {impl!r} ({LIMIT}: gemm_step)")
+        stages = tuple(p for p in ALL_PROVIDERS if p not in WHOLE_COLUMNS)
+        raise ValueError(f"impl must be a loss stage, one of {stages}, got {impl!r} "
+                         f"({LIMIT}: gemm_step, {CORE}: core_step)")
     if impl in MATRYOSHKA:
         if not matryoshka_dims:
             raise ValueError(f"{impl} needs matryoshka_dims")
@@ -221,6 +229,16 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
             raise RuntimeError(f"{impl}: MatryoshkaLoss left a {type(loss.calculate_loss).__name__} "
                                f"as calculate_loss, expected a {expected.__name__}")
     return functools.partial(loss.calculate_loss, with_backward=True)
+
+
+def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
+    """A callable running the streaming path on the whole columns: loss, gradients and statistics, as
+    ``cgist-torch`` computes them, without mini-batch chunks, input checks or autograd."""
+    from cgist import streaming
+    from cgist.options import GistOptions
+
+    options = GistOptions(margin=MARGIN)
+    return functools.partial(streaming.gist_loss_and_grads, student, guide, options, need_grads=True, need_stats=True)
 
 
 def gemm_step(student: Sequence, guide: Sequence, *, seed: int = 0, rows: int = GEMM_ROWS) -> Callable[[], None]:
@@ -285,12 +303,14 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     device = torch.device(point.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    step = None if point.impl == LIMIT else make_step(point.impl, point.matryoshka_dims)
+    step = None if point.impl in WHOLE_COLUMNS else make_step(point.impl, point.matryoshka_dims)
     student, guide = common.make_embeddings(
         point.B, point.N, point.D, point.Dg, point.k, seed=settings.seed, device=device
     )
-    if step is None:
+    if point.impl == LIMIT:
         call = gemm_step(student, guide, seed=settings.seed)
+    elif point.impl == CORE:
+        call = core_step(student, guide)
     else:
         reps = common.split_leaves(student, MINI_BATCH_SIZE)
         reps_guided = common.split_detached(guide, MINI_BATCH_SIZE)

@@ -28,7 +28,7 @@ SCHEMA = ["impl", "op", "B", "N", "D", "Dg", "k", "dtype", "device",
           "median_ms", "p20_ms", "p80_ms", "peak_mb", "version"]
 PROVIDERS = ["st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm"]
 #: The providers of the second smoke test, in table order.
-EXTRA = ["cgist-torch", "cgist-torch-nostats", "mat-st-cos_sim", "mat-loop", "mat-fused", "gemm"]
+EXTRA = ["cgist-torch", "cgist-torch-nostats", "cgist-torch-core", "mat-st-cos_sim", "mat-loop", "mat-fused", "gemm"]
 MATRYOSHKA = ["mat-st-cos_sim", "mat-loop", "mat-fused"]
 SIZES = [24, 40]
 #: Table columns after the leading "|": B, D, k, impl, median, p20-p80, peak, then these.
@@ -156,15 +156,17 @@ def test_loss_stage_matryoshka_and_statistics_smoke(tmp_path):
               r"[0-9.]+x faster than mat-st-cos_sim"
     overhead = r"statistics overhead at B={}, D=16, k=1: [+-][0-9]+\.[0-9]% " \
                r"\(cgist-torch [0-9.]+ ms, cgist-torch-nostats [0-9.]+ ms\)"
-    assert len(under) == 2 * len(SIZES), under
-    for line, pattern in zip(under, [p.format(b) for b in SIZES for p in (speedup, overhead)]):
+    chunks = r"mini-batches, checks and hand-back overhead at B={}, D=16, k=1: [+-][0-9]+\.[0-9]% " \
+             r"\(cgist-torch [0-9.]+ ms, cgist-torch-core [0-9.]+ ms\)"
+    assert len(under) == 3 * len(SIZES), under
+    for line, pattern in zip(under, [p.format(b) for b in SIZES for p in (speedup, overhead, chunks)]):
         assert re.fullmatch(pattern, line), (line, pattern)
 
 
 @pytest.mark.parametrize("negatives", [0, 1], ids=["k0", "k1"])
 def test_compared_providers_do_the_same_work(bench, negatives):
-    """mat-fused, mat-loop and mat-st-cos_sim: the same Matryoshka loss and gradients; cgist-torch and
-    cgist-torch-nostats: the same loss and gradients."""
+    """mat-fused, mat-loop and mat-st-cos_sim: the same Matryoshka loss and gradients; cgist-torch,
+    cgist-torch-nostats and cgist-torch-core (on the whole columns): the same loss and gradients."""
     loss_stage, _ = bench
     student, guide = loss_stage.common.make_embeddings(40, 56, 24, 12, negatives, seed=3)
     groups = {("mat-fused", "mat-loop", "mat-st-cos_sim"): (24, 12, 5), ("cgist-torch", "cgist-torch-nostats"): ()}
@@ -175,6 +177,9 @@ def test_compared_providers_do_the_same_work(bench, negatives):
             reps_guided = loss_stage.common.split_detached(guide, loss_stage.MINI_BATCH_SIZE)
             loss = loss_stage.make_step(impl, dims)(reps, reps_guided)
             results.append((impl, loss, [torch.cat([leaf.grad for leaf in col]) for col in reps]))
+        if not dims:
+            loss, grads, _ = loss_stage.core_step(student, guide)()
+            results.append((loss_stage.CORE, loss, grads))
         (first, loss0, grads0), *rest = results
         for impl, loss, grads in rest:
             torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6, msg=f"{impl} vs {first}: loss")
