@@ -1,4 +1,5 @@
-"""Tests of bench/loss_stage.py (measuring), bench/loss_stage_report.py (reporting) and bench/stats_overhead.py.
+"""Tests of bench/loss_stage.py (measuring), bench/loss_stage_report.py (reporting), bench/stats_overhead.py
+and bench/phases.py.
 
 The smoke tests run tiny sweeps through the real command line (the default providers, then the
 Matryoshka and statistics providers), then ``--from-csv`` on a CSV, and check the outputs' shape,
@@ -300,3 +301,17 @@ def test_stats_overhead_smoke():
                          r"without ([\d.]+) ms, medians [+-][\d.]+%, median paired difference [+-][\d.]+%\n", proc.stdout)
     assert match and all(float(v) > 0 for v in match.groups()), proc.stdout
 
+
+
+def test_phases_smoke():
+    """bench/phases.py times every phase of the streaming call (each wrapper is reached) beside the GEMMs."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "phases.py"), "--batch", "48", "--dim", "16",
+                           "--calls", "2", "--threads", "1"], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header, rule, *rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert _cells(header)[1:-1] == ["B", "call", "GEMMs", "call / GEMMs", "set-up", "row blocks", "gradients", "rest"]
+    assert len(rows) == 1 and _cells(rows[0])[1] == "48"
+    call, gemm = (float(c) for c in _cells(rows[0])[2:4])
+    phases = [float(re.fullmatch(r"([\d.]+) \(\d+%\)", c).group(1)) for c in _cells(rows[0])[5:8]]
+    assert call > 0 and gemm > 0 and all(p > 0 for p in phases), rows[0]
