@@ -337,9 +337,9 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         print(_format([rows[-1]], header=False), flush=True)
         return rows[-1]
 
-    for tile_set, method in (("gemm", "gemm"),) + ((("fused", "fused"),) if dims is None else ()):
+    for method in ("gemm", "fused") if dims is None else ("gemm",):  # each backward with its forward's tile set
         name = _method_name(method, dims)
-        loss, state = gist_forward(student, guide, options, tile_set=tile_set)  # tunes the forward
+        loss, state = gist_forward(student, guide, options, tile_set=method)  # tunes the forward
         tiles = state.tiles
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
         work = BackwardWork(state)
@@ -382,8 +382,8 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
             note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
         add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
 
-        def stage(method=method, tile_set=tile_set):
-            loss, state = gist_forward(student, guide, options, tile_set=tile_set)
+        def stage(method=method):
+            loss, state = gist_forward(student, guide, options, tile_set=method)
             return loss, BackwardWork(state).run(method)
 
         stage()
@@ -462,14 +462,13 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str,
     dtype, guide_dtype = PAIRS[pair]
     n_cols = [batch, batch, batch] + [batch] * k  # AP, AA, PP, AN (B = N)
     rows, totals = [], {}
-    runs = [("gemm", "gemm", ("fwd", "score_grad", "gemms"), None),
-            ("fused", "fused", ("fwd", "fused_rows", "fused_cols"), None)]
+    runs = [("gemm", ("fwd", "score_grad", "gemms"), None), ("fused", ("fwd", "fused_rows", "fused_cols"), None)]
     if dims is not None:
-        runs.append(("gemm", "gemm", ("fwd", "score_grad", "gemms"), dims))
-    for method, tile_set, kernels, run_dims in runs:
+        runs.append(("gemm", ("fwd", "score_grad", "gemms"), dims))
+    for method, kernels, run_dims in runs:  # each backward with its forward's tile set
         n_dims = len(run_dims or (dim,))
         config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), n_dims,
-                              tile_set, 9, interpret=False)[0]
+                              method, 9, interpret=False)[0]
         tiles = config.kwargs
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**tiles)
         chunk_rows = _chunk_rows(batch, tiles, n_dims, dtype)
