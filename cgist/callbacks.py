@@ -15,10 +15,12 @@ __all__ = ["GuideStatsCallback", "stats_logs"]
 
 
 def stats_logs(stats: GistStats) -> dict[str, float]:
-    """The ``guide/...`` log entries of ``stats``: masked fractions per block, positive-only share, mean theta."""
+    """The ``guide/...`` log entries of ``stats``: masked fractions per block, positive-only share, mean theta (with
+    a guide)."""
     logs = {f"guide/masked_{block}": stats.masked_fraction(block) for block in BLOCKS if block in stats.candidates}
     logs["guide/positive_only"] = stats.positive_only_fraction
-    logs["guide/theta_mean"] = stats.theta_mean
+    if stats.theta_mean is not None:
+        logs["guide/theta_mean"] = stats.theta_mean
     return logs
 
 

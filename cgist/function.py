@@ -7,6 +7,8 @@ stored gradients by ``grad_output``. Validation happens here, once, before any b
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -15,16 +17,23 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import streaming
-from .numerics import compute_dtype
+from .devices import device_kind, gpu_arch
+from .numerics import compute_dtype, rank_ids
 from .options import GistOptions
 from .stats import GistStats
 
-__all__ = ["BACKENDS", "GistLossFunction", "check_embeddings", "gist_loss", "gist_loss_with_options"]
+__all__ = [
+    "BACKENDS", "BACKEND_ENV", "GistLossFunction", "auto_route", "check_embeddings", "gist_loss", "gist_loss_with_options",
+    "requested_backend", "select_backend",
+]
 
 BACKENDS = ("auto", "torch", "triton")
 
+logger = logging.getLogger(__name__)
+
 #: A backend: ``(embeddings, guide_embeddings, options, *, need_grads, need_stats)`` ->
-#: ``(loss, grads or None, counters or None)``, counters as in ``cgist.numerics.STATS_FIELDS``. Each column
+#: ``(loss, grads or None, counters or None)``, counters ``(counts, sums)`` as in ``cgist.numerics.COUNT_FIELDS``
+#: and ``SUM_FIELDS``. Each column
 #: is a tensor or a list of row chunks; each gradient is its whole column's.
 Backend = Callable[..., tuple[Tensor, "list[Tensor] | None", "Tensor | None"]]
 
@@ -86,16 +95,41 @@ def rows(chunks: Sequence[Tensor]) -> int:
     return sum(t.shape[0] for t in chunks)
 
 
+def check_text_ids(text_ids: object, student: list[list[Tensor]]) -> list[Tensor]:
+    """``text_ids`` checked against the student columns: one integer tensor of one id per row for each column, on
+    the embeddings' device. Returns them as int32 ids, equal exactly where the given ids are equal."""
+    if isinstance(text_ids, (Tensor, str, bytes)) or not isinstance(text_ids, Sequence):
+        raise TypeError(f"text_ids must be a list of 1-D integer tensors, one per column, got {type(text_ids).__name__}")
+    text_ids = list(text_ids)
+    if len(text_ids) != len(student):
+        raise ValueError(f"text_ids has {len(text_ids)} columns but embeddings has {len(student)}")
+    device = student[0][0].device
+    for i, (ids, column) in enumerate(zip(text_ids, student)):
+        where = f"text_ids[{i}] ({column_name(i)})"
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{where} must be an integer tensor, got "
+                            f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
+        if ids.shape != (rows(column),):
+            raise ValueError(f"{where} must hold one id per row, shape ({rows(column)},), got {tuple(ids.shape)}")
+        if ids.device != device:
+            raise ValueError(f"{where} is on {ids.device}, but the embeddings are on {device}")
+    return rank_ids([ids.to(torch.int64) for ids in text_ids])
+
+
 def check_embeddings(
     embeddings: object, guide_embeddings: object, options: GistOptions
-) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+) -> tuple[list[list[Tensor]], list[list[Tensor]] | None]:
     """Validate shapes, dtypes, devices, finiteness, the offset's range and the Matryoshka dimensions.
 
-    Returns both groups as lists of columns, each a list of row chunks (one for a column given whole).
+    Returns both groups as lists of columns, each a list of row chunks (one for a column given whole); the guide
+    is None when ``guide_embeddings`` is (no guide masking).
 
     Costs one host sync (the finiteness test), however many columns and chunks there are.
     """
     student = _check_group(embeddings, "embeddings")
+    if guide_embeddings is None:
+        _check_finite_and_shapes(student, [], options)
+        return student, None
     guide = _check_group(guide_embeddings, "guide_embeddings")
     if len(guide) != len(student):
         raise ValueError(
@@ -104,6 +138,12 @@ def check_embeddings(
     for i, (s, g) in enumerate(zip(student, guide)):
         if rows(g) != rows(s):
             raise ValueError(f"{_where('guide_embeddings', i)} has {rows(g)} rows, but embeddings[{i}] has {rows(s)}")
+    _check_finite_and_shapes(student, guide, options)
+    return student, guide
+
+
+def _check_finite_and_shapes(student: list[list[Tensor]], guide: list[list[Tensor]], options: GistOptions) -> None:
+    """One device, N >= B, the offset's range, the Matryoshka dimensions, and no NaN or infinity anywhere."""
     named = [(_where(arg, i) + (f" chunk {j}" if len(column) > 1 else ""), t)
              for arg, group in (("embeddings", student), ("guide_embeddings", guide))
              for i, column in enumerate(group) for j, t in enumerate(column)]
@@ -134,17 +174,18 @@ def check_embeddings(
         )
     # One host sync for all columns and chunks: a NaN or an infinity makes its chunk's sum non-finite (one
     # fast reduction per chunk). A sum can also overflow, so only a chunk with a non-finite sum gets the
-    # exact test, which names it. Each side's chunks share a dtype, so each side's sums stack as they are.
+    # exact test, which names it. Each side's chunks share a dtype, so each side's sums stack as they are, and
+    # the two sides meet in the wider of their sums' dtypes (float64 only when an input is float64).
     with torch.no_grad():
         n_student = sum(map(len, student))
-        sums = [torch.stack([t.sum(dtype=compute_dtype(t.dtype)) for _, t in side]).to(torch.float64)
-                for side in (named[:n_student], named[n_student:])]
+        sides = [side for side in (named[:n_student], named[n_student:]) if side]
+        wide = functools.reduce(torch.promote_types, (compute_dtype(side[0][1].dtype) for side in sides))
+        sums = [torch.stack([t.sum(dtype=compute_dtype(t.dtype)) for _, t in side]).to(wide) for side in sides]
     suspect = ~torch.cat(sums).isfinite()
     if bool(suspect.any()):
         for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
             if not bool(t.isfinite().all()):
                 raise ValueError(f"{where} contains NaN or infinite values")
-    return student, guide
 
 
 def _triton_backend() -> Backend:
@@ -156,27 +197,137 @@ def _triton_backend() -> Backend:
     return gist_loss_and_grads
 
 
-def select_backend(backend: object, device: torch.device) -> Backend:
-    """'auto' picks Triton for CUDA tensors and the PyTorch streaming path elsewhere."""
+#: ``(device, student dtype, guide dtype)`` -> the error with which the Triton kernels failed there: "auto" then
+#: takes the PyTorch streaming path for that pair on that device, for the rest of the process.
+_TRITON_FAILURES: dict[tuple[str, torch.dtype, torch.dtype], str] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    """``cuda:0`` for ``cuda`` too: one key per physical device."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _describe(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA A100-SXM4-80GB, sm_80)``, or the device itself off CUDA."""
+    if device.type != "cuda":
+        return str(device)
+    arch = gpu_arch(device)
+    return f"{_device_key(device)} ({torch.cuda.get_device_name(device)}, {arch.name if arch else 'unknown capability'})"
+
+
+def _device_route(device: torch.device) -> tuple[str, str]:
+    """``auto_route`` by the device alone."""
+    kind = device_kind(device)
+    if kind == "rocm":
+        return "torch", "ROCm: the Triton kernels are untested on AMD GPUs"
+    if kind != "cuda":
+        return "torch", f"{device.type} tensors"
+    arch = gpu_arch(device)
+    if arch is None or not arch.mma:
+        name = arch.name if arch else "this GPU"
+        return "torch", f"{name}: Triton has no tensor-core instructions below sm_80, cuBLAS products are faster"
+    return "triton", f"{arch.name}: Triton kernels"
+
+
+def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> tuple[str, str]:
+    """The backend ``"auto"`` takes for this device and dtype pair, ``"triton"`` or ``"torch"``, and why.
+
+    Triton runs on NVIDIA GPUs of sm_80 and newer. Below sm_80 Triton emits no tensor-core instructions
+    (its ``tl.dot`` becomes FMA loops), so the streaming path's cuBLAS products are at least as fast there;
+    ROCm devices, where the kernels are untested, and every other device type take the streaming path too,
+    as does a pair whose kernels failed on this device before (``_TRITON_FAILURES``), and every pair when
+    Triton cannot be imported.
+    """
+    route = _device_route(device)
+    if route[0] == "torch":
+        return route
+    failure = _TRITON_FAILURES.get((_device_key(device), dtype, guide_dtype))
+    if failure is not None:
+        return "torch", f"the Triton kernels failed here earlier ({failure})"
+    try:
+        _triton_backend()
+    except RuntimeError as err:
+        return "torch", str(err).replace("backend='triton' is", "Triton is")
+    return route
+
+
+def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> Backend:
+    """``run`` (the Triton launcher), falling back to the streaming path when a kernel fails to build or launch.
+
+    The failure is logged once, naming the device, the dtype pair and the error, and remembered, so that later
+    calls with this pair on this device go straight to the streaming path. Running out of GPU memory is not a
+    kernel failure and is raised as it is.
+    """
+
+    def run_or_fall_back(embeddings, guide_embeddings, options, *, need_grads, need_stats):
+        try:
+            return run(embeddings, guide_embeddings, options, need_grads=need_grads, need_stats=need_stats)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any build or launch error: keep training on the PyTorch path
+            message = f"{type(err).__name__}: {err}".strip()
+            _TRITON_FAILURES[(_device_key(device), dtype, guide_dtype)] = message.splitlines()[0][:300]
+            logger.warning(
+                "cgist: the Triton kernels failed on %s for %s embeddings with a %s guide (%s); this and later calls "
+                "with these dtypes on this device use the PyTorch streaming path (backend='triton' raises instead)",
+                _describe(device), _dtype_name(dtype), _dtype_name(guide_dtype), message,
+            )
+        return streaming.gist_loss_and_grads(embeddings, guide_embeddings, options, need_grads=need_grads,
+                                             need_stats=need_stats)
+
+    return run_or_fall_back
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+#: The environment variable that overrides ``backend="auto"``.
+BACKEND_ENV = "CGIST_BACKEND"
+
+
+def requested_backend(backend: object) -> str:
+    """``backend``, validated; ``"auto"`` becomes ``$CGIST_BACKEND`` when that is set (``torch``/``triton``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return streaming.gist_loss_and_grads
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before importing "
-            "cgist, or use backend='torch'"
-        )
     if backend == "auto":
-        try:
-            return _triton_backend()
-        except RuntimeError:
-            return streaming.gist_loss_and_grads
-    return _triton_backend()
+        override = os.environ.get(BACKEND_ENV, "").strip()
+        if override:
+            if override not in BACKENDS:
+                raise ValueError(f"the environment variable {BACKEND_ENV} must be one of {BACKENDS} (or unset), "
+                                 f"got {override!r}")
+            return override
+    return backend
+
+
+def select_backend(backend: object, device: torch.device, dtype: torch.dtype = torch.float32,
+                   guide_dtype: torch.dtype | None = None) -> Backend:
+    """The backend function for ``backend`` on ``device`` with this dtype pair (see ``auto_route`` for "auto").
+
+    ``"triton"`` raises when the launcher cannot run here; ``"auto"`` never does, and falls back to the
+    streaming path if a kernel fails (``_with_fallback``).
+    """
+    backend = requested_backend(backend)
+    guide_dtype = dtype if guide_dtype is None else guide_dtype
+    if backend == "torch":
+        return streaming.gist_loss_and_grads
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "importing cgist, or use backend='torch'"
+            )
+        return _triton_backend()
+    if auto_route(device, dtype, guide_dtype)[0] == "torch":
+        return streaming.gist_loss_and_grads
+    return _with_fallback(_triton_backend(), device, dtype, guide_dtype)
 
 
 class GistLossFunction(torch.autograd.Function):
-    """Autograd node: forward returns the loss (and the mask counters); backward scales the kept gradients.
+    """Autograd node: forward returns the loss and the mask counters (counts, sums); backward scales the kept
+    gradients.
 
     ``tensors`` are the row chunks of the student columns, then of the guide columns; ``layout`` gives each
     column's number of chunks, student columns first (``n_cols`` of them). The backends take the columns
@@ -185,61 +336,104 @@ class GistLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, backend: Backend, options: GistOptions, layout: tuple[int, ...], n_cols: int, need_grads: bool,
-                need_stats: bool, *tensors: Tensor) -> tuple[Tensor, Tensor]:
+                need_stats: bool, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         columns, start = [], 0
         for n in layout:
             columns.append(list(tensors[start : start + n]))
             start += n
-        loss, grads, counters = backend(columns[:n_cols], columns[n_cols:], options, need_grads=need_grads,
-                                        need_stats=need_stats)
+        guide = columns[n_cols:] or None  # no guide columns: no guide masking
+        loss, grads, counters = backend(columns[:n_cols], guide, options, need_grads=need_grads, need_stats=need_stats)
         ctx.chunk_rows = [[t.shape[0] for t in column] for column in columns[:n_cols]]
         ctx.n_guide_chunks = sum(layout[n_cols:])
         if grads is not None:
             ctx.save_for_backward(*grads)
-        counters = counters if counters is not None else loss.new_zeros(0)
-        ctx.mark_non_differentiable(counters)
-        return loss, counters
+        counts, sums = counters if counters is not None else (loss.new_zeros(0, dtype=torch.int64), loss.new_zeros(0))
+        ctx.mark_non_differentiable(counts, sums)
+        return loss, counts, sums
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor, _grad_counters: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_output: Tensor, _grad_counts: Tensor, _grad_sums: Tensor) -> tuple[Tensor | None, ...]:
         grads = [chunk for g, sizes in zip(ctx.saved_tensors, ctx.chunk_rows)
                  for chunk in (g * grad_output.to(g.dtype)).split(sizes)]
         return (None,) * 6 + (*grads, *([None] * ctx.n_guide_chunks))
 
 
+#: What ``guide_embeddings`` may be: the guide's columns, the student's own (``"self"``), or no guide (None).
+GUIDE_SOURCES = ("embeddings", "self", None)
+
+
+def guide_source(guide_embeddings: object) -> str | None:
+    """``"embeddings"``, ``"self"`` or None for a ``guide_embeddings`` argument; anything else is an error."""
+    if guide_embeddings is None:
+        return None
+    if isinstance(guide_embeddings, str):
+        if guide_embeddings != "self":
+            raise ValueError(f"guide_embeddings must be the guide's columns, 'self' or None, got {guide_embeddings!r}")
+        return "self"
+    return "embeddings"
+
+
+def default_masks(source: str | None, mask_self: bool | None, mask_duplicates: bool | None,
+                  have_text_ids: bool) -> tuple[bool, bool]:
+    """``mask_self`` and ``mask_duplicates`` with their defaults for a guide source (None: the default).
+
+    With the guide's own embeddings both are off, which is sentence-transformers' rule (self-pairs and duplicates
+    drop out only when the guide scores them above the threshold). With the student as its own guide, or no
+    guide, nothing masks them otherwise: ``mask_self`` defaults to on, and so does ``mask_duplicates`` when text
+    ids are given.
+    """
+    unguided = source != "embeddings"
+    mask_self = unguided if mask_self is None else mask_self
+    mask_duplicates = (unguided and have_text_ids) if mask_duplicates is None else mask_duplicates
+    return mask_self, mask_duplicates
+
+
 def gist_loss_with_options(
     embeddings: Sequence[Tensor | Sequence[Tensor]],
-    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | str | None,
     options: GistOptions,
     *,
     backend: str = "auto",
     return_stats: bool = False,
+    text_ids: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, GistStats]:
-    """``gist_loss`` with its loss options given as one validated ``GistOptions``."""
-    student, guide = check_embeddings(embeddings, guide_embeddings, options)
-    run = select_backend(backend, student[0][0].device)
+    """``gist_loss`` with its loss options given as one validated ``GistOptions`` (the masks already decided)."""
+    source = guide_source(guide_embeddings)
+    student, guide = check_embeddings(embeddings, guide_embeddings if source == "embeddings" else None, options)
+    if options.mask_duplicates and text_ids is None:
+        raise ValueError("mask_duplicates=True needs text_ids: one id per row of each column, equal for equal texts")
+    ids = check_text_ids(text_ids, student) if options.mask_duplicates else None
+    if source == "self":  # the student's own vectors, detached, are the guide
+        guide = student
+    guide_dtype = guide[0][0].dtype if guide is not None else student[0][0].dtype
+    run = select_backend(backend, student[0][0].device, student[0][0].dtype, guide_dtype)
+    if ids is not None:
+        run = functools.partial(run, text_ids=ids)
     need_grads = torch.is_grad_enabled() and any(t.requires_grad for column in student for t in column)
-    guide = [[g.detach() for g in column] for column in guide]
+    guide = [[g.detach() for g in column] for column in guide or []]
     layout = tuple(len(column) for column in student + guide)
     flat = [t for column in student + guide for t in column]
-    loss, counters = GistLossFunction.apply(run, options, layout, len(student), need_grads, return_stats, *flat)
+    loss, counts, sums = GistLossFunction.apply(run, options, layout, len(student), need_grads, return_stats, *flat)
     if not return_stats:
         return loss
-    stats = GistStats.from_counters(counters, batch=rows(student[0]), n_cand=rows(student[1]),
-                                    n_negatives=len(student) - 2, options=options)
+    stats = GistStats.from_counters(counts, sums, batch=rows(student[0]), n_cand=rows(student[1]),
+                                    n_negatives=len(student) - 2, options=options, guided=bool(guide))
     return loss, stats
 
 
 def gist_loss(
     embeddings: Sequence[Tensor | Sequence[Tensor]],
-    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | str | None,
     *,
     temperature: float = 0.01,
     margin: float = 0.0,
     margin_strategy: str = "absolute",
     contrast_anchors: bool = True,
     contrast_positives: bool = True,
+    mask_self: bool | None = None,
+    mask_duplicates: bool | None = None,
+    text_ids: Sequence[Tensor] | None = None,
     offset: int = 0,
     matryoshka_dims: Sequence[int] | None = None,
     matryoshka_weights: Sequence[float] | None = None,
@@ -253,34 +447,50 @@ def gist_loss(
         embeddings: ``[anchor (B x D), positive (N x D), *negatives (N x D)]`` from the student. A column
             may also be a list of tensors stacked by rows (GradCache's mini-batches): it is never
             concatenated into a copy on the PyTorch path, and each chunk gets its rows of the gradient.
-        guide_embeddings: the same columns embedded by the guide, in any dimension Dg. Never differentiated.
+        guide_embeddings: what masks false negatives: the same columns embedded by the guide, in any dimension
+            Dg (never differentiated); ``"self"``, the student's own embeddings, detached; or None, no guide
+            masking (InfoNCE over the chosen blocks).
         temperature: divides the cosine similarities before the softmax.
         margin, margin_strategy: candidate j of anchor i is masked when its guide score is strictly greater
             than ``theta_i - margin`` ("absolute") or ``theta_i - |theta_i| * margin`` ("relative"), where
             ``theta_i`` is the guide score of anchor i with its positive.
         contrast_anchors, contrast_positives: add the anchor-anchor and positive-positive blocks.
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i] (default: on for ``"self"`` and
+            None, off with guide embeddings, where the guide masks them as in sentence-transformers).
+        mask_duplicates: exclude every candidate whose text is that of anchor i or of its positive, whatever the
+            scores (the label stays); needs ``text_ids``. Default: on for ``"self"`` and None when ``text_ids``
+            are given, else off.
+        text_ids: one integer tensor per column, one id per row, equal exactly for equal texts (e.g.
+            ``cgist.numerics.token_fingerprints`` of the token ids); gathered like the candidates.
         offset: global row of this rank's first anchor among the candidates; anchor i's positive is
             candidate ``offset + i`` (``rank * B`` when candidates are gathered across ranks).
         matryoshka_dims, matryoshka_weights: the loss ``sum_d w_d * L_d`` of sentence-transformers'
             ``MatryoshkaLoss`` over these dimensions (student truncated to d and renormalised, guide as is),
             computed in one pass: the guide's scores and mask once, the student's from prefixes.
         block_bytes: bytes of score buffers held at once (None: a default for the device).
-        backend: "auto" (Triton on CUDA, PyTorch streaming elsewhere), "torch" or "triton".
-        return_stats: also return a ``GistStats`` of what the guide masked (one more host sync).
+        backend: "auto" (Triton on NVIDIA GPUs of sm_80 and newer, the PyTorch streaming path elsewhere, and
+            in place of a kernel that fails to build or launch; the environment variable ``CGIST_BACKEND``
+            overrides it), "torch" or "triton" (which raises where the kernels cannot run).
+        return_stats: also return a ``GistStats`` of what was masked (one more host sync).
 
     Returns:
         The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
         differentiable with respect to ``embeddings``; with ``return_stats``, ``(loss, stats)``.
     """
+    mask_self, mask_duplicates = default_masks(guide_source(guide_embeddings), mask_self, mask_duplicates,
+                                               text_ids is not None)
     options = GistOptions(
         temperature=temperature,
         margin=margin,
         margin_strategy=margin_strategy,
         contrast_anchors=contrast_anchors,
         contrast_positives=contrast_positives,
+        mask_self=mask_self,
+        mask_duplicates=mask_duplicates,
         offset=offset,
         matryoshka_dims=matryoshka_dims,
         matryoshka_weights=matryoshka_weights,
         block_bytes=block_bytes,
     )
-    return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend, return_stats=return_stats)
+    return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend, return_stats=return_stats,
+                                  text_ids=text_ids)

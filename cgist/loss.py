@@ -5,22 +5,79 @@ from __future__ import annotations
 import logging
 import numbers
 import random
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
-from sentence_transformers.util import all_gather_with_grad, get_rank
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .function import BACKENDS, gist_loss_with_options
+from .function import BACKENDS, default_masks, gist_loss_with_options
+from .numerics import token_fingerprints
 from .options import GistOptions
 from .stats import GistStats
 
 __all__ = ["FusedCachedGISTLoss", "FusedMatryoshka"]
 
 logger = logging.getLogger(__name__)
+
+
+#: ``guide`` as a name: a guide model, precomputed embeddings in the label column, the student itself, or none.
+GUIDE_MODES = ("model", "labels", "self", "none")
+
+
+def guide_mode(guide: object) -> str:
+    """The ``GUIDE_MODES`` name of a ``guide`` argument of ``FusedCachedGISTLoss``; anything else is an error."""
+    if guide is None:
+        return "none"
+    if isinstance(guide, SentenceTransformer):
+        return "model"
+    if isinstance(guide, str) and guide in ("labels", "self"):
+        return guide
+    message = "guide must be a SentenceTransformer, 'labels', 'self' or None, got "
+    if isinstance(guide, str):
+        raise ValueError(message + repr(guide))
+    raise TypeError(message + type(guide).__name__)
+
+
+def label_guide(labels: object, n_columns: int, batch: int) -> list[Tensor]:
+    """The guide's columns from a batch's label tensor ``(batch, n_columns, Dg)``, checked."""
+    hint = ("guide='labels' takes the guide embeddings from the label column: a (batch, n_columns, Dg) tensor in "
+            "the order of the text columns (cgist.add_guide_embeddings(dataset, guide) adds it)")
+    if labels is None:
+        raise ValueError(f"{hint}; this batch has no labels")
+    if not isinstance(labels, Tensor) or not labels.is_floating_point():
+        what = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
+        raise TypeError(f"{hint}; got labels of {what}")
+    if labels.dim() != 3:
+        raise ValueError(f"{hint}; got labels of shape {tuple(labels.shape)}")
+    if labels.shape[0] != batch or labels.shape[1] != n_columns:
+        raise ValueError(f"{hint}; got shape {tuple(labels.shape)}, but the batch has {batch} rows and {n_columns} "
+                         f"text columns")
+    if labels.shape[2] == 0:
+        raise ValueError(f"{hint}; got an empty embedding dimension")
+    if not bool(torch.isfinite(labels).all()):
+        raise ValueError("the label column's guide embeddings contain NaN or infinite values")
+    return [labels[:, c] for c in range(n_columns)]
+
+
+def text_fingerprints(feature: dict[str, Tensor]) -> Tensor:
+    """A key per text of one column's features, from its token ids and attention mask (or packed lengths)."""
+    if "input_ids" not in feature:
+        raise ValueError("mask_duplicates compares texts by their token ids, but these features have no 'input_ids'; "
+                         "pass mask_duplicates=False")
+    input_ids = feature["input_ids"]
+    if "cu_seq_lens_q" in feature:  # packed: one row of all tokens, with cumulative lengths
+        bounds = feature["cu_seq_lens_q"].tolist()
+        input_ids = torch.nn.utils.rnn.pad_sequence([input_ids[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                                                    batch_first=True, padding_value=0)
+        lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=input_ids.device)
+        mask = torch.arange(input_ids.shape[1], device=input_ids.device) < lengths.unsqueeze(1)
+        return token_fingerprints(input_ids, mask)
+    return token_fingerprints(input_ids, feature.get("attention_mask"))
 
 
 def check_equal_batches(batch_size: int, device: torch.device) -> None:
@@ -47,7 +104,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
     def __init__(
         self,
         model: SentenceTransformer,
-        guide: SentenceTransformer,
+        guide: SentenceTransformer | Literal["labels", "self"] | None,
         temperature: float = 0.01,
         mini_batch_size: int = 32,
         mini_batch_num_tokens: int | None = None,
@@ -59,6 +116,8 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         gather_across_devices: bool = False,
         backend: Literal["auto", "torch", "triton"] = "auto",
         block_bytes: int | None = None,
+        mask_self: bool | None = None,
+        mask_duplicates: bool | None = None,
     ) -> None:
         """
         A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
@@ -77,8 +136,18 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
 
         Args:
             model: the SentenceTransformer being trained.
-            guide: a frozen SentenceTransformer whose similarities decide which in-batch candidates are dropped as
-                likely false negatives.
+            guide: what decides which in-batch candidates are dropped as likely false negatives:
+
+                - a frozen SentenceTransformer, run on every batch (sentence-transformers' loss);
+                - ``"labels"``: precomputed guide embeddings, the batch's label column, shaped
+                  ``(batch, n_columns, Dg)`` in the order of the text columns (``cgist.add_guide_embeddings``
+                  adds it to a dataset); no guide model is loaded or run;
+                - ``"self"``: the student's own embeddings from GradCache's first, gradient-free pass, detached.
+                  Nothing extra runs. That pass replays the same random state as the second, so under dropout
+                  the guide sees exactly the vectors being trained (the same dropout masks);
+                - None: no guide masking; the loss is InfoNCE over the chosen blocks (with
+                  ``contrast_anchors=False, contrast_positives=False`` it is
+                  ``CachedMultipleNegativesRankingLoss(scale=1 / temperature)``).
             temperature: divides the cosine similarities before the softmax.
             mini_batch_size: texts embedded at once in the embedding stage; sets memory, not the loss.
             mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead of
@@ -94,6 +163,11 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
             block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
                 device (at most an eighth of its free memory and 1 GiB).
+            mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: off with a guide model or
+                ``"labels"`` (the guide masks them, as in sentence-transformers), on with ``"self"`` and None.
+            mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
+                the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
+                so duplicates are found also under dropout. Default as for ``mask_self``.
 
         With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
         computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
@@ -139,12 +213,20 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
+        self.guide_mode = guide_mode(guide)
+        source = "embeddings" if self.guide_mode in ("model", "labels") else "self" if self.guide_mode == "self" else None
+        for name, value in (("mask_self", mask_self), ("mask_duplicates", mask_duplicates)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        mask_self, mask_duplicates = default_masks(source, mask_self, mask_duplicates, have_text_ids=True)
         self.options = GistOptions(
             temperature=temperature,
             margin=margin,
             margin_strategy=margin_strategy,
             contrast_anchors=contrast_anchors,
             contrast_positives=contrast_positives,
+            mask_self=mask_self,
+            mask_duplicates=mask_duplicates,
             block_bytes=block_bytes,
         )
         for name, value, expected in (
@@ -161,12 +243,12 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        for name, value in (("model", model), ("guide", guide)):
-            if not isinstance(value, SentenceTransformer):
-                raise TypeError(f"{name} must be a SentenceTransformer, got {type(value).__name__}")
+        if not isinstance(model, SentenceTransformer):
+            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
+        # Without a guide model sentence-transformers' checks see the student as the guide; the guide is set after.
         super().__init__(
             model,
-            guide,
+            guide if self.guide_mode == "model" else model,
             temperature=temperature,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
@@ -177,7 +259,11 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             contrast_positives=contrast_positives,
             gather_across_devices=gather_across_devices,
         )
+        if self.guide_mode != "model":
+            del self.guide  # the student, registered by sentence-transformers' constructor as the guide module
+        self.guide = guide
         self.backend = backend
+        self._batch: dict[str, object] = {}  # this forward's label guide and text ids, for calculate_loss
         self.last_stats: GistStats | None = None
         self._training_stats: list[GistStats] = []
         self._warned_positive_only = False
@@ -188,6 +274,36 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         if name == "calculate_loss":
             value = FusedMatryoshka.take_over(self, value)
         super().__setattr__(name, value)
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        """sentence-transformers' GradCache step; the label guide and the texts' ids are read off the batch first."""
+        sentence_features = list(sentence_features)
+        batch = {}
+        if self.guide_mode == "labels":
+            rows = len(labels) if isinstance(labels, Tensor) and labels.dim() else -1
+            batch["guide"] = label_guide(labels, len(sentence_features), rows)
+        if self.options.mask_duplicates:
+            batch["text_ids"] = [text_fingerprints(feature) for feature in sentence_features]
+        self._batch = batch
+        try:
+            return super().forward(sentence_features, labels)
+        finally:
+            self._batch = {}
+
+    def embed_minibatch(self, sentence_feature: dict[str, Tensor], begin: int, end: int, with_grad: bool,
+                        copy_random_state: bool, random_state=None):
+        """sentence-transformers' embedding of one mini-batch; without a guide model, the student's alone.
+
+        The first pass (``with_grad=False``) then runs the student as the second pass does, under ``no_grad``, and
+        hands back as the guide's embeddings the student's own (``"self"``) or an empty placeholder (``"labels"``,
+        None), which ``calculate_loss`` replaces.
+        """
+        if self.guide_mode == "model" or with_grad:
+            return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
+        with torch.no_grad():
+            reps, _, state = super().embed_minibatch(sentence_feature, begin, end, True, copy_random_state,
+                                                     random_state)
+        return reps, (reps if self.guide_mode == "self" else reps.new_empty(reps.shape[0], 0)), state
 
     def calculate_loss(
         self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
@@ -213,21 +329,26 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         # Each column stays a list of its mini-batches: the loss stage takes them as row chunks, so the
         # embeddings are not concatenated into a copy.
         anchors, *candidates = (list(r) for r in reps)
-        anchors_guide, *candidates_guide = (list(r) for r in reps_guided)
+        guide, text_ids = self._guide_columns(reps_guided), self._batch.get("text_ids")
+        if self.options.mask_duplicates and text_ids is None:
+            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
+                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
         options = self.options
         if self.gather_across_devices:
             batch = sum(r.shape[0] for r in anchors)
             check_equal_batches(batch, anchors[0].device)
             candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
-            candidates_guide = [all_gather_with_grad(torch.cat(c)) for c in candidates_guide]
+            if isinstance(guide, list):
+                guide = guide[:1] + [all_gather_with_grad(torch.cat(c)) for c in guide[1:]]
+            if text_ids is not None:
+                text_ids = text_ids[:1] + [all_gather(t) for t in text_ids[1:]]
             options = options.replace(offset=get_rank() * batch)
         if dims is not None:
             options = options.replace(matryoshka_dims=tuple(d for d, _ in dims),
                                       matryoshka_weights=tuple(w for _, w in dims))
         training = with_backward and torch.is_grad_enabled()
         loss, stats = gist_loss_with_options(
-            [anchors, *candidates], [anchors_guide, *candidates_guide], options, backend=self.backend,
-            return_stats=True,
+            [anchors, *candidates], guide, options, backend=self.backend, return_stats=True, text_ids=text_ids,
         )
         self.last_stats = stats
         if training:
@@ -237,6 +358,17 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             loss.backward()
             loss = loss.detach()
         return loss
+
+    def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
+        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
+        if self.guide_mode == "model":
+            return [list(r) for r in reps_guided]
+        if self.guide_mode == "labels":
+            if "guide" not in self._batch:
+                raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
+                                 "on a batch (calculate_loss alone does not see the labels)")
+            return list(self._batch["guide"])
+        return "self" if self.guide_mode == "self" else None
 
     def _check_positive_only(self, stats: GistStats) -> None:
         """Warn once when more than half of a step's anchors are left with only their positive."""
@@ -256,14 +388,17 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         return stats
 
     def get_config_dict(self) -> dict:
-        config = {**super().get_config_dict(), "backend": self.backend}
+        """sentence-transformers' configuration (``guide`` is the model, "labels", "self" or None), with the guide
+        mode named, the explicit masks and cgist's own options."""
+        config = {**super().get_config_dict(), "guide_mode": self.guide_mode, "mask_self": self.options.mask_self,
+                  "mask_duplicates": self.options.mask_duplicates, "backend": self.backend}
         if self.options.block_bytes is not None:
             config["block_bytes"] = self.options.block_bytes
         return config
 
     @property
     def citation(self) -> str:
-        return """
+        return (_SELF_GUIDED_CITATION if self.guide_mode == "self" else "") + """
 @misc{solatorio2024gistembed,
     title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
     author={Aivin V. Solatorio},
@@ -280,6 +415,20 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
     eprint={2101.06983},
     archivePrefix={arXiv},
     primaryClass={cs.LG}
+}
+"""
+
+
+#: The recipe of a self-guided loss (the model's own scores mask false negatives, and duplicate texts).
+_SELF_GUIDED_CITATION = """
+@misc{zhang2025qwen3embedding,
+    title={Qwen3 Embedding: Advancing Text Embedding and Reranking Through Foundation Models},
+    author={Yanzhao Zhang and Mingxin Li and Dingkun Long and Xin Zhang and Huan Lin and Baosong Yang and Pengjun Xie
+            and An Yang and Dayiheng Liu and Junyang Lin and Fei Huang and Jingren Zhou},
+    year={2025},
+    eprint={2506.05176},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
 }
 """
 

@@ -13,15 +13,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["EPS", "STATS_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "guide_mask", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids"]
+__all__ = ["COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
 
-#: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as
-#: one float64 vector: entries masked per block (AP without its label; AN over all negative columns),
-#: anchors whose candidates are all masked but the label, and the sums over anchors of theta_i and T_i.
-STATS_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_only", "theta_sum", "threshold_sum")
+#: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as an
+#: int64 vector: entries masked per block (AP without its label; AN over all negative columns) and anchors
+#: whose candidates are all masked but the label. Exact at any size.
+COUNT_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_only")
+#: The sums over anchors of theta_i and T_i, returned beside the counts as a vector in the compute dtype.
+SUM_FIELDS = ("theta_sum", "threshold_sum")
+STATS_FIELDS = COUNT_FIELDS + SUM_FIELDS
 
 #: Smallest default budget, bytes of score buffers held at once.
 MIN_BLOCK_BYTES = 16 * 2**20
@@ -138,54 +141,81 @@ def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: tuple[T
     return mask
 
 
-#: Rows fingerprinted at once; bounds the float64 temporaries to this many rows x dim.
+#: Rows fingerprinted at once, at most; fewer when that keeps the float32 temporary (rows x a span of bytes) within
+#: the column's own number of elements (``tie_ids``).
 _FINGERPRINT_ROWS = 2048
 _FINGERPRINT_SEED = 0x5EED
-#: Each fingerprint sum of two different rows collides with probability 2^-b (b bits per coefficient);
-#: there are enough sums for 2^-80 together.
-_FINGERPRINT_BITS = 80
+#: Bytes per exact float32 product: 512 signed bytes (magnitude <= 2^7) times coefficients below 2^8 sum to
+#: less than 2^24 in magnitude.
+_FINGERPRINT_SPAN, _FINGERPRINT_BITS = 512, 8
+#: Sums per row: each agrees for two different rows with probability at most 2^-8, all 8 with 2^-64.
+_FINGERPRINT_SUMS = 8
+#: The prime modulus of the sums and of the two hashes that fold them into one key.
+_FINGERPRINT_PRIME = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=32)
-def _fingerprint_coefficients(width: int, device: torch.device) -> Tensor:
-    """``width x m`` fixed pseudo-random integers below 2^b, as float64: the same on every device, rank and run.
+def _fingerprint_coefficients(width: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Fixed pseudo-random coefficients for rows of ``width`` bytes, the same on every device, rank and run.
 
-    A row of ``width`` 32-bit integers times them sums to less than 2^53 in magnitude, so every partial sum
-    of a float64 matrix product is an exact integer, in any order; b = 52 - 31 - ceil(log2(width)) and
-    m = ceil(80 / b). Made once per (width, device): a copy from host memory to a GPU waits for its stream.
+    ``(width x 8 integers below 2^8 as float32, 8 x 2 integers below the prime as int64)``. Byte k's coefficients
+    do not depend on ``width`` (each span of 512 bytes has its own seed), so a row and the same row padded with
+    zero bytes get the same key. Made once per (width, device): a copy from host memory to a GPU waits for its
+    stream.
     """
-    bits = 52 - 31 - max(1, (width - 1).bit_length())
-    if bits < 1:
-        raise ValueError(f"guide rows of {width} 32-bit words are too wide to fingerprint exactly")
-    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED + width)
-    count = -(-_FINGERPRINT_BITS // bits)
-    return torch.randint(0, 2**bits, (width, count), generator=gen, dtype=torch.int64).to(torch.float64).to(device)
+    spans = [torch.randint(0, 2**_FINGERPRINT_BITS, (_FINGERPRINT_SPAN, _FINGERPRINT_SUMS), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(_FINGERPRINT_SEED + 1 + s))
+             for s in range(-(-width // _FINGERPRINT_SPAN))]
+    fold = torch.randint(0, _FINGERPRINT_PRIME, (_FINGERPRINT_SUMS, 2), dtype=torch.int64,
+                         generator=torch.Generator().manual_seed(_FINGERPRINT_SEED))
+    return torch.cat(spans)[:width].to(torch.float32).to(device), fold.to(device)
 
 
-@functools.lru_cache(maxsize=32)
-def _mix_constants(count: int, device: torch.device) -> Tensor:
-    """``count`` fixed odd pseudo-random 64-bit integers that mix the fingerprint sums into one value."""
-    gen = torch.Generator().manual_seed(_FINGERPRINT_SEED)
-    return (torch.randint(-(2**63), 2**63 - 1, (count,), generator=gen, dtype=torch.int64) | 1).to(device)
+def fingerprint_words(words: Tensor) -> Tensor:
+    """A 62-bit key (int64) of each row of 32-bit words: equal rows get equal keys, two different rows equal
+    ones with probability about 2^-62.
+
+    Only integer and float32 arithmetic, all of it exact, so a row's key is the same on every device, at every
+    position and at every matmul precision. The row's bytes, read as signed integers, times 8 columns of random
+    integers below 2^8 are float32 matrix products over spans of 512 bytes: every partial sum is an integer of
+    magnitude below 2^24, exact in any order, also when the product rounds its operands to tf32 or bf16 (8
+    significant bits fit both). The spans' sums add up exactly in int64 and are reduced modulo the prime
+    p = 2^31 - 1. For two different rows, fix every coefficient but one at a byte where they differ (by
+    d, 0 < |d| < 2^8): its 2^8 values give 2^8 different sums modulo p (their differences are below 2^16 in
+    magnitude), so at most one makes the sums agree, and all 8 agree with probability at most 2^-64. Two
+    random linear hashes modulo p then fold the 8 residues into ``h1 * p + h2``, equal for two different
+    residue vectors with probability 1/p^2, about 2^-62.
+    """
+    data = words.contiguous().view(torch.int8)  # rows x bytes
+    width = data.shape[1]
+    coefficients, fold = _fingerprint_coefficients(width, words.device)
+    sums = None
+    for lo in range(0, width, _FINGERPRINT_SPAN):
+        hi = lo + _FINGERPRINT_SPAN
+        part = (data[:, lo:hi].to(torch.float32) @ coefficients[lo:hi]).to(torch.int64)
+        sums = part if sums is None else sums.add_(part)
+    # Residues below 2^31 times coefficients below 2^31, reduced; 8 of them sum below 2^34: no int64 overflow.
+    sums.remainder_(_FINGERPRINT_PRIME)
+    h1, h2 = ((sums * fold[:, j]).remainder_(_FINGERPRINT_PRIME).sum(dim=1) % _FINGERPRINT_PRIME for j in (0, 1))
+    return h1 * _FINGERPRINT_PRIME + h2
+
+
+def token_fingerprints(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """A 62-bit key (int64) per row of token ids: rows with the same tokens get the same key, whatever their padding.
+
+    ``input_ids`` (rows x length) and ``attention_mask`` (1 on the tokens, 0 on the padding; all ones if None).
+    Each token enters as ``id + 1`` and padding as 0, and ``fingerprint_words`` gives zero words no weight, so the
+    key of a text depends only on its tokens, not on the width its batch was padded to.
+    """
+    words = input_ids.to(torch.int32) + 1  # token ids are vocabulary indices, far below 2^31 - 1
+    if attention_mask is not None:
+        words = words * (attention_mask != 0)
+    return fingerprint_words(words)
 
 
 def _fingerprint(rows: Tensor) -> Tensor:
-    """A 64-bit hash of each row's bits: equal rows hash equal, different rows collide with odds ~2^-64.
-
-    The row's bits are read as 32-bit integers (one per fp32 element, two per fp64 one) and multiplied by
-    m vectors of random b-bit integers (``_fingerprint_coefficients``) in one float64 matrix product, exact
-    because every partial sum is an integer below 2^53. For two different rows each sum collides with
-    probability at most 2^-b (fix every coefficient but one where the rows differ: at most one value of
-    it makes the sums equal), all m of them with at most 2^-80. The m sums are then mixed into one value
-    (about 2^-64 more).
-    """
-    words = (rows + 0.0).view(torch.int32)  # -0.0 and 0.0 compare equal, so they must hash equal
-    coefficients = _fingerprint_coefficients(words.shape[1], rows.device)
-    # Word by word of each element (fp64: 2), so that the float64 temporary is rows x dim.
-    planes = words.shape[1] // rows.shape[1]
-    sums = sum(words[:, p::planes].to(torch.float64) @ coefficients[p::planes] for p in range(planes))
-    sums = sums.to(torch.int64)
-    return (sums * _mix_constants(sums.shape[1], rows.device)).sum(dim=1)  # modulo 2^64
+    """``fingerprint_words`` of each row's bits (fp32: one 32-bit word per element, fp64: two)."""
+    return fingerprint_words((rows + 0.0).view(torch.int32))  # -0.0 and 0.0 compare equal, so they must hash equal
 
 
 def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool = False) -> list[Tensor]:
@@ -199,17 +229,27 @@ def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool =
     Each row of a column, normalised in ``dtype`` (``normalize``; pass ``normalized=True`` for columns that
     already are, in ``dtype``), gets a 64-bit fingerprint of its bits,
     computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
-    (sorted on the device, no host sync). Memory is O(rows). The fingerprint's sums all collide for two
-    given different rows with probability at most 2^-80 (``_fingerprint``), and mixing them into 64 bits
-    adds about 2^-64; over the ~10^12 row pairs of a million-row step that is about 10^-7. A collision
+    (sorted on the device, no host sync). Memory is O(rows). Two given different rows get equal
+    fingerprints with probability about 2^-62 (``fingerprint_words``); over the ~10^12 row pairs of a
+    million-row step that is about 2 * 10^-7. A collision
     would make one candidate count as a tie with theta_i: it would be masked exactly when theta_i > T_i
     instead of by its own guide score, in one step.
     """
-    prints = torch.cat([
-        _fingerprint(chunk if normalized else normalize(chunk, dtype)[0])
-        for column in columns for chunk in column.split(_FINGERPRINT_ROWS)
-    ])
-    ordered, order = prints.sort()
+    def chunk_rows(column: Tensor) -> int:
+        span = min(_FINGERPRINT_SPAN, column.shape[1] * torch.finfo(dtype).bits // 8)
+        return max(1, min(_FINGERPRINT_ROWS, column.numel() // span))
+
+    return rank_ids([torch.cat([_fingerprint(chunk if normalized else normalize(chunk, dtype)[0])
+                                for chunk in column.split(chunk_rows(column))]) for column in columns])
+
+
+def rank_ids(keys: Sequence[Tensor]) -> list[Tensor]:
+    """int32 ids of integer ``keys`` (one tensor per column): equal keys, in any column, get equal ids.
+
+    The id is the rank of the key among all of them, found by one sort on the device (no host sync).
+    """
+    sizes = [k.numel() for k in keys]
+    ordered, order = torch.cat([k.reshape(-1) for k in keys]).sort()
     ids = torch.empty_like(order, dtype=torch.int32)
     ids[order] = torch.searchsorted(ordered, ordered, side="left").to(torch.int32)
-    return list(ids.split([c.shape[0] for c in columns]))
+    return list(ids.split(sizes))

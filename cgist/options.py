@@ -34,6 +34,10 @@ class GistOptions:
             (``T_i = theta_i - |theta_i| * margin``).
         contrast_anchors: add the anchor-anchor block.
         contrast_positives: add the positive-positive block.
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i] (otherwise they drop out only when
+            the guide scores them above the threshold, as in sentence-transformers).
+        mask_duplicates: exclude every candidate whose text is anchor i's or its positive's, whatever the scores
+            (the call then needs a text id per row); the label stays.
         offset: anchor i's positive is candidate ``offset + i`` (``rank * B`` when candidates are gathered).
             Its range, ``[0, N - B]``, depends on the shapes and is checked with them.
         matryoshka_dims: if given, the loss is ``sum_d w_d * L_d`` over these student dimensions, where
@@ -53,6 +57,8 @@ class GistOptions:
     margin_strategy: Literal["absolute", "relative"] = "absolute"
     contrast_anchors: bool = True
     contrast_positives: bool = True
+    mask_self: bool = False
+    mask_duplicates: bool = False
     offset: int = 0
     matryoshka_dims: tuple[int, ...] | None = None
     matryoshka_weights: tuple[float, ...] | None = None
@@ -67,7 +73,7 @@ class GistOptions:
             raise ValueError(f"margin must be a finite number, got {self.margin!r}")
         if not isinstance(self.margin_strategy, str) or self.margin_strategy not in MARGIN_STRATEGIES:
             raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {self.margin_strategy!r}")
-        for name in ("contrast_anchors", "contrast_positives"):
+        for name in ("contrast_anchors", "contrast_positives", "mask_self", "mask_duplicates"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

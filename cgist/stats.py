@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .numerics import STATS_FIELDS
+from .numerics import COUNT_FIELDS, SUM_FIELDS
 from .options import GistOptions
 
 __all__ = ["BLOCKS", "GistStats"]
@@ -18,34 +20,50 @@ __all__ = ["BLOCKS", "GistStats"]
 BLOCKS = ("ap", "aa", "pp", "an")
 
 
+def _to_host(counts: Tensor, sums: Tensor) -> list[float]:
+    """The int64 ``counts`` and the float ``sums`` as Python numbers, in one transfer (one host sync).
+
+    The sums travel as their bit patterns, widened to int64 (float32 through int32, sign-extended), and are read
+    back bitwise on the host.
+    """
+    wide = sums.element_size() == 8
+    bits = sums.view(torch.int64) if wide else sums.view(torch.int32).to(torch.int64)
+    values = torch.cat([counts, bits]).tolist()
+    n = counts.numel()
+    code, int_code = ("d", "q") if wide else ("f", "i")
+    return values[:n] + [struct.unpack(code, struct.pack(int_code, v))[0] for v in values[n:]]
+
+
 @dataclass(frozen=True)
 class GistStats:
     """False-negative statistics of one call (or a mean over calls, see ``mean``).
 
     Attributes:
-        masked: per block (``"ap"``, ``"aa"``, ``"pp"``, ``"an"``), the (anchor, candidate) entries the guide
-            masked. AP leaves out each anchor's label, which is never masked; AA and PP count the self-pairs,
-            as they count in the loss; ``"an"`` is all negative columns together. A block that is switched off
-            (or has no columns) is absent, here and in ``candidates``.
+        masked: per block (``"ap"``, ``"aa"``, ``"pp"``, ``"an"``), the (anchor, candidate) entries left out of
+            the softmax: masked by the guide, or excluded by ``mask_self`` or ``mask_duplicates`` (those are
+            counted in their blocks, not apart). AP leaves out each anchor's label, which is never masked; AA and
+            PP count the self-pairs, as they count in the loss; ``"an"`` is all negative columns together. A
+            block that is switched off (or has no columns) is absent, here and in ``candidates``.
         candidates: per block, the entries there were.
         positive_only: anchors whose every candidate except the label was masked.
         anchors: the anchors of the call (B).
-        theta_mean: the mean over anchors of theta_i, the guide's score of anchor i with its positive.
-        threshold_mean: the mean over anchors of the threshold T_i.
+        theta_mean: the mean over anchors of theta_i, the guide's score of anchor i with its positive (None
+            without a guide).
+        threshold_mean: the mean over anchors of the threshold T_i (None without a guide).
     """
 
     masked: dict[str, int]
     candidates: dict[str, int]
     positive_only: int
     anchors: int
-    theta_mean: float
-    threshold_mean: float
+    theta_mean: float | None
+    threshold_mean: float | None
 
     @classmethod
-    def from_counters(cls, counters: Tensor, *, batch: int, n_cand: int, n_negatives: int,
-                      options: GistOptions) -> GistStats:
-        """Read a backend's counter vector (``cgist.numerics.STATS_FIELDS``): one host sync."""
-        values = dict(zip(STATS_FIELDS, counters.tolist()))
+    def from_counters(cls, counts: Tensor, sums: Tensor, *, batch: int, n_cand: int, n_negatives: int,
+                      options: GistOptions, guided: bool = True) -> GistStats:
+        """Read a backend's counters (``cgist.numerics.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync."""
+        values = dict(zip(COUNT_FIELDS + SUM_FIELDS, _to_host(counts, sums)))
         candidates = {"ap": batch * (n_cand - 1)}
         if options.contrast_anchors:
             candidates["aa"] = batch * batch
@@ -58,8 +76,8 @@ class GistStats:
             candidates=candidates,
             positive_only=int(values["positive_only"]),
             anchors=batch,
-            theta_mean=values["theta_sum"] / batch,
-            threshold_mean=values["threshold_sum"] / batch,
+            theta_mean=values["theta_sum"] / batch if guided else None,
+            threshold_mean=values["threshold_sum"] / batch if guided else None,
         )
 
     def masked_fraction(self, block: str) -> float:
@@ -72,9 +90,11 @@ class GistStats:
         return self.positive_only / self.anchors
 
     def _sums(self, keys: Sequence[str]) -> list[float]:
-        """Everything as sums over anchors: masked and candidates per block in ``keys``, then the rest."""
+        """Everything as sums over anchors: masked and candidates per block in ``keys``, then the rest (the means'
+        sums NaN without a guide)."""
+        means = [math.nan if m is None else m * self.anchors for m in (self.theta_mean, self.threshold_mean)]
         return [*(self.masked.get(k, 0) for k in keys), *(self.candidates.get(k, 0) for k in keys),
-                self.positive_only, self.anchors, self.theta_mean * self.anchors, self.threshold_mean * self.anchors]
+                self.positive_only, self.anchors, *means]
 
     @classmethod
     def _from_sums(cls, keys: Sequence[str], sums: Sequence[float]) -> GistStats:
@@ -85,8 +105,8 @@ class GistStats:
             candidates={k: int(v) for k, v in zip(keys, sums[n : 2 * n])},
             positive_only=int(positive_only),
             anchors=int(anchors),
-            theta_mean=theta_sum / anchors,
-            threshold_mean=threshold_sum / anchors,
+            theta_mean=None if math.isnan(theta_sum) else theta_sum / anchors,
+            threshold_mean=None if math.isnan(threshold_sum) else threshold_sum / anchors,
         )
 
     @staticmethod
@@ -100,6 +120,10 @@ class GistStats:
     def sum_over_ranks(self, device: torch.device) -> GistStats:
         """The statistics of every rank of the default process group as one (a collective: every rank calls it)."""
         keys = list(self.candidates)
-        total = torch.tensor(self._sums(keys), dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        return GistStats._from_sums(keys, total.tolist())
+        sums = self._sums(keys)
+        # The counts exactly, as int64; the sums of theta and T_i in float32 (no float64 on devices without it).
+        counts = torch.tensor(sums[:-2], dtype=torch.int64, device=device)
+        means = torch.tensor(sums[-2:], dtype=torch.float32, device=device)
+        dist.all_reduce(counts)
+        dist.all_reduce(means)
+        return GistStats._from_sums(keys, counts.tolist() + means.tolist())

@@ -35,6 +35,12 @@ before ``exp2`` (to -inf, which ``exp2`` maps to 0 at full speed), so that neith
 products with embedding components down to 2^-23 are subnormal. Each dropped term is below 2^-102 of the
 positive's (fp32), so all of them together change the loss by less than C * 2^-102 relative.
 
+Half products (one dimension, on CUDA: ``half_products``). bf16 and fp16 columns are multiplied on the tensor
+cores instead of in float32: the inputs as given (bf16 as fp16 below sm_80, each row scaled by a power of two), so
+that every score product is exact, with the normalisation, the scale and the shift applied to the float32 result;
+the gradient products take the softmax probabilities and the normalised rows rounded to the half dtype (a
+relative error of one half-ulp each). This is the path of GPUs without Triton tensor-core tiles (below sm_80).
+
 Matryoshka. Student rows are normalised over the largest dimension; dimension d scores the prefix dot
 products, summed segment by segment (the columns between consecutive dimensions) in the top dimension's
 buffer, times the ratios ``rho_d`` of the norms. The guide tile and the mask are computed once per tile
@@ -54,7 +60,7 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    EPS, STATS_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
+    COUNT_FIELDS, EPS, SUM_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
     row_dots, threshold, tie_ids,
 )
 from .options import GistOptions
@@ -88,12 +94,12 @@ class Plan:
 
 
 def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsize: int, block_bytes: int | None,
-         device: torch.device = torch.device("cpu")) -> Plan:
+         device: torch.device = torch.device("cpu"), half: bool = False) -> Plan:
     """Choose the schedule for B = ``batch`` anchor rows against score blocks of ``block_widths`` columns.
 
     The budget bounds the workspace (``_Workspace``), per row: the softmax terms of every kept column for
-    each of the ``n_dims`` dimensions, one tile's guide scores, and the row block's operands and product
-    (a few R x ``top``). One pass keeps all ``sum(block_widths)`` columns. The rows per block are the budget
+    each of the ``n_dims`` dimensions, one tile's guide scores (and with ``half`` products its score gradients
+    as a half operand), and the row block's operands and product (a few R x ``top``). One pass keeps all ``sum(block_widths)`` columns. The rows per block are the budget
     divided by that; with the default budget (``block_bytes=None``) it first grows so that ``ROW_TARGET``
     rows fit, unless that exceeds an eighth of the available memory or 1 GiB. When fewer than
     ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
@@ -111,7 +117,9 @@ def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsiz
     """
     # On a GPU one launch per block is better than cache-sized tiles.
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
-    scratch = itemsize  # guide scores per tile column (the mask goes where the logits will)
+    # guide scores per tile column (the mask goes where the logits will), and with half products the tile's
+    # score gradients as a half operand
+    scratch = itemsize + (2 if half else 0)
     kept = (2 * n_dims - 1) * itemsize  # per kept column: the terms per dim, term x logit but for the top dim
     operands = (top + 2 * (top + 1) + (2 * top if n_dims == 1 else 0)) * itemsize  # per row: see _Workspace
     one_pass_row = sum(block_widths) * kept + tile * scratch + operands
@@ -146,6 +154,68 @@ class _Dims:
 
 
 @dataclass
+class _Half:
+    """A column's rows as half-precision operands of the score products (``half_products``).
+
+    ``y`` holds the rows as given, or, as fp16 for bf16 rows, scaled by a power of two; ``inv`` is the factor that
+    normalises them (``x_hat = inv * y``, in fp32), so a product of two ``y`` is exact and the normalisation is
+    applied after it. ``x_hat`` (student only) is the normalised rows rounded to the half dtype, the operand of the
+    gradient products.
+    """
+
+    y: Tensor
+    inv: Tensor
+    x_hat: Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> _Half:
+        return _Half(*(None if t is None else t[start:stop] for t in (self.y, self.inv, self.x_hat)))
+
+
+def _half_addmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``out = beta * out + alpha * (a @ b)`` for half ``a`` and ``b``, accumulated in ``out``'s float32.
+
+    On CUDA one cuBLAS call on the tensor cores (``out_dtype``); where torch has no such call (CPU), the half
+    operands are widened first, which gives the same products (a product of two half values is exact in float32).
+    """
+    try:
+        return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)
+
+
+def _half_operand(x: Tensor, norm: Tensor, dtype: torch.dtype, x_hat: Tensor | None) -> _Half:
+    """``x`` (rows x dim, any floating dtype) as a ``_Half`` in ``dtype``, with ``norm`` = ||x|| (rows x 1, fp32).
+
+    bf16 rows bound for fp16 are first scaled by a power of two that brings their largest component into
+    [0.5, 1): every component within 2^14 of it converts exactly (bf16's 8 significant bits fit in fp16's 11),
+    a smaller one with an error below 2^-25 of the largest, so a cosine moves by less than 2^-24 sqrt(dim).
+    """
+    inv = 1.0 / norm.squeeze(1).clamp_min(EPS)
+    if x.dtype == torch.bfloat16 and dtype == torch.float16:
+        exponent = torch.frexp(x.abs().amax(dim=1).float())[1]
+        y = torch.ldexp(x.float(), -exponent.unsqueeze(1)).to(dtype)
+        inv = torch.ldexp(inv, exponent)
+    else:
+        y = x.to(dtype)
+    return _Half(y, inv, None if x_hat is None else x_hat.to(dtype))
+
+
+def half_products(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The half dtype in which rows of ``dtype`` enter the score products on ``device``, or None (compute dtype).
+
+    On CUDA (and ROCm) a bf16 or fp16 column is multiplied on the tensor cores: fp16 as it is, bf16 as it is where
+    the GPU has bf16 tensor cores (sm_80 and newer) and as fp16 below (``_half_operand``), accumulating in float32.
+    This is the path "auto" takes below sm_80, where Triton emits no tensor-core instructions. Elsewhere, and for
+    float32 rows, the products run in the compute dtype.
+    """
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return dtype
+
+
+@dataclass
 class _Column:
     """One embedding column: normalised student and guide rows, tie ids and the gradient accumulators."""
 
@@ -153,13 +223,17 @@ class _Column:
     norm: Tensor  # ||x[:top]|| (rows x 1)
     rho: Tensor  # per dimension (ascending), rho_d of each row (n_dims x rows)
     kappa: Tensor  # per dimension, rho_d^2, or 0 where ||x[:d]|| < eps (no radial gradient there)
-    g: Tensor  # normalised guide rows
-    ids: Tensor
+    g: Tensor | None  # normalised guide rows (None without a guide)
+    ids: Tensor | None  # their tie ids
     grad: Tensor | None  # sum over dimensions of dL/d x_hat, segment by segment (rows x top)
     radial: Tensor | None  # per dimension, sum_j dL/dcos_d[row, j] * cos_d[row, j] (n_dims x rows), Matryoshka only
+    half: _Half | None = None  # the student rows as half operands (one dimension, ``half_products``)
+    guide_half: _Half | None = None  # the guide rows likewise
+    text: Tensor | None = None  # int32 text id of each row (``mask_duplicates``)
 
     def __post_init__(self) -> None:
-        self.ties = TieIndex(self.ids)
+        self.ties = None if self.ids is None else TieIndex(self.ids)
+        self.texts = None if self.text is None else TieIndex(self.text)
         self.x = self.x1[:, :-1]  # the normalised rows (rows x top)
 
 
@@ -226,6 +300,8 @@ class _Workspace:
                  "shifted": 2 * rows * (top + 1)}
         if len(problem.dims) == 1:
             sizes["weighted"] = 2 * rows * top
+        if problem.columns[0].half is not None:  # a tile's score gradients as a half operand: 2 per element
+            sizes["half_tile"] = (widest + 1) // 2
         if len(problem.dims) > 1:  # each term times its logit, for the smaller dimensions' radial sums
             sizes["products"] = (len(problem.dims) - 1) * self.stride
         flat = _kept_buffer(sum(sizes.values()), dtype, device)
@@ -237,6 +313,10 @@ class _Workspace:
     def view(self, name: str, shape: tuple[int, int], start: int = 0) -> Tensor:
         """A contiguous ``shape`` view of buffer ``name`` from element ``start``."""
         return self.flat[name][start : start + shape[0] * shape[1]].view(shape)
+
+    def half_tile(self, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+        """A ``shape`` view in the half ``dtype`` of the buffer ``half_tile``."""
+        return self.flat["half_tile"].view(dtype)[: shape[0] * shape[1]].view(shape)
 
     def terms(self, dim: int, block: _Block, lo: int, shape: tuple[int, int], name: str = "terms") -> Tensor:
         """The buffer ``name`` ("terms" or "products") of dimension ``dim`` for the tile of ``block`` from ``lo``.
@@ -251,14 +331,29 @@ class _Problem:
     """Everything one call shares between row blocks."""
 
     def __init__(self, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions,
-                 need_grads: bool, need_stats: bool) -> None:
+                 need_grads: bool, need_stats: bool,
+                 products: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
+                 text_ids: Sequence[Tensor] | None = None) -> None:
         self.options = options
         embeddings = [row_chunks(e) for e in embeddings]
         self.dtype = compute_dtype(embeddings[0][0].dtype)
         self.dims = _Dims(options, embeddings[0][0].shape[1])
-        guide = [self._normalized_guide(row_chunks(g)) for g in guide_embeddings]
-        ids = tie_ids(guide, self.dtype, normalized=True)
-        self.columns = [self._column(e, g, i, need_grads) for e, g, i in zip(embeddings, guide, ids)]
+        if len(self.dims) > 1:  # half products serve one dimension; Matryoshka's prefixes keep the compute dtype
+            products = (None, None)
+        self.guided = guide_embeddings is not None
+        if self.guided:
+            guide_embeddings = [row_chunks(g) for g in guide_embeddings]
+            guide = [self._normalized_guide(g) for g in guide_embeddings]
+            ids = tie_ids([g for g, _ in guide], self.dtype, normalized=True)
+        else:
+            guide, ids = [(None, None)] * len(embeddings), [None] * len(embeddings)
+        texts = text_ids if options.mask_duplicates else [None] * len(embeddings)
+        self.columns = [self._column(e, g, i, t, need_grads) for e, (g, _), i, t in zip(embeddings, guide, ids, texts)]
+        for i, (column, e) in enumerate(zip(self.columns, embeddings)):
+            if products[0] is not None:
+                column.half = _half_operand(torch.cat(e), column.norm, products[0], column.x)
+            if products[1] is not None and self.guided:
+                column.guide_half = _half_operand(torch.cat(guide_embeddings[i]), guide[i][1], products[1], None)
         anchor, positive, *negatives = self.columns
         self.blocks = [_Block("ap", positive)]
         if options.contrast_anchors:
@@ -273,20 +368,22 @@ class _Problem:
         # Shifted base-2 logits below this are dropped: their terms, and their products with embedding
         # components down to 2^-23, would be subnormal.
         self.cutoff = math.log2(torch.finfo(self.dtype).tiny) + 24.0
-        self.counters = torch.zeros(len(STATS_FIELDS), dtype=torch.float64, device=anchor.x.device) \
-            if need_stats else None
+        self.counters = (torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=anchor.x.device),
+                         torch.zeros(len(SUM_FIELDS), dtype=self.dtype, device=anchor.x.device)) if need_stats else None
 
-    def _normalized_guide(self, chunks: list[Tensor]) -> Tensor:
-        """A guide column's rows, normalised in the compute dtype, written straight from its chunks."""
+    def _normalized_guide(self, chunks: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """A guide column's rows, normalised in the compute dtype, written straight from its chunks, and their norms."""
         g = _copy_rows(chunks, torch.empty(sum(c.shape[0] for c in chunks), chunks[0].shape[1], dtype=self.dtype,
                                            device=chunks[0].device))
-        return g.div_(torch.linalg.vector_norm(g, dim=1, keepdim=True).clamp_min(EPS))
+        norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
+        return g.div_(norm.clamp_min(EPS)), norm
 
-    def _column(self, student: list[Tensor], guide: Tensor, ids: Tensor, need_grads: bool) -> _Column:
-        """One column from the row chunks of its student rows and its normalised guide rows."""
+    def _column(self, student: list[Tensor], guide: Tensor | None, ids: Tensor | None, text: Tensor | None,
+                need_grads: bool) -> _Column:
+        """One column from the row chunks of its student rows, its normalised guide rows and their ids."""
         dims = self.dims
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
-        x1 = torch.ones(guide.shape[0], dims.top + 1, dtype=self.dtype, device=guide.device)
+        x1 = torch.ones(sum(c.shape[0] for c in student), dims.top + 1, dtype=self.dtype, device=student[0].device)
         x = _copy_rows(student, x1[:, :-1])
         prefix = [torch.linalg.vector_norm(x[:, :d], dim=1) for d in dims.sizes[:-1]]
         norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
@@ -296,10 +393,14 @@ class _Problem:
         kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
         radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
-        return _Column(x1, norm, rho, kappa, guide, ids, grad, radial)
+        return _Column(x1, norm, rho, kappa, guide, ids, grad, radial, text=text)
 
     def count(self, field: str, value: Tensor) -> None:
-        self.counters[STATS_FIELDS.index(field)] += value
+        """Add ``value`` to the counter or sum ``field`` (``cgist.numerics.COUNT_FIELDS`` / ``SUM_FIELDS``)."""
+        if field in COUNT_FIELDS:
+            self.counters[0][COUNT_FIELDS.index(field)] += value
+        else:
+            self.counters[1][SUM_FIELDS.index(field)] += value
 
     def gradients(self, embeddings: Sequence[Tensor]) -> list[Tensor]:
         """d(loss)/d(embeddings) from the accumulated dL/d x_hat and radial sums, in each embedding's dtype.
@@ -334,19 +435,22 @@ class _Rows:
     x: Tensor  # normalised student rows (R x top)
     g: Tensor  # normalised guide rows (R x Dg)
     rho: Tensor  # n_dims x R
-    partner_ids: Tensor  # tie id of theta's partner, R
+    partner_ids: Tensor | None  # tie id of theta's partner, R (None without a guide)
     grad: Tensor | None
     radial: Tensor | None
+    half: _Half | None = None
+    guide_half: _Half | None = None
     shifted: Tensor | None = None  # [logit_scale * x, -shift of the top dimension]: the score products' row operand
     weighted: Tensor | None = None  # x times the rows' score-gradient weight (one dimension)
 
     @classmethod
-    def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor) -> _Rows:
+    def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor | None) -> _Rows:
         def part(t: Tensor | None, dim: int = 0) -> Tensor | None:
             return None if t is None else t.narrow(dim, start, stop - start)
 
+        halves = (None if h is None else h.rows(start, stop) for h in (column.half, column.guide_half))
         return cls(part(column.x), part(column.g), part(column.rho, 1), partner_ids, part(column.grad),
-                   part(column.radial, 1))
+                   part(column.radial, 1), *halves)
 
 
 class _RowBlock:
@@ -357,20 +461,26 @@ class _RowBlock:
         options, dims = problem.options, problem.dims
         anchor, positive = problem.columns[0], problem.columns[1]
         lo, hi = options.offset + start, options.offset + stop
-        self.anchor_rows = _Rows.of(anchor, start, stop, positive.ids[lo:hi])
-        self.positive_rows = _Rows.of(positive, lo, hi, anchor.ids[start:stop])
+        guided = problem.guided
+        self.anchor_rows = _Rows.of(anchor, start, stop, positive.ids[lo:hi] if guided else None)
+        self.positive_rows = _Rows.of(positive, lo, hi, anchor.ids[start:stop] if guided else None)
         label_rows = self.positive_rows
-        # theta_i and the positive logits: anchor i against its label, candidate offset + i.
-        theta = row_dots(self.anchor_rows.g, label_rows.g).unsqueeze(1)
-        self.limit = threshold(theta, options.margin, options.relative)
-        self.theta_masked = theta > self.limit
         dots = torch.stack([row_dots(self.anchor_rows.x[:, a:b], label_rows.x[:, a:b]) for a, b in dims.segments])
         self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * problem.logit_scale  # n_dims x R
-        self.local = torch.arange(stop - start, device=theta.device)
+        self.local = torch.arange(stop - start, device=dots.device)
+        # Without a guide nothing is guide-masked: no threshold.
+        self.limit = self.theta_masked = None
+        if guided:  # theta_i: the guide's score of anchor i with its label, candidate offset + i
+            theta = row_dots(self.anchor_rows.g, label_rows.g).unsqueeze(1)
+            self.limit = threshold(theta, options.margin, options.relative)
+            self.theta_masked = theta > self.limit
+            if problem.counters is not None:
+                problem.count("theta_sum", theta.sum())
+                problem.count("threshold_sum", self.limit.sum())
+        # Each row's texts, the anchor's and its positive's, against which mask_duplicates compares a column's.
+        self.texts = (anchor.text[start:stop], positive.text[lo:hi]) if options.mask_duplicates else None
         self.ties: dict[int, tuple[Tensor, Tensor]] = {}
-        if problem.counters is not None:
-            problem.count("theta_sum", theta.sum())
-            problem.count("threshold_sum", self.limit.sum())
+        self.exclusions: dict[int, tuple[Tensor, Tensor]] = {}
 
     def rows_of(self, block: _Block) -> _Rows:
         return self.positive_rows if block.kind == "pp" else self.anchor_rows
@@ -383,6 +493,8 @@ class _RowBlock:
     def set_shift(self, shift: Tensor) -> None:
         """Shift the logits of the next sweeps by ``shift`` (n_dims x R)."""
         self.shift = shift
+        if self.anchor_rows.half is not None:  # the half products take the shift after the product
+            return
         for rows in (self.anchor_rows, self.positive_rows):
             rows.shifted = self._row_operand("shifted", rows, 1)
             torch.mul(rows.x, self.problem.logit_scale, out=rows.shifted[:, :-1])
@@ -391,6 +503,8 @@ class _RowBlock:
     def set_weights(self, row_weight: Tensor, others: Tensor) -> None:
         """The score-gradient weight of each row (n_dims x R) and the sums of the others' terms, for ``accumulate``."""
         self.row_weight, self.others = row_weight, others
+        if self.anchor_rows.half is not None:  # the half products weigh the tile instead
+            return
         if len(self.problem.dims) == 1:
             for rows in (self.anchor_rows, self.positive_rows):
                 rows.weighted = torch.mul(rows.x, row_weight[0].unsqueeze(1), out=self._row_operand("weighted", rows))
@@ -417,9 +531,24 @@ class _RowBlock:
         if id(block) not in self.ties:  # the whole block's, looked up once per row block
             n = block.cols.x.shape[0]
             self.ties[id(block)] = block.cols.ties.pairs(self.rows_of(block).partner_ids, 0, n)
-        rows, cols = self.ties[id(block)]
-        inside = (cols >= lo) & (cols < hi)
-        return rows[inside], cols[inside] - lo
+        return _within(*self.ties[id(block)], lo, hi)
+
+    def excluded(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the entries of columns ``lo:hi`` that ``mask_self`` and ``mask_duplicates`` exclude.
+
+        The self-pairs are AA[i, i] and PP[i, offset + i]; the duplicates, the columns whose text id is that of
+        the row's anchor or of its positive (found like the ties, by binary search). The AP label among them is
+        kept by the caller.
+        """
+        if id(block) not in self.exclusions:  # the whole block's, once per row block
+            options, parts = self.problem.options, []
+            if options.mask_self and block.kind in ("aa", "pp"):
+                parts.append((self.local, self.local + self.start + (options.offset if block.kind == "pp" else 0)))
+            if self.texts is not None:
+                n = block.cols.x.shape[0]
+                parts += [block.cols.texts.pairs(text, 0, n) for text in self.texts]
+            self.exclusions[id(block)] = tuple(torch.cat(p) for p in zip(*parts)) if parts else (self.local[:0],) * 2
+        return _within(*self.exclusions[id(block)], lo, hi)
 
     def labels(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``block`` (none unless it is AP)."""
@@ -450,14 +579,30 @@ class _RowBlock:
         out = [work.terms(m, block, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
         # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
         prefix = out[-1]
-        guide = torch.mm(rows.g, cols.g[lo:hi].T, out=work.view("guide", shape))
-        mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi), out=prefix)
+        if problem.guided:
+            guide = work.view("guide", shape)
+            if rows.guide_half is not None:  # exact half products, then both normalisations
+                _half_addmm_(guide, rows.guide_half.y, cols.guide_half.y[lo:hi].T, beta=0.0)
+                guide.mul_(rows.guide_half.inv.unsqueeze(1)).mul_(cols.guide_half.inv[lo:hi].unsqueeze(0))
+            else:
+                torch.mm(rows.g, cols.g[lo:hi].T, out=guide)
+            mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi), out=prefix)
+        else:
+            mask = prefix.zero_()
+        excluded_rows, excluded_cols = self.excluded(block, lo, hi)
+        mask[excluded_rows, excluded_cols] = 1.0
         label_rows, label_cols = self.labels(block, lo, hi)
         mask[label_rows, label_cols] = 1.0
         if unmasked is not None:
             masked = mask.sum(dim=1)
-            problem.count(f"masked_{block.kind}", masked.sum() - label_rows.shape[0])
+            # per row at most a tile's width, exact in floats; summed over the rows as integers
+            problem.count(f"masked_{block.kind}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
             unmasked += (hi - lo) - masked
+        if rows.half is not None:  # one dimension: exact half products, then the normalisations, scale and shift
+            _half_addmm_(prefix, rows.half.y, cols.half.y[lo:hi].T, beta=-MASKED)
+            prefix.mul_(cols.half.inv[lo:hi].unsqueeze(0))
+            return [torch.addcmul(-self.shift[-1].unsqueeze(1), prefix, (problem.logit_scale * rows.half.inv).unsqueeze(1),
+                                  out=prefix)]
         # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
         # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
         # sums; each smaller dimension is taken from it, rescaled by its rho, when its segment is in.
@@ -497,6 +642,15 @@ class _RowBlock:
         rows, cols = self.rows_of(block), block.cols
         others, row_weight = self.others, self.row_weight
         label_rows, label_cols = self.labels(block, lo, hi)
+        if rows.half is not None:  # one dimension in half products: the softmax itself is the operand
+            tile = terms[0]
+            tile[label_rows, label_cols] = -others[0, label_rows]
+            # dL/dcos = grad_scale * tile / total: the probabilities (label: -others / total) lie in [-1, 1]
+            weights = self.problem.work.half_tile(tile.shape, rows.half.x_hat.dtype)
+            weights.copy_(tile.mul_((row_weight[0] / self.problem.grad_scale).unsqueeze(1)))
+            _half_addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.problem.grad_scale)
+            _half_addmm_(cols.grad[lo:hi], weights.T, rows.half.x_hat, alpha=self.problem.grad_scale)
+            return
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
             tile[label_rows, label_cols] = -others[0, label_rows]
@@ -526,6 +680,12 @@ class _RowBlock:
             a, b = self.problem.dims.segments[m]
             rows.grad[:, a:b].addmm_(summed, cols.x[lo:hi, a:b])
             cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
+
+
+def _within(rows: Tensor, cols: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    """The ``(rows, cols)`` pairs with a column in ``lo:hi``, columns counted from ``lo``."""
+    inside = (cols >= lo) & (cols < hi)
+    return rows[inside], cols[inside] - lo
 
 
 def _copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
@@ -599,26 +759,36 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
 @torch.no_grad()
 def gist_loss_and_grads(
     embeddings: Sequence[Tensor | Sequence[Tensor]],
-    guide_embeddings: Sequence[Tensor | Sequence[Tensor]],
+    guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | None,
     options: GistOptions,
     *,
     need_grads: bool,
     need_stats: bool = False,
-) -> tuple[Tensor, list[Tensor] | None, Tensor | None]:
+    text_ids: Sequence[Tensor] | None = None,
+    products: tuple[torch.dtype | None, torch.dtype | None] | None = None,
+) -> tuple[Tensor, list[Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Loss, d(loss)/d(embeddings) if ``need_grads`` and the mask counters if ``need_stats``.
 
     ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. A column may be a list of
-    row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
+    columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``.
+    ``text_ids`` (with ``options.mask_duplicates``): an int32 text id per row of each column. A column may be a
+    list of row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
     bounds the score buffers held at once (``plan``). The loss is float64 for float64 inputs and float32
-    otherwise; the gradients have the dtype of their embedding; the counters are float64, in the order of
-    ``cgist.numerics.STATS_FIELDS``.
+    otherwise; the gradients have the dtype of their embedding; the counters are ``(counts, sums)``: int64
+    counts in the order of ``cgist.numerics.COUNT_FIELDS`` and sums in the loss's dtype in that of ``SUM_FIELDS``.
+
+    ``products`` gives the half dtypes of the student's and the guide's score products (None: the compute
+    dtype); by default ``half_products`` picks them for the device.
     """
-    problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats)
+    if products is None:
+        device = row_chunks(embeddings[0])[0].device
+        products = tuple(None if c is None else half_products(device, row_chunks(c[0])[0].dtype)
+                         for c in (embeddings, guide_embeddings))
+    problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
     itemsize = torch.finfo(problem.dtype).bits // 8
     device = problem.columns[0].x.device
     schedule = plan(problem.batch, [b.cols.x.shape[0] for b in problem.blocks], problem.dims.top, len(problem.dims),
-                    itemsize, options.block_bytes, device)
+                    itemsize, options.block_bytes, device, half=problem.columns[0].half is not None)
     problem.work = _Workspace(problem, schedule)
     loss = torch.zeros((), dtype=problem.dtype, device=device)
     for start in range(0, problem.batch, schedule.rows):

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from cgist.devices import Arch, gpu_arch
 from cgist.numerics import EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
 
 from .gist import (
@@ -74,15 +75,22 @@ _COUNTER_ROW = {"ap": 0, "aa": 1, "pp": 2, "an": 3}
 _KEPT_ROW = 4
 
 
-def input_precision(dtype: torch.dtype) -> str:
+def input_precision(dtype: torch.dtype, arch: Arch | None = None) -> str:
     """``tl.dot`` input precision: fp32 follows ``torch.get_float32_matmul_precision()``.
 
     "highest" is tf32x3 (a split into tf32 high and low parts, three tensor-core products, about fp32
-    accuracy; see ``split_tf32``), "high"/"medium" tf32. Other dtypes ignore it.
+    accuracy; see ``split_tf32``), "high"/"medium" tf32. On an ``arch`` without tensor-core instructions
+    (below sm_80) fp32 is "ieee": no tf32 there. Other dtypes ignore it.
     """
-    if dtype == torch.float32:
+    if dtype == torch.float32 and (arch is None or arch.mma):
         return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
     return "ieee"
+
+
+def _arch(device: torch.device) -> Arch | None:
+    """The device's architecture on CUDA; None elsewhere (the interpreter), which ``input_precision`` reads as
+    tensor cores."""
+    return gpu_arch(device) if device.type == "cuda" else None
 
 
 def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -272,12 +280,11 @@ class ForwardState:
         total = self.run_sum + torch.exp2(self.pos - self.run_max)
         return self.weights / ((self.options.temperature * self.batch) * total)
 
-    def counters(self) -> Tensor:
-        """The mask counters as float64, in the order of ``cgist.numerics.STATS_FIELDS``."""
+    def counters(self) -> tuple[Tensor, Tensor]:
+        """The mask counters: int64 counts (``cgist.numerics.COUNT_FIELDS``) and the sums of theta and T_i."""
         counts = self.counts.sum(dim=1, dtype=torch.int64)
         positive_only = (self.counts[_KEPT_ROW] == 0).sum()
-        out = torch.cat([counts[:_KEPT_ROW], positive_only[None]]).to(torch.float64)
-        return torch.cat([out, torch.stack([self.theta.sum(), self.thr.sum()]).to(torch.float64)])
+        return torch.cat([counts[:_KEPT_ROW], positive_only[None]]), torch.stack([self.theta.sum(), self.thr.sum()])
 
 
 def _prefix_norms(x: Tensor, dims: list[int], acc: torch.dtype) -> Tensor:
@@ -337,8 +344,8 @@ def prepare_forward(
         counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
                                                             device=device),
         scalars=_device_constant(pack_scalars(options.temperature, options.margin), acc, device),
-        flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype),
-                   PRECISION_G=input_precision(guide_dtype), N_DIMS=n_dims),
+        flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype, _arch(device)),
+                   PRECISION_G=input_precision(guide_dtype, _arch(device)), N_DIMS=n_dims),
     )
 
 
@@ -597,8 +604,8 @@ def gist_loss_and_grads(
     columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. A column may be a list of
     row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
-    gradients have the dtype of their embedding; the counters are float64, in the order of
-    ``cgist.numerics.STATS_FIELDS``. No host synchronisation.
+    gradients have the dtype of their embedding; the counters are ``(counts, sums)`` as in
+    ``cgist.streaming.gist_loss_and_grads``. No host synchronisation.
     """
     loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats)
     grads = gist_backward(state) if need_grads else None

@@ -69,7 +69,7 @@ def test_kernel_backwards_are_bitwise_deterministic(variant):
         student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, seed)
         loss, state = gist_forward([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
                                    need_stats=True, tile_set="fused" if backward == "fused" else "gemm")
-        return [loss, state.counters(), *gist_backward(state, backward)]
+        return [loss, *state.counters(), *gist_backward(state, backward)]
 
     _check(run)
 

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 import cgist
 from cgist import GistOptions, function, streaming
+from cgist.devices import arch_for
 from cgist.function import check_embeddings
 from cgist.reference import gist_loss_reference
 
@@ -141,9 +142,11 @@ def test_triton_backend_is_the_launcher(monkeypatch):
 
 
 def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
-    """On CUDA, 'auto' picks the launcher, or the streaming path when cgist.kernels cannot provide it."""
+    """On an sm_90 GPU, 'auto' picks the launcher, or the streaming path when cgist.kernels cannot provide it."""
+    monkeypatch.setattr(function, "gpu_arch", lambda device: arch_for((9, 0)))
     monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
-    assert function.select_backend("auto", torch.device("cuda")) is streaming.gist_loss_and_grads
+    assert function.auto_route(torch.device("cuda:0"), torch.float32, torch.float32)[0] == "torch"
+    assert function.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
 
 
 # Input validation ---------------------------------------------------------------------------------------------
@@ -190,7 +193,10 @@ TENSOR_CASES = [
         dict(embeddings=STUDENT[0]), TypeError, r"embeddings must be a list of 2-D tensors \[anchor, positive, \*negatives\], got Tensor",
         id="embeddings=tensor",
     ),
-    pytest.param(dict(guide_embeddings="abc"), TypeError, r"guide_embeddings must be a list of 2-D tensors .*, got str", id="guide=str"),
+    pytest.param(dict(guide_embeddings="abc"), ValueError, r"guide_embeddings must be the guide's columns, 'self' or None, got 'abc'",
+                 id="guide=str"),
+    pytest.param(dict(guide_embeddings=GUIDE[0]), TypeError, r"guide_embeddings must be a list of 2-D tensors .*, got Tensor",
+                 id="guide=tensor"),
     pytest.param(
         dict(embeddings=STUDENT[:1], guide_embeddings=GUIDE[:1]), ValueError,
         r"embeddings needs at least two columns \(anchor, positive\), got 1", id="one-column",

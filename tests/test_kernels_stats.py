@@ -14,7 +14,7 @@ from helpers import DEVICE, DTYPES, make_inputs, one_thread, shape_id  # noqa: F
 
 from cgist import GistOptions, streaming
 from cgist.kernels import gist_loss_and_grads
-from cgist.numerics import STATS_FIELDS, normalize, threshold
+from cgist.numerics import COUNT_FIELDS, STATS_FIELDS, SUM_FIELDS, compute_dtype, normalize, threshold
 from cgist.reference import gist_scores
 
 
@@ -62,6 +62,12 @@ def _case_id(case) -> str:
     return f"{shape_id(batch, n_cand, dim, dim_g, k)}-{precision}{extra}{'-ties' if ties else ''}"
 
 
+def _values(counters) -> dict[str, float]:
+    """A backend's ``(counts, sums)`` by field name."""
+    counts, sums = (t.cpu().tolist() for t in counters)
+    return {**dict(zip(COUNT_FIELDS, counts)), **dict(zip(SUM_FIELDS, sums))}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_counters_match_oracle_and_streaming(case):
     batch, n_cand, dim, dim_g, k, precision, kw, ties = case
@@ -73,11 +79,13 @@ def test_counters_match_oracle_and_streaming(case):
     _, _, counters = gist_loss_and_grads([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
                                          need_grads=False, need_stats=True)
     _, _, torch_counters = streaming.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)
-    assert counters.dtype == torch.float64 and counters.shape == (len(STATS_FIELDS),)
-    got = dict(zip(STATS_FIELDS, counters.cpu().tolist()))
+    for pair in (counters, torch_counters):
+        assert pair[0].dtype == torch.int64 and pair[0].shape == (len(COUNT_FIELDS),)
+        assert pair[1].dtype == compute_dtype(student[0].dtype) and pair[1].shape == (len(SUM_FIELDS),)
+    got = _values(counters)
     want = oracle_counters(student, guide, options)
-    streamed = dict(zip(STATS_FIELDS, torch_counters.tolist()))
-    counts = STATS_FIELDS[:5]
+    streamed = _values(torch_counters)
+    counts = COUNT_FIELDS
     assert {f: got[f] for f in counts} == {f: want[f] for f in counts}
     assert {f: got[f] for f in counts} == {f: streamed[f] for f in counts}
     if kw.get("margin", 0.0) >= 3.0:

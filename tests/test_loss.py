@@ -225,9 +225,11 @@ def test_citation_names_gistembed_and_gradcache(student, guide):
 def test_constructor_has_the_parameters_and_defaults_of_sentence_transformers():
     ours = dict(inspect.signature(FusedCachedGISTLoss.__init__).parameters)
     theirs = dict(inspect.signature(CachedGISTEmbedLoss.__init__).parameters)
-    backend, block_bytes = ours.pop("backend"), ours.pop("block_bytes")
+    backend = ours.pop("backend")
     assert backend.default == "auto" and backend.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    assert block_bytes.default is None and block_bytes.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name in ("block_bytes", "mask_self", "mask_duplicates"):
+        extra = ours.pop(name)
+        assert extra.default is None and extra.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert [(p.name, p.default, p.kind) for p in ours.values()] == [(p.name, p.default, p.kind) for p in theirs.values()]
 
 
@@ -239,9 +241,12 @@ def test_config_dict_round_trip(student, guide):
     )
     config = loss.get_config_dict()
     assert config["backend"] == "torch" and config["block_bytes"] == 2**20
-    assert FusedCachedGISTLoss(student, **config).get_config_dict() == config
-    # Apart from the backend and the budget, the same keys and values as sentence-transformers' own loss.
-    shared = {key: value for key, value in config.items() if key not in ("backend", "block_bytes")}
+    assert config["guide_mode"] == "model" and config["mask_self"] is False and config["mask_duplicates"] is False
+    arguments = {key: value for key, value in config.items() if key != "guide_mode"}
+    assert FusedCachedGISTLoss(student, **arguments).get_config_dict() == config
+    # Apart from cgist's own keys, the same keys and values as sentence-transformers' own loss.
+    own = ("guide_mode", "mask_self", "mask_duplicates", "backend", "block_bytes")
+    shared = {key: value for key, value in config.items() if key not in own}
     assert CachedGISTEmbedLoss(student, **shared).get_config_dict() == shared
 
 
@@ -270,7 +275,13 @@ ARGUMENT_CASES = [
     ),
     pytest.param(dict(backend="gpu"), ValueError, r"backend must be one of \('auto', 'torch', 'triton'\), got 'gpu'", id="backend=unknown"),
     pytest.param(dict(model="all-MiniLM-L6-v2"), TypeError, r"model must be a SentenceTransformer, got str", id="model=str"),
-    pytest.param(dict(guide=torch.nn.Linear(2, 2)), TypeError, r"guide must be a SentenceTransformer, got Linear", id="guide=module"),
+    pytest.param(dict(guide=torch.nn.Linear(2, 2)), TypeError,
+                 r"guide must be a SentenceTransformer, 'labels', 'self' or None, got Linear", id="guide=module"),
+    pytest.param(dict(guide="label"), ValueError,
+                 r"guide must be a SentenceTransformer, 'labels', 'self' or None, got 'label'", id="guide=unknown-str"),
+    pytest.param(dict(mask_self="yes"), TypeError, r"mask_self must be a bool or None, got str", id="mask_self=str"),
+    pytest.param(dict(mask_duplicates=1), TypeError, r"mask_duplicates must be a bool or None, got int",
+                 id="mask_duplicates=int"),
 ]
 
 

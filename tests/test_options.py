@@ -20,9 +20,15 @@ def test_rejects_bad_options(overrides, error, match):
 
 
 def test_defaults_are_those_of_gist_loss():
+    """The same defaults, but for the masks: gist_loss decides those by its guide (None), and with the guide's own
+    embeddings that gives the options' defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(GistOptions)}
     keywords = {name: p.default for name, p in inspect.signature(cgist.gist_loss).parameters.items() if name in defaults}
-    assert keywords == defaults and set(keywords) == set(defaults)
+    assert set(keywords) == set(defaults)
+    masks = ("mask_self", "mask_duplicates")
+    assert [keywords.pop(name) for name in masks] == [None, None]
+    assert cgist.function.default_masks("embeddings", None, None, True) == tuple(defaults.pop(name) for name in masks)
+    assert keywords == defaults
 
 
 def test_frozen():

@@ -12,16 +12,20 @@ from cgist.reference import gist_loss_reference, gist_scores
 from cgist.streaming import gist_loss_and_grads
 
 
-def _check(student, guide, options=GistOptions(), *, block_bytes=None):
-    """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs."""
+def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=(None, None), tol=None):
+    """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs.
+
+    ``products`` forces the half products of the student and the guide (``streaming.half_products``), whose
+    gradients are ``tol`` (loss, gradient) close.
+    """
     options = options.replace(block_bytes=block_bytes)
-    loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
+    loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True, products=products)
 
     leaves = [s.detach().double().requires_grad_() for s in student]
     expected = gist_loss_reference(leaves, [g.double() for g in guide], options)
     expected_grads = torch.autograd.grad(expected, leaves)
 
-    loss_tol, grad_tol = TOL["streaming"][precision(student[0].dtype)]
+    loss_tol, grad_tol = tol or TOL["streaming"][precision(student[0].dtype)]
     assert loss.dtype == (torch.float64 if student[0].dtype == torch.float64 else torch.float32)
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=loss_tol, atol=loss_tol)
@@ -30,7 +34,7 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None):
         scale = want.abs().max().clamp_min(1e-30)
         torch.testing.assert_close(got.double() / scale, want / scale, rtol=grad_tol, atol=grad_tol)
     # The no-grad call returns the same loss and no gradients.
-    loss_only, none, no_stats = gist_loss_and_grads(student, guide, options, need_grads=False)
+    loss_only, none, no_stats = gist_loss_and_grads(student, guide, options, need_grads=False, products=products)
     assert none is None and no_stats is None and torch.equal(loss_only, loss)
     return expected
 
@@ -146,6 +150,32 @@ def test_half_precision_accumulates_in_fp32(dtype):
     _check(student, guide, GistOptions(offset=13, margin=0.05))
 
 
+HALF_PRODUCTS = {  # (student dtype, guide dtype, product dtypes): what CUDA devices run (``half_products``)
+    "fp16": (torch.float16, torch.float16, (torch.float16, torch.float16)),
+    "bf16-sm80": (torch.bfloat16, torch.bfloat16, (torch.bfloat16, torch.bfloat16)),
+    "bf16-as-fp16": (torch.bfloat16, torch.bfloat16, (torch.float16, torch.float16)),
+    "bf16-fp32-guide": (torch.bfloat16, torch.float32, (torch.float16, None)),
+}
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**20, 2.0**-30], ids=["unit", "huge", "tiny"])
+@pytest.mark.parametrize("case", list(HALF_PRODUCTS))
+def test_half_products(case, scale):
+    """Score products in half precision, as on a GPU (here the half operands are widened, which gives the same
+    products): the forward is exact (products of the inputs as given, normalised after), the gradients carry
+    the rounding of the softmax and of the normalised rows to the half dtype. bf16 rows far outside fp16's
+    range, huge or tiny, still multiply as fp16 (each row scaled by a power of two)."""
+    dtype, guide_dtype, products = HALF_PRODUCTS[case]
+    if products[0] == torch.float16 and dtype == torch.float16 and scale != 1.0:
+        pytest.skip("fp16 inputs have fp16's range")
+    student, guide = make_inputs(13, 26, 48, 32, 2, seed=9)
+    student = [(s * scale).to(dtype) for s in student]
+    guide = [(g * scale).to(guide_dtype) for g in guide]
+    unit = torch.finfo(products[0]).eps
+    for options in (GistOptions(offset=13, margin=0.05), GistOptions(margin=-0.1, temperature=0.05, block_bytes=1)):
+        _check(student, guide, options, products=products, tol=(2e-4, 4 * unit))
+
+
 def test_zero_vector_row():
     """A zero embedding normalises to zero (eps clamp) and gets the clamped gradient g / eps."""
     student, guide = make_inputs(6, 6, 10, 8, 1, seed=7)
@@ -241,7 +271,7 @@ def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
 
     def run(inputs):
         loss, grads, counters = gist_loss_and_grads(*inputs, options, need_grads=True, need_stats=True)
-        return [loss, *grads, counters]
+        return [loss, *grads, *counters]
 
     streaming.release_workspace()
     fresh = run(first)

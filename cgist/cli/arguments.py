@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep this many newest checkpoints")
     output.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in --output-dir, with the same options")
+
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(commands)
     return parser
 
 

@@ -89,8 +89,9 @@ def format_guide(guide: dict[str, float]) -> str:
     """The run's mean guide statistics as one line: masked share per block, positive-only share, mean theta."""
     blocks = ", ".join(f"{key.removeprefix('guide/masked_').upper()} {100 * value:.1f}%"
                        for key, value in guide.items() if key.startswith("guide/masked_"))
+    theta = f"; mean theta {guide['guide/theta_mean']:.3f}" if "guide/theta_mean" in guide else ""
     return (f"guide (mean over the run's steps): masked {blocks}; only the positive left for "
-            f"{100 * guide['guide/positive_only']:.1f}% of anchors; mean theta {guide['guide/theta_mean']:.3f}")
+            f"{100 * guide['guide/positive_only']:.1f}% of anchors{theta}")
 
 
 def format_summary(summary: dict) -> str:

@@ -158,8 +158,8 @@ class NonFiniteGuard(TrainerCallback):
                 raise NonFiniteLoss(self.step, "the training loss", value)
             stats = getattr(loss, "last_stats", None)  # a cgist.GistStats of this call, where the loss keeps one
             for what in ("theta_mean", "threshold_mean"):
-                value = getattr(stats, what, 0.0)
-                if not math.isfinite(value):
+                value = getattr(stats, what, None)
+                if value is not None and not math.isfinite(value):
                     raise NonFiniteLoss(self.step, f"the loss stage's {what}", value)
             return result
 

@@ -1,0 +1,258 @@
+"""``cgist doctor``: what cgist does on this machine, checked in under a minute.
+
+It prints the device and its capability, the backend and the tiles that ``backend="auto"`` takes for each dtype
+pair, a small run of the Triton kernels against the PyTorch streaming path on the device (loss, gradients and
+the guide's mask counts), a loss-stage timing beside the PyTorch path, and a verdict line. The exit status is 1
+when the kernels disagree with the PyTorch path, else 0.
+
+Without a CUDA device the kernels run only under the Triton interpreter (``TRITON_INTERPRET=1 cgist doctor``);
+otherwise the doctor says that they were not checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PAIRS", "add_parser", "run_doctor"]
+
+#: The dtype pairs users train with: (name, student dtype, guide dtype).
+PAIRS = (
+    ("fp32", torch.float32, torch.float32),
+    ("bf16", torch.bfloat16, torch.bfloat16),
+    ("fp16", torch.float16, torch.float16),
+    ("bf16 + fp32 guide", torch.bfloat16, torch.float32),
+)
+#: Largest relative difference of the loss and of the gradients (to their largest entry) between the kernels and
+#: the PyTorch path, by student dtype; and the share of the mask's entries allowed to differ (a score within
+#: rounding of its threshold), which is 0 in float64.
+TOLERANCE = {torch.float64: (1e-9, 0.0), torch.float32: (1e-3, 1e-4), torch.bfloat16: (5e-2, 1e-3),
+             torch.float16: (2e-2, 1e-3)}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    doctor = commands.add_parser(
+        "doctor", help="check what cgist runs on this machine, and that its kernels agree with the PyTorch path",
+        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    doctor.add_argument("--device", help="torch device to check (default: cuda if available, else cpu)")
+
+
+@dataclass
+class Comparison:
+    """The kernels against the PyTorch path for one dtype pair."""
+
+    name: str
+    loss_diff: float
+    grad_diff: float
+    count_diff: int
+    entries: int
+    tolerance: tuple[float, float]
+
+    @property
+    def ok(self) -> bool:
+        return (max(self.loss_diff, self.grad_diff) <= self.tolerance[0]
+                and self.count_diff <= self.tolerance[1] * self.entries)
+
+    def line(self) -> str:
+        verdict = "agree" if self.ok else "DISAGREE"
+        return (f"  {self.name:<18} {verdict}: loss {self.loss_diff:.1e}, gradients {self.grad_diff:.1e} (relative; "
+                f"allowed {self.tolerance[0]:.0e}), mask counts {self.count_diff} of {self.entries} entries apart")
+
+
+def _describe_device(device: torch.device) -> str:
+    from ..devices import device_kind, gpu_arch
+
+    versions = f"torch {torch.__version__}"
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        versions += ", triton not installed"
+    if device_kind(device) == "cuda":
+        arch = gpu_arch(device)
+        shape = (f"{arch.name}, {arch.shared_bytes // 1024} KiB shared memory per block"
+                 + ("" if arch.known else f", unknown to cgist: tiles of sm_{arch.family}") if arch
+                 else "compute capability %d.%d" % torch.cuda.get_device_capability(device))
+        return f"device: {device} {torch.cuda.get_device_name(device)} ({shape}); {versions}"
+    if device_kind(device) == "rocm":
+        return f"device: {device} {torch.cuda.get_device_name(device)} (ROCm {torch.version.hip}); {versions}"
+    return f"device: {device}; {versions}"
+
+
+def _tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
+    """The tile configs the forward autotunes over for this pair on ``device``."""
+    from ..devices import gpu_arch
+    from ..kernels.gist import tile_configs
+    from ..kernels.launch import input_precision
+
+    arch = gpu_arch(device)
+    configs = tile_configs(dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch),
+                           arch=arch, interpret=False)
+    return ", ".join("{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
+                     for c in configs)
+
+
+def _routes(device: torch.device) -> list[str]:
+    from ..function import auto_route
+    from ..streaming import half_products
+
+    lines = ['backend "auto" per dtype pair (student, guide):']
+    for name, dtype, guide_dtype in PAIRS:
+        backend, why = auto_route(device, dtype, guide_dtype)
+        if backend == "triton":
+            how = f"tiles {_tiles(device, dtype, guide_dtype)}"
+        else:
+            products = [half_products(device, d) for d in (dtype, guide_dtype)]
+            how = "score products in " + " and ".join(dict.fromkeys(
+                str(p or torch.float32).removeprefix("torch.") for p in products))
+        lines.append(f"  {name:<18} {backend:<6} ({why}); {how}")
+    return lines
+
+
+def _inputs(batch: int, n_cand: int, dim: int, dim_g: int, k: int, dtype: torch.dtype, guide_dtype: torch.dtype,
+            device: torch.device, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random student and guide columns [anchor, positive, *k negatives], the positives close to their anchors."""
+    gen = torch.Generator().manual_seed(seed)
+    anchor = torch.randn(batch, dim, generator=gen)
+    guide_anchor = torch.randn(batch, dim_g, generator=gen)
+    student = [anchor, torch.randn(n_cand, dim, generator=gen)]
+    guide = [guide_anchor, torch.randn(n_cand, dim_g, generator=gen)]
+    student[1][:batch] += 2.0 * anchor
+    guide[1][:batch] += 2.0 * guide_anchor
+    student += [torch.randn(n_cand, dim, generator=gen) for _ in range(k)]
+    guide += [torch.randn(n_cand, dim_g, generator=gen) for _ in range(k)]
+    return ([s.to(device, dtype) for s in student], [g.to(device, guide_dtype) for g in guide])
+
+
+def _run(backend: str, student: list[torch.Tensor], guide: list[torch.Tensor]):
+    from .. import gist_loss
+
+    leaves = [s.detach().requires_grad_() for s in student]
+    loss, stats = gist_loss(leaves, guide, temperature=0.05, margin=0.05, offset=0, backend=backend,
+                            return_stats=True)
+    loss.backward()
+    return loss.detach().double(), [s.grad.double() for s in leaves], stats
+
+
+def compare(device: torch.device, name: str, dtype: torch.dtype, guide_dtype: torch.dtype, sizes: tuple) -> Comparison:
+    """Loss, gradients and mask counts of the kernels (``backend="triton"``) against the PyTorch path."""
+    student, guide = _inputs(*sizes, dtype, guide_dtype, device)
+    loss_t, grads_t, stats_t = _run("triton", student, guide)
+    loss_s, grads_s, stats_s = _run("torch", student, guide)
+    loss_diff = float((loss_t - loss_s).abs() / loss_s.abs().clamp_min(1e-30))
+    grad_diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(grads_t, grads_s))
+    if not (math.isfinite(loss_diff) and math.isfinite(grad_diff)):
+        loss_diff = grad_diff = math.inf
+    count_diff = sum(abs(stats_t.masked[k] - stats_s.masked[k]) for k in stats_s.masked)
+    count_diff += abs(stats_t.positive_only - stats_s.positive_only)
+    return Comparison(name, loss_diff, grad_diff, count_diff, sum(stats_s.candidates.values()), TOLERANCE[dtype])
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bare_gemms(student: list[torch.Tensor], guide: list[torch.Tensor], rows: int) -> Callable[[], None]:
+    """The loss stage's four products per row block of ``rows`` anchors (guide and student scores, the two
+    gradient products) against every column, in the compute dtype: the speed limit of the PyTorch path."""
+    a, columns = student[0].float(), torch.cat([student[1], student[0], *student[1:]]).float()
+    ga, guide_columns = guide[0].float(), torch.cat([guide[1], guide[0], *guide[1:]]).float()
+
+    def run() -> None:
+        for lo in range(0, a.shape[0], rows):
+            scores = a[lo : lo + rows] @ columns.T
+            ga[lo : lo + rows] @ guide_columns.T
+            scores @ columns
+            scores.T @ a[lo : lo + rows]
+
+    return run
+
+
+def timing(device: torch.device, use_triton: bool) -> str:
+    """The loss stage (forward and backward) at a size that fits the device, on each path it has."""
+    from ..function import auto_route
+    from ..streaming import ROW_TARGET
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        batch = 16384 if free > 8 * 2**30 else 4096
+        dtype = torch.bfloat16 if auto_route(device, torch.bfloat16, torch.bfloat16)[0] == "triton" else torch.float32
+        sizes, repeats = (batch, batch, 768, 384, 1), 5
+    else:
+        dtype, sizes, repeats = torch.float32, (1024, 1024, 384, 384, 1), 3
+    student, guide = _inputs(*sizes, dtype, dtype, device, seed=1)
+    label = f"B=N={sizes[0]}, D={sizes[2]}, Dg={sizes[3]}, k={sizes[4]}, {str(dtype).removeprefix('torch.')}"
+    torch_s = _median_seconds(lambda: _run("torch", student, guide), device, repeats)
+    parts = [f"PyTorch path {torch_s * 1e3:.1f} ms"]
+    if use_triton:
+        triton_s = _median_seconds(lambda: _run("triton", student, guide), device, repeats)
+        parts.insert(0, f"Triton {triton_s * 1e3:.1f} ms ({torch_s / triton_s:.1f}x the PyTorch path)")
+    else:
+        gemm_s = _median_seconds(_bare_gemms(student, guide, ROW_TARGET), device, repeats)
+        parts.append(f"{torch_s / gemm_s:.2f}x its bare GEMMs ({gemm_s * 1e3:.1f} ms)")
+    return f"loss stage, forward and backward ({label}): " + ", ".join(parts)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Print the report; 0 when everything that ran agrees, 1 when the kernels disagree with the PyTorch path."""
+    from ..function import auto_route
+    from .arguments import resolve_device
+
+    start = time.perf_counter()
+    device = resolve_device(args.device)
+    print(_describe_device(device))
+    for line in _routes(device):
+        print(line)
+
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    runs_kernels = auto_route(device, torch.float32, torch.float32)[0] == "triton" or interpreted
+    comparisons: list[Comparison] = []
+    if runs_kernels:
+        where = "under the Triton interpreter" if interpreted else f"on {device}"
+        sizes = (13, 26, 40, 24, 1) if interpreted else (384, 768, 96, 64, 1)
+        # bf16 and fp16 products are broken in the interpreter; on a GPU they are the point
+        pairs = [("fp64", torch.float64, torch.float64), *PAIRS[:1]] if interpreted else \
+            [("fp64", torch.float64, torch.float64), *PAIRS]
+        print(f"kernels against the PyTorch path {where} (B={sizes[0]}, N={sizes[1]}, D={sizes[2]}, "
+              f"Dg={sizes[3]}, k={sizes[4]}, margin 0.05):")
+        for name, dtype, guide_dtype in pairs:
+            comparisons.append(compare(device, name, dtype, guide_dtype, sizes))
+            print(comparisons[-1].line())
+    else:
+        why = auto_route(device, torch.float32, torch.float32)[1]
+        hint = "; TRITON_INTERPRET=1 cgist doctor runs them on the CPU under the Triton interpreter" \
+            if device.type == "cpu" else ""
+        print(f"kernels: not run ({why}{hint})")
+    print(timing(device, runs_kernels and not interpreted))
+
+    failed = [c.name for c in comparisons if not c.ok]
+    elapsed = f"({time.perf_counter() - start:.0f} s)"
+    if failed:
+        print(f"verdict: FAIL: the kernels disagree with the PyTorch path on {device} for {', '.join(failed)}; "
+              f"train with backend='torch' (or CGIST_BACKEND=torch) and report this output {elapsed}")
+        return 1
+    if comparisons:
+        checked = ", ".join(c.name for c in comparisons)
+        where = "under the Triton interpreter" if interpreted else f"on {device}"
+        print(f"verdict: ok: the kernels agree with the PyTorch path {where} ({checked}) {elapsed}")
+    else:
+        print(f"verdict: ok: the PyTorch path runs on {device}; the Triton kernels were not checked {elapsed}")
+    return 0

@@ -1,0 +1,56 @@
+"""``cgist doctor`` on this CPU machine: without the interpreter, under it, and with kernels made to disagree."""
+
+from __future__ import annotations
+
+import pytest
+
+import cgist.kernels.launch  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
+from cgist.cli import main
+
+
+def _doctor(capsys) -> tuple[int, list[str]]:
+    status = main(["doctor"])
+    return status, capsys.readouterr().out.splitlines()
+
+
+def test_doctor_without_the_interpreter_says_what_it_checked(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    status, lines = _doctor(capsys)
+    assert status == 0
+    assert lines[0].startswith("device: cpu; torch ")
+    assert lines[1] == 'backend "auto" per dtype pair (student, guide):'
+    assert [line.split()[0] for line in lines[2:6]] == ["fp32", "bf16", "fp16", "bf16"]
+    assert all(" torch " in line for line in lines[2:6])
+    assert any(line.startswith("kernels: not run (cpu tensors; TRITON_INTERPRET=1 cgist doctor") for line in lines)
+    assert any(line.startswith("loss stage, forward and backward (B=N=1024") and "bare GEMMs" in line for line in lines)
+    assert lines[-1].startswith("verdict: ok: the PyTorch path runs on cpu; the Triton kernels were not checked")
+
+
+def test_doctor_under_the_interpreter_compares_the_kernels(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status, lines = _doctor(capsys)
+    assert status == 0, "\n".join(lines)
+    compared = [line.split()[0] for line in lines if " agree: loss " in line]
+    assert compared == ["fp64", "fp32"]
+    assert lines[-1].startswith("verdict: ok: the kernels agree with the PyTorch path under the Triton interpreter")
+
+
+def test_doctor_fails_when_the_kernels_disagree(capsys, monkeypatch):
+    """A launcher whose loss is 1% off: the doctor says which pairs disagree and exits 1."""
+    from cgist.kernels import launch
+
+    loss = launch.ForwardState.loss
+    monkeypatch.setattr(launch.ForwardState, "loss", lambda self: loss(self) * 1.01)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status, lines = _doctor(capsys)
+    assert status == 1
+    assert sum(" DISAGREE: loss 1.0e-02" in line for line in lines) == 2
+    assert lines[-1].startswith("verdict: FAIL: the kernels disagree with the PyTorch path on cpu for fp64, fp32")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_doctor_refuses_a_missing_device(capsys, device):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is present")
+    assert main(["doctor", "--device", device]) == 2
+    assert "CUDA is not available on this machine" in capsys.readouterr().err
