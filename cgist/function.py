@@ -43,14 +43,21 @@ def column_name(index: int) -> str:
     return ("anchor", "positive")[index] if index < 2 else f"negative {index - 1}"
 
 
-def _where(arg: str, i: int) -> str:
-    """``embeddings[2] (student negative 1)``: how messages name a column."""
+#: The arguments that hold every rank's anchors (``gist_loss``), by the argument of the other columns.
+_ALL_ANCHORS = {"embeddings": "all_anchors", "guide_embeddings": "all_anchors_guide", "text_ids": "all_anchors_text_ids"}
+
+
+def _where(arg: str, i: int, all_anchors: int | None = None) -> str:
+    """``embeddings[2] (student negative 1)``: how messages name a column; column ``all_anchors`` (if given) is the
+    one that ``gist_loss`` takes as ``all_anchors`` (or ``all_anchors_guide``)."""
+    if i == all_anchors:
+        return _ALL_ANCHORS[arg]
     return f"{arg}[{i}] ({'student' if arg == 'embeddings' else 'guide'} {column_name(i)})"
 
 
-def _check_group(columns: object, arg: str) -> list[list[Tensor]]:
+def _check_group(columns: object, arg: str, all_anchors: bool = False) -> list[list[Tensor]]:
     """One side's columns as lists of row chunks, checked: 2-D, non-empty, floating, one dtype, one dim,
-    negatives as tall as the positives.
+    negatives (and with ``all_anchors`` the last column, every rank's anchors) as tall as the positives.
 
     A column is a 2-D tensor, or a list of them stacked by rows (GradCache's mini-batches), each chunk
     checked as a column would be; messages name a chunk by its index when a column has several, as the
@@ -62,8 +69,9 @@ def _check_group(columns: object, arg: str) -> list[list[Tensor]]:
     if len(columns) < 2:
         raise ValueError(f"{arg} needs at least two columns (anchor, positive), got {len(columns)}")
     out: list[list[Tensor]] = []
+    last = len(columns) - 1 if all_anchors else None
     for i, column in enumerate(columns):
-        where = _where(arg, i)
+        where = _where(arg, i, last)
         whole = isinstance(column, Tensor)
         if not whole and (isinstance(column, (str, bytes)) or not isinstance(column, Sequence) or not column):
             raise TypeError(f"{where} must be a torch.Tensor or a non-empty list of them (row chunks), "
@@ -95,7 +103,7 @@ def rows(chunks: Sequence[Tensor]) -> int:
     return sum(t.shape[0] for t in chunks)
 
 
-def check_text_ids(text_ids: object, student: list[list[Tensor]]) -> list[Tensor]:
+def check_text_ids(text_ids: object, student: list[list[Tensor]], all_anchors: bool = False) -> list[Tensor]:
     """``text_ids`` checked against the student columns: one integer tensor of one id per row for each column, on
     the embeddings' device. Returns them as int32 ids, equal exactly where the given ids are equal."""
     if isinstance(text_ids, (Tensor, str, bytes)) or not isinstance(text_ids, Sequence):
@@ -104,8 +112,9 @@ def check_text_ids(text_ids: object, student: list[list[Tensor]]) -> list[Tensor
     if len(text_ids) != len(student):
         raise ValueError(f"text_ids has {len(text_ids)} columns but embeddings has {len(student)}")
     device = student[0][0].device
+    last = len(student) - 1 if all_anchors else None
     for i, (ids, column) in enumerate(zip(text_ids, student)):
-        where = f"text_ids[{i}] ({column_name(i)})"
+        where = _ALL_ANCHORS["text_ids"] if i == last else f"text_ids[{i}] ({column_name(i)})"
         if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{where} must be an integer tensor, got "
                             f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
@@ -126,25 +135,28 @@ def check_embeddings(
 
     Costs one host sync (the finiteness test), however many columns and chunks there are.
     """
-    student = _check_group(embeddings, "embeddings")
+    student = _check_group(embeddings, "embeddings", options.all_anchors)
     if guide_embeddings is None:
         _check_finite_and_shapes(student, [], options)
         return student, None
-    guide = _check_group(guide_embeddings, "guide_embeddings")
+    guide = _check_group(guide_embeddings, "guide_embeddings", options.all_anchors)
     if len(guide) != len(student):
         raise ValueError(
             f"guide_embeddings has {len(guide)} columns but embeddings has {len(student)}; they must hold the same columns"
         )
+    last = len(student) - 1 if options.all_anchors else None
     for i, (s, g) in enumerate(zip(student, guide)):
         if rows(g) != rows(s):
-            raise ValueError(f"{_where('guide_embeddings', i)} has {rows(g)} rows, but embeddings[{i}] has {rows(s)}")
+            raise ValueError(f"{_where('guide_embeddings', i, last)} has {rows(g)} rows, but "
+                             f"{_where('embeddings', i, last)} has {rows(s)}")
     _check_finite_and_shapes(student, guide, options)
     return student, guide
 
 
 def _check_finite_and_shapes(student: list[list[Tensor]], guide: list[list[Tensor]], options: GistOptions) -> None:
     """One device, N >= B, the offset's range, the Matryoshka dimensions, and no NaN or infinity anywhere."""
-    named = [(_where(arg, i) + (f" chunk {j}" if len(column) > 1 else ""), t)
+    last = len(student) - 1 if options.all_anchors else None
+    named = [(_where(arg, i, last) + (f" chunk {j}" if len(column) > 1 else ""), t)
              for arg, group in (("embeddings", student), ("guide_embeddings", guide))
              for i, column in enumerate(group) for j, t in enumerate(column)]
     device = student[0][0].device
@@ -403,7 +415,7 @@ def gist_loss_with_options(
     student, guide = check_embeddings(embeddings, guide_embeddings if source == "embeddings" else None, options)
     if options.mask_duplicates and text_ids is None:
         raise ValueError("mask_duplicates=True needs text_ids: one id per row of each column, equal for equal texts")
-    ids = check_text_ids(text_ids, student) if options.mask_duplicates else None
+    ids = check_text_ids(text_ids, student, options.all_anchors) if options.mask_duplicates else None
     if source == "self":  # the student's own vectors, detached, are the guide
         guide = student
     guide_dtype = guide[0][0].dtype if guide is not None else student[0][0].dtype
@@ -418,7 +430,8 @@ def gist_loss_with_options(
     if not return_stats:
         return loss
     stats = GistStats.from_counters(counts, sums, batch=rows(student[0]), n_cand=rows(student[1]),
-                                    n_negatives=len(student) - 2, options=options, guided=bool(guide))
+                                    n_negatives=len(student) - 2 - options.all_anchors, options=options,
+                                    guided=bool(guide), n_anchors=rows(student[-1] if options.all_anchors else student[0]))
     return loss, stats
 
 
@@ -434,6 +447,14 @@ def gist_loss(
     mask_self: bool | None = None,
     mask_duplicates: bool | None = None,
     text_ids: Sequence[Tensor] | None = None,
+    directions: Sequence[str] = ("query_to_doc",),
+    partition_mode: str = "joint",
+    hardness_mode: str | None = None,
+    hardness_strength: float = 0.0,
+    similarity: str = "cos",
+    all_anchors: Tensor | Sequence[Tensor] | None = None,
+    all_anchors_guide: Tensor | Sequence[Tensor] | None = None,
+    all_anchors_text_ids: Tensor | None = None,
     offset: int = 0,
     matryoshka_dims: Sequence[int] | None = None,
     matryoshka_weights: Sequence[float] | None = None,
@@ -462,6 +483,12 @@ def gist_loss(
             are given, else off.
         text_ids: one integer tensor per column, one id per row, equal exactly for equal texts (e.g.
             ``cgist.numerics.token_fingerprints`` of the token ids); gathered like the candidates.
+        directions, partition_mode, hardness_mode, hardness_strength: sentence-transformers'
+            ``MultipleNegativesRankingLoss`` options, with the guide's mask on every block: see
+            ``cgist.GistOptions``. ``"query_to_query"`` and ``"doc_to_query"`` score against every rank's
+            anchors, ``all_anchors`` (N rows, this rank's at ``offset``; with a guide also ``all_anchors_guide``,
+            with duplicates masked ``all_anchors_text_ids``), or, without them, against this rank's.
+        similarity: ``"cos"`` (cosine) or ``"dot"`` (dot product) for the student; the guide always uses cosines.
         offset: global row of this rank's first anchor among the candidates; anchor i's positive is
             candidate ``offset + i`` (``rank * B`` when candidates are gathered across ranks).
         matryoshka_dims, matryoshka_weights: the loss ``sum_d w_d * L_d`` of sentence-transformers'
@@ -477,8 +504,20 @@ def gist_loss(
         The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
         differentiable with respect to ``embeddings``; with ``return_stats``, ``(loss, stats)``.
     """
-    mask_self, mask_duplicates = default_masks(guide_source(guide_embeddings), mask_self, mask_duplicates,
-                                               text_ids is not None)
+    source = guide_source(guide_embeddings)
+    mask_self, mask_duplicates = default_masks(source, mask_self, mask_duplicates, text_ids is not None)
+    if all_anchors is not None:
+        if not set(directions) & {"query_to_query", "doc_to_query"}:
+            raise ValueError("all_anchors is only read by the directions 'query_to_query' and 'doc_to_query'")
+        if source == "embeddings" and all_anchors_guide is None:
+            raise ValueError("all_anchors needs all_anchors_guide: the guide's embeddings of the same anchors")
+        if mask_duplicates and all_anchors_text_ids is None:
+            raise ValueError("all_anchors with mask_duplicates needs all_anchors_text_ids")
+        embeddings = [*embeddings, all_anchors]
+        if source == "embeddings":
+            guide_embeddings = [*guide_embeddings, all_anchors_guide]
+        if mask_duplicates and text_ids is not None:
+            text_ids = [*text_ids, all_anchors_text_ids]
     options = GistOptions(
         temperature=temperature,
         margin=margin,
@@ -487,6 +526,12 @@ def gist_loss(
         contrast_positives=contrast_positives,
         mask_self=mask_self,
         mask_duplicates=mask_duplicates,
+        directions=directions,
+        partition_mode=partition_mode,
+        hardness_mode=hardness_mode,
+        hardness_strength=hardness_strength,
+        similarity=similarity,
+        all_anchors=all_anchors is not None,
         offset=offset,
         matryoshka_dims=matryoshka_dims,
         matryoshka_weights=matryoshka_weights,

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss
+from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
 from torch import Tensor
 
 from .function import BACKENDS, default_masks, gist_loss_with_options
 from .numerics import token_fingerprints
-from .options import GistOptions
+from .options import GistOptions, _check_real
 from .stats import GistStats
 
-__all__ = ["FusedCachedGISTLoss", "FusedMatryoshka"]
+__all__ = ["FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedMatryoshka"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,59 @@ def text_fingerprints(feature: dict[str, Tensor]) -> Tensor:
     return token_fingerprints(input_ids, feature.get("attention_mask"))
 
 
+def fused_loss_stage(
+    reps: list[list[Tensor]], guide: list | str | None, text_ids: list[Tensor] | None, options: GistOptions, *,
+    backend: str, gather: bool, with_backward: bool, dims: tuple[tuple[int, float], ...] | None = None,
+) -> tuple[Tensor, GistStats]:
+    """The loss stage of a GradCache step: the loss over the cached mini-batch embeddings ``reps`` and its statistics.
+
+    Each column stays a list of its mini-batches (the loss stage takes them as row chunks, so the embeddings are not
+    concatenated into a copy). With ``gather`` the candidates are gathered with gradients from every rank, as
+    sentence-transformers does, and so are the anchors when a direction scores against them; the guide's columns
+    (``guide``: a list of the guide's columns, "self" or None) and the text ids go with them. ``dims`` are Matryoshka
+    ``(d, w_d)`` pairs. With ``with_backward`` the embedding gradients are accumulated into the leaves' ``.grad``
+    and the loss is returned detached.
+    """
+    anchors, *candidates = (list(r) for r in reps)
+    if gather:
+        batch = sum(r.shape[0] for r in anchors)
+        check_equal_batches(batch, anchors[0].device)
+        everyone = bool({"query_to_query", "doc_to_query"} & set(options.directions))
+        candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
+        if everyone:  # every rank's anchors, as one more column
+            candidates.append(all_gather_with_grad(torch.cat(anchors)))
+        if isinstance(guide, list):
+            gathered = [all_gather_with_grad(torch.cat(c)) for c in guide[1:]]
+            guide = [guide[0], *gathered, *([all_gather_with_grad(torch.cat(guide[0]))] if everyone else [])]
+        if text_ids is not None:
+            text_ids = [text_ids[0], *(all_gather(t) for t in text_ids[1:]), *([all_gather(text_ids[0])] if everyone else [])]
+        options = options.replace(offset=get_rank() * batch, all_anchors=everyone)
+    if dims is not None:
+        options = options.replace(matryoshka_dims=tuple(d for d, _ in dims), matryoshka_weights=tuple(w for _, w in dims))
+    loss, stats = gist_loss_with_options([anchors, *candidates], guide, options, backend=backend, return_stats=True,
+                                         text_ids=text_ids)
+    if with_backward:
+        loss.backward()
+        loss = loss.detach()
+    return loss, stats
+
+
+def _check_mini_batches(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
+    """The embedding stage's arguments of both losses, checked."""
+    for name, value, expected in (
+        ("mini_batch_size", mini_batch_size, "an int"),
+        ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
+    ):
+        if value is None and name == "mini_batch_num_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if not isinstance(gather_across_devices, bool):
+        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+
+
 def check_equal_batches(batch_size: int, device: torch.device) -> None:
     """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong.
 
@@ -118,6 +172,10 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         block_bytes: int | None = None,
         mask_self: bool | None = None,
         mask_duplicates: bool | None = None,
+        directions: tuple[str, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
+        hardness_strength: float = 0.0,
     ) -> None:
         """
         A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
@@ -168,6 +226,20 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
                 the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
                 so duplicates are found also under dropout. Default as for ``mask_self``.
+            directions: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, each block masked by the
+                guide as GIST's are: ``"query_to_doc"`` (required; GIST's AP and AN blocks), ``"query_to_query"``
+                (anchors against every anchor, under ``gather_across_devices`` every rank's: GIST's
+                ``contrast_anchors`` over all of them, so set ``contrast_anchors=False`` to use it),
+                ``"doc_to_query"`` (positives against every anchor) and ``"doc_to_doc"`` (positives against every
+                document, their own left out: contains GIST's ``contrast_positives``, so set that to False). A
+                combination that would hold a block twice is an error.
+            partition_mode: ``"joint"`` (one softmax over every block) or ``"per_direction"`` (the mean of each
+                direction's log-sum-exp; it needs every block to contain the positive pair, so it allows only
+                ``"query_to_doc"`` and ``"doc_to_query"``, without the contrast blocks).
+            hardness_mode, hardness_strength: add ``hardness_strength * stop_grad(cos)`` to the query-to-document
+                logits that ``hardness_mode`` names (``"in_batch_negatives"``, ``"hard_negatives"`` or
+                ``"all_negatives"``), after the guide's mask, not divided by the temperature: sentence-transformers'
+                rule (Lan et al. 2025, arXiv:2503.04812).
 
         With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
         computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
@@ -227,20 +299,13 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             contrast_positives=contrast_positives,
             mask_self=mask_self,
             mask_duplicates=mask_duplicates,
+            directions=directions,
+            partition_mode=partition_mode,
+            hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
             block_bytes=block_bytes,
         )
-        for name, value, expected in (
-            ("mini_batch_size", mini_batch_size, "an int"),
-            ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
-        ):
-            if value is None and name == "mini_batch_num_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if not isinstance(gather_across_devices, bool):
-            raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+        _check_mini_batches(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(model, SentenceTransformer):
@@ -326,37 +391,16 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         """``calculate_loss``, over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given."""
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
-        # Each column stays a list of its mini-batches: the loss stage takes them as row chunks, so the
-        # embeddings are not concatenated into a copy.
-        anchors, *candidates = (list(r) for r in reps)
         guide, text_ids = self._guide_columns(reps_guided), self._batch.get("text_ids")
         if self.options.mask_duplicates and text_ids is None:
             raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
                              "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        options = self.options
-        if self.gather_across_devices:
-            batch = sum(r.shape[0] for r in anchors)
-            check_equal_batches(batch, anchors[0].device)
-            candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
-            if isinstance(guide, list):
-                guide = guide[:1] + [all_gather_with_grad(torch.cat(c)) for c in guide[1:]]
-            if text_ids is not None:
-                text_ids = text_ids[:1] + [all_gather(t) for t in text_ids[1:]]
-            options = options.replace(offset=get_rank() * batch)
-        if dims is not None:
-            options = options.replace(matryoshka_dims=tuple(d for d, _ in dims),
-                                      matryoshka_weights=tuple(w for _, w in dims))
-        training = with_backward and torch.is_grad_enabled()
-        loss, stats = gist_loss_with_options(
-            [anchors, *candidates], guide, options, backend=self.backend, return_stats=True, text_ids=text_ids,
-        )
+        loss, stats = fused_loss_stage(reps, guide, text_ids, self.options, backend=self.backend,
+                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
         self.last_stats = stats
-        if training:
+        if with_backward and torch.is_grad_enabled():
             self._training_stats.append(stats)
             self._check_positive_only(stats)
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
         return loss
 
     def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
@@ -390,8 +434,11 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
     def get_config_dict(self) -> dict:
         """sentence-transformers' configuration (``guide`` is the model, "labels", "self" or None), with the guide
         mode named, the explicit masks and cgist's own options."""
-        config = {**super().get_config_dict(), "guide_mode": self.guide_mode, "mask_self": self.options.mask_self,
-                  "mask_duplicates": self.options.mask_duplicates, "backend": self.backend}
+        options = self.options
+        config = {**super().get_config_dict(), "guide_mode": self.guide_mode, "mask_self": options.mask_self,
+                  "mask_duplicates": options.mask_duplicates, "directions": options.directions,
+                  "partition_mode": options.partition_mode, "hardness_mode": options.hardness_mode,
+                  "hardness_strength": options.hardness_strength, "backend": self.backend}
         if self.options.block_bytes is not None:
             config["block_bytes"] = self.options.block_bytes
         return config
@@ -450,7 +497,7 @@ class FusedMatryoshka:
         self.n_dims_per_step = decorator.n_dims_per_step
 
     @staticmethod
-    def take_over(loss: FusedCachedGISTLoss, value: object) -> object:
+    def take_over(loss: FusedCachedGISTLoss | FusedCachedMultipleNegativesRankingLoss, value: object) -> object:
         """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
 
         Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then
@@ -462,15 +509,125 @@ class FusedMatryoshka:
             return value
         fn = getattr(value, "fn", None)
         if not (isinstance(value, CachedLossDecorator) and getattr(fn, "__self__", None) is loss
-                and getattr(fn, "__func__", None) is FusedCachedGISTLoss.calculate_loss
+                and getattr(fn, "__func__", None) in (FusedCachedGISTLoss.calculate_loss,
+                                                      FusedCachedMultipleNegativesRankingLoss.calculate_loss)
                 and all(hasattr(value, a) for a in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"))):
             return value
         return FusedMatryoshka(loss, value)
 
-    def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
-                 ) -> Tensor:
+    def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]] | Tensor | None = None, *,
+                 with_backward: bool = False) -> Tensor:
+        """``calculate_loss`` over the sampled dimensions; ``reps_guided`` is the GIST loss's guide embeddings, or the
+        labels of the ranking loss (unused)."""
         indices: range | list[int] = range(len(self.matryoshka_dims))
         if 0 < self.n_dims_per_step < len(indices):
             indices = random.sample(indices, self.n_dims_per_step)
         dims = tuple((self.matryoshka_dims[i], float(self.matryoshka_weights[i])) for i in indices)
         return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=dims)
+
+
+def similarity_name(similarity_fct: object) -> str:
+    """``"cos"`` for sentence-transformers' ``cos_sim`` and ``"dot"`` for ``dot_score``; any other function is an
+    error naming the two the fused loss stage computes."""
+    from sentence_transformers.util import cos_sim, dot_score
+
+    if similarity_fct is cos_sim:
+        return "cos"
+    if similarity_fct is dot_score:
+        return "dot"
+    name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
+    raise ValueError(f"similarity_fct must be sentence_transformers.util.cos_sim or dot_score (the two the fused loss "
+                     f"stage computes), got {name}")
+
+
+class FusedCachedMultipleNegativesRankingLoss(CachedMultipleNegativesRankingLoss):
+    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` with a fused, streaming loss stage."""
+
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        scale: float = 20.0,
+        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        directions: tuple[str, ...] = ("query_to_doc",),
+        partition_mode: Literal["joint", "per_direction"] = "joint",
+        show_progress_bar: bool = False,
+        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
+        hardness_strength: float = 0.0,
+        backend: Literal["auto", "torch", "triton"] = "auto",
+        block_bytes: int | None = None,
+    ) -> None:
+        """
+        A drop-in for :class:`CachedMultipleNegativesRankingLoss`: the same arguments, defaults, loss and gradients,
+        with a loss stage that never forms the B x N similarity matrix. It is ``FusedCachedGISTLoss``'s loss stage
+        without a guide: every direction, both partition modes, the hardness penalty and ``gather_across_devices``
+        run as matrix products over blocks of anchors with a streaming log-sum-exp (Triton kernels on CUDA, a
+        blockwise PyTorch computation elsewhere).
+
+        Args:
+            model: the SentenceTransformer being trained.
+            scale: multiplies the similarities before the softmax (1 / temperature).
+            similarity_fct: ``sentence_transformers.util.cos_sim`` or ``dot_score``; any other is an error.
+            mini_batch_size, mini_batch_num_tokens, show_progress_bar: the embedding stage's, as in
+                sentence-transformers.
+            gather_across_devices: score this rank's rows against every rank's candidates (and anchors, for the
+                directions that read them).
+            directions, partition_mode, hardness_mode, hardness_strength: sentence-transformers' meaning (see
+                ``cgist.GistOptions``).
+            backend: ``"auto"``, ``"torch"`` or ``"triton"``, as for ``FusedCachedGISTLoss``.
+            block_bytes: bytes of score buffers the loss stage may hold at once (None: a default for the device).
+
+        Raises:
+            TypeError, ValueError: for a bad argument, naming it, before anything is computed.
+        """
+        if not isinstance(model, SentenceTransformer):
+            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
+        _check_real("scale", scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.options = GistOptions(
+            temperature=1.0 / scale, contrast_anchors=False, contrast_positives=False, directions=directions,
+            partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=hardness_strength,
+            similarity=similarity_name(similarity_fct), block_bytes=block_bytes,
+        )
+        _check_mini_batches(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
+        super().__init__(
+            model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
+            directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength,
+        )
+        self.backend = backend
+        self.last_stats: GistStats | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # As for FusedCachedGISTLoss: compute MatryoshkaLoss's dimensions in one pass.
+        if name == "calculate_loss":
+            value = FusedMatryoshka.take_over(self, value)
+        super().__setattr__(name, value)
+
+    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """Loss over the cached mini-batch embeddings (the labels are unused: the positive pair is the diagonal).
+
+        With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in ``reps`` and
+        a detached scalar is returned; under ``torch.no_grad`` only the loss is computed.
+        """
+        return self._loss_stage(reps, labels, with_backward=with_backward)
+
+    def _loss_stage(self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool,
+                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
+        loss, self.last_stats = fused_loss_stage(reps, None, None, self.options, backend=self.backend,
+                                                 gather=self.gather_across_devices, with_backward=with_backward,
+                                                 dims=dims)
+        return loss
+
+    def get_config_dict(self) -> dict:
+        config = {**super().get_config_dict(), "backend": self.backend}
+        if self.options.block_bytes is not None:
+            config["block_bytes"] = self.options.block_bytes
+        return config

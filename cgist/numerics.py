@@ -19,9 +19,10 @@ __all__ = ["COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "ava
 EPS = 1e-8
 
 #: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as an
-#: int64 vector: entries masked per block (AP without its label; AN over all negative columns) and anchors
-#: whose candidates are all masked but the label. Exact at any size.
-COUNT_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "positive_only")
+#: int64 vector: entries masked per block (AP without its label; AN over all negative columns; the directions'
+#: QQ, DQ and DD, DD with DN) and anchors whose candidates are all masked but the label. Exact at any size.
+COUNT_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "masked_qq", "masked_dq", "masked_dd",
+                "positive_only")
 #: The sums over anchors of theta_i and T_i, returned beside the counts as a vector in the compute dtype.
 SUM_FIELDS = ("theta_sum", "threshold_sum")
 STATS_FIELDS = COUNT_FIELDS + SUM_FIELDS

@@ -13,9 +13,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MARGIN_STRATEGIES", "GistOptions"]
+__all__ = [
+    "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES", "SIMILARITIES", "ColumnGroup", "GistOptions",
+]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
+#: sentence-transformers' ``MultipleNegativesRankingLoss`` directions: each row's softmax over these columns.
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+PARTITION_MODES = ("joint", "per_direction")
+HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+#: The student's score: the cosine (``cos_sim``) or the dot product (``dot_score``) of two embeddings.
+SIMILARITIES = ("cos", "dot")
+
+
+@dataclass(frozen=True)
+class ColumnGroup:
+    """One column group of the loss (DESIGN, section 2b): every local row, anchor i (``row="a"``) or its positive
+    ``offset + i`` (``"p"``), against the rows of one column, with the group's rules.
+
+    A rule's column is given by its offset: row i meets it at column ``i + offset``. Both backends build their
+    blocks from these; the dense oracle states the same rules on its own.
+    """
+
+    name: str  # the statistics block it counts in: "ap", "aa", "pp", "an", "qq", "dq" or "dd"
+    part: int  # its partition: the log-sum-exp it adds to (0: query-to-document)
+    row: str  # "a" (anchor rows) or "p" (their positives)
+    column: int  # the call's column it scores against
+    label: bool = False  # AP: column offset + i is the label, carried apart from the other terms
+    keep: int | None = None  # this column of each row is never masked (DQ's pair)
+    exclude: int | None = None  # this column of each row is always masked (self-pairs, own documents)
+    hard_own: bool = False  # the hardness penalty at each row's own column, offset + i
+    hard_others: bool = False  # ... at every other column
 
 
 def _check_real(name: str, value: object) -> None:
@@ -38,6 +66,26 @@ class GistOptions:
             the guide scores them above the threshold, as in sentence-transformers).
         mask_duplicates: exclude every candidate whose text is anchor i's or its positive's, whatever the scores
             (the call then needs a text id per row); the label stays.
+        directions: the blocks of sentence-transformers' ``MultipleNegativesRankingLoss``, each masked by the guide
+            as the GIST blocks are: ``"query_to_doc"`` (required: anchor i against the positives and every
+            negative set, the GIST blocks AP and AN), ``"query_to_query"`` (anchor i against all anchors, its own
+            left out), ``"doc_to_query"`` (its positive against all anchors, the pair (positive, anchor i) never
+            masked) and ``"doc_to_doc"`` (its positive against the positives and every negative set, anchor i's
+            own documents left out). ``"query_to_query"`` is the anchor-anchor block over all ranks' anchors and
+            ``"doc_to_doc"`` contains the positive-positive block, so they exclude ``contrast_anchors`` and
+            ``contrast_positives`` (GIST's blocks over this rank's anchors and over the positives).
+        partition_mode: ``"joint"``, one softmax over every block, or ``"per_direction"``, the mean over
+            directions of each direction's log-sum-exp, minus the positive score (sentence-transformers' rule; it
+            needs every direction to contain the positive pair, so neither ``"query_to_query"``,
+            ``"doc_to_doc"`` nor the GIST contrast blocks).
+        hardness_mode, hardness_strength: ``hardness_strength * stop_grad(cos)`` is added, after the guide's mask and
+            not divided by the temperature, to the query-to-document logits of ``"in_batch_negatives"`` (all but
+            anchor i's own documents), ``"hard_negatives"`` (its own negatives) or ``"all_negatives"`` (all but its
+            positive); None adds nothing.
+        similarity: ``"cos"`` (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's
+            embeddings are not normalised). The guide always scores cosines.
+        all_anchors: the call's last column holds the anchors of every rank (N rows, this rank's at ``offset``),
+            which ``"query_to_query"`` and ``"doc_to_query"`` score against; without it they take this rank's.
         offset: anchor i's positive is candidate ``offset + i`` (``rank * B`` when candidates are gathered).
             Its range, ``[0, N - B]``, depends on the shapes and is checked with them.
         matryoshka_dims: if given, the loss is ``sum_d w_d * L_d`` over these student dimensions, where
@@ -59,6 +107,12 @@ class GistOptions:
     contrast_positives: bool = True
     mask_self: bool = False
     mask_duplicates: bool = False
+    directions: tuple[str, ...] = ("query_to_doc",)
+    partition_mode: Literal["joint", "per_direction"] = "joint"
+    hardness_mode: str | None = None
+    hardness_strength: float = 0.0
+    similarity: Literal["cos", "dot"] = "cos"
+    all_anchors: bool = False
     offset: int = 0
     matryoshka_dims: tuple[int, ...] | None = None
     matryoshka_weights: tuple[float, ...] | None = None
@@ -73,7 +127,7 @@ class GistOptions:
             raise ValueError(f"margin must be a finite number, got {self.margin!r}")
         if not isinstance(self.margin_strategy, str) or self.margin_strategy not in MARGIN_STRATEGIES:
             raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {self.margin_strategy!r}")
-        for name in ("contrast_anchors", "contrast_positives", "mask_self", "mask_duplicates"):
+        for name in ("contrast_anchors", "contrast_positives", "mask_self", "mask_duplicates", "all_anchors"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -86,6 +140,7 @@ class GistOptions:
                 raise ValueError(f"block_bytes must be at least 1, got {self.block_bytes}")
             object.__setattr__(self, "block_bytes", int(self.block_bytes))
         self._check_matryoshka()
+        self._check_directions()
         # Plain Python numbers from here on (numpy scalars and the like are accepted above).
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "margin", float(self.margin))
@@ -117,6 +172,78 @@ class GistOptions:
                 raise ValueError(f"matryoshka_weights must be finite, got {w!r}")
         object.__setattr__(self, "matryoshka_dims", tuple(int(d) for d in dims))
         object.__setattr__(self, "matryoshka_weights", tuple(float(w) for w in weights))
+
+    def _check_directions(self) -> None:
+        directions = self.directions
+        if isinstance(directions, (str, bytes)) or not isinstance(directions, Sequence) or not directions:
+            raise TypeError(f"directions must be a non-empty sequence of {DIRECTIONS}, got {directions!r}")
+        unknown = [d for d in directions if d not in DIRECTIONS]
+        if unknown:
+            raise ValueError(f"directions must be among {DIRECTIONS}, got {unknown}")
+        if len(set(directions)) != len(directions):
+            raise ValueError(f"directions must be distinct, got {list(directions)}")
+        if "query_to_doc" not in directions:
+            raise ValueError("directions must include 'query_to_doc' (it holds the positive pair), got "
+                             f"{list(directions)}")
+        for flag, direction, block in (("contrast_anchors", "query_to_query", "anchor-anchor"),
+                                       ("contrast_positives", "doc_to_doc", "positive-positive")):
+            if getattr(self, flag) and direction in directions:
+                raise ValueError(f"{flag}=True adds the {block} block, which the direction {direction!r} contains; "
+                                 f"set {flag}=False to use {direction!r}, or leave {direction!r} out")
+        if self.partition_mode not in PARTITION_MODES:
+            raise ValueError(f"partition_mode must be one of {PARTITION_MODES}, got {self.partition_mode!r}")
+        same_type = [d for d in directions if d in ("query_to_query", "doc_to_doc")]
+        same_type += [f for f in ("contrast_anchors", "contrast_positives") if getattr(self, f)]
+        if self.partition_mode == "per_direction" and same_type:
+            raise ValueError(
+                "partition_mode='per_direction' requires every direction's candidate pool to include the positive "
+                f"pair; {', '.join(same_type)} only hold same-type similarities and never the positive, which makes "
+                "the per-direction loss ill-defined. Use partition_mode='joint' instead"
+            )
+        if self.hardness_mode not in HARDNESS_MODES:
+            raise ValueError(f"hardness_mode must be one of {HARDNESS_MODES}, got {self.hardness_mode!r}")
+        _check_real("hardness_strength", self.hardness_strength)
+        if not (math.isfinite(self.hardness_strength) and self.hardness_strength >= 0):
+            raise ValueError(f"hardness_strength must be a finite number >= 0, got {self.hardness_strength!r}")
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(f"similarity must be one of {SIMILARITIES}, got {self.similarity!r}")
+        object.__setattr__(self, "directions", tuple(directions))
+        object.__setattr__(self, "hardness_strength", float(self.hardness_strength))
+
+    def column_groups(self, n_columns: int) -> tuple[tuple[ColumnGroup, ...], int, dict[str, int]]:
+        """The column groups of a call of ``n_columns`` columns, in their order (GIST's AP, AA, PP, AN_1..AN_k,
+        then QQ, DQ, DD, DN_1..DN_k), the number of partitions, and the partition of each row side.
+
+        The columns are ``[anchor, positive, *negatives]`` and, with ``all_anchors``, every rank's anchors. Each row
+        side lies in one partition: the anchors' groups belong to query-to-document, or jointly with it; under
+        ``per_direction`` (which allows only query-to-document and document-to-query) the positives' to
+        document-to-query.
+        """
+        n_neg = n_columns - 2 - self.all_anchors
+        negatives = range(2, 2 + n_neg)
+        everyone = n_columns - 1 if self.all_anchors else 0  # the anchors the anchor-column directions score
+        own_anchor = self.offset if self.all_anchors else 0  # anchor i among them
+        p_part = 1 if self.partition_mode == "per_direction" and "doc_to_query" in self.directions else 0
+        mode = self.hardness_mode if self.hardness else None
+        others, own = mode in ("in_batch_negatives", "all_negatives"), mode in ("hard_negatives", "all_negatives")
+        groups = [ColumnGroup("ap", 0, "a", 1, label=True, hard_others=others)]
+        if self.contrast_anchors:
+            groups.append(ColumnGroup("aa", 0, "a", 0, exclude=0 if self.mask_self else None))
+        if self.contrast_positives:
+            groups.append(ColumnGroup("pp", 0, "p", 1, exclude=self.offset if self.mask_self else None))
+        groups += [ColumnGroup("an", 0, "a", c, hard_own=own, hard_others=others) for c in negatives]
+        if "query_to_query" in self.directions:
+            groups.append(ColumnGroup("qq", 0, "a", everyone, exclude=own_anchor))
+        if "doc_to_query" in self.directions:
+            groups.append(ColumnGroup("dq", p_part, "p", everyone, keep=own_anchor))
+        if "doc_to_doc" in self.directions:
+            groups += [ColumnGroup("dd", 0, "p", c, exclude=self.offset) for c in (1, *negatives)]
+        return tuple(groups), 1 + p_part, {"a": 0, "p": p_part}
+
+    @property
+    def hardness(self) -> float:
+        """The hardness strength in effect: 0 without a hardness mode."""
+        return self.hardness_strength if self.hardness_mode is not None else 0.0
 
     def dims(self, full_dim: int) -> tuple[tuple[int, float], ...]:
         """``(d, w_d)`` pairs in decreasing d: ``((full_dim, 1.0),)`` without Matryoshka."""

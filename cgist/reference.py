@@ -1,13 +1,18 @@
-"""Dense oracle for the GIST loss.
+"""Dense oracle for the GIST loss, in every direction.
 
 It materialises every score block at once and lets autograd do the backward, so it is slow and
-O(B * N) in memory, but it is short enough to check by eye against the definition. It works in any
-floating dtype, float64 included; tests compare every other path against it.
+O(B * N) in memory, but it is short enough to check by eye against the definition (DESIGN, sections 2 and 2b).
+It works in any floating dtype, float64 included; tests compare every other path against it.
+
+Columns: ``embeddings = [anchor (B), positive (N), *negatives (N)]``, and with ``options.all_anchors`` one more,
+the anchors of every rank (N rows, this rank's at ``offset``), which the anchor-column directions score against
+(without it they take this rank's anchors). The guide's columns and the text ids follow the same layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,86 +20,147 @@ from torch import Tensor
 from .numerics import TieIndex, guide_mask, normalize, threshold, tie_ids
 from .options import GistOptions
 
-__all__ = ["gist_loss_reference", "gist_scores"]
+__all__ = ["Block", "gist_loss_reference", "gist_scores", "score_blocks"]
+
+
+@dataclass
+class Block:
+    """One block of a row's softmax: B rows against some columns.
+
+    ``scores`` holds the student's scores (cosines, or dot products), -inf where masked; ``hard`` is True where
+    the hardness penalty applies (None: nowhere); ``direction`` is the partition the block belongs to.
+    """
+
+    name: str
+    direction: str
+    scores: Tensor
+    hard: Tensor | None = None
+
+
+def score_blocks(
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions = GistOptions(),
+    text_ids: Sequence[Tensor] | None = None,
+) -> list[Block]:
+    """Every block of the loss, masked: GIST's AP, AA, PP, AN_1..AN_k, then the directions' QQ, DQ, DD, DN_1..DN_k.
+
+    Row i is anchor i, or for PP, DQ, DD and DN its positive ``offset + i``. An entry is masked when its guide score
+    (the guide's rows and columns alike) is strictly above T_i, a column whose normalised guide vector equals the
+    row's partner (the positive for anchor rows, anchor i for positive rows) tying with theta_i; not at all
+    without a guide (``guide_embeddings=None``). Always masked: QQ's anchor i (itself), DD's and DN's column
+    ``offset + i`` (anchor i's own documents); with ``mask_self`` AA[i, i] and PP[i, offset + i]; with
+    ``mask_duplicates`` every column whose text id equals anchor i's or its positive's. Never masked: the label
+    AP[i, offset + i] and DQ's pair (positive, anchor i). ``options.temperature`` plays no part. These are the
+    scores of one dimension: with Matryoshka dimensions, score each truncation with options without them.
+    """
+    if options.matryoshka_dims is not None:
+        raise ValueError("gist_scores scores one dimension; truncate the embeddings and drop matryoshka_dims")
+    if options.mask_duplicates and text_ids is None:
+        raise ValueError("mask_duplicates needs text_ids")
+    n_neg = len(embeddings) - 2 - options.all_anchors
+    student = [normalize(e)[0] if options.similarity == "cos" else e for e in embeddings]
+    a, p, negs = student[0], student[1], student[2 : 2 + n_neg]
+    everyone = student[-1] if options.all_anchors else a  # the anchors the anchor-column directions score
+    rows = torch.arange(a.shape[0], device=a.device)
+    labels = rows + options.offset
+    own_anchor = labels if options.all_anchors else rows  # anchor i among ``everyone``
+    column_of = {"p": 1, "a": 0, "all": len(embeddings) - 1 if options.all_anchors else 0}  # text-id columns
+
+    guided = guide_embeddings is not None
+    if guided:
+        g = [normalize(e)[0] for e in guide_embeddings]
+        ids = tie_ids(guide_embeddings, g[0].dtype)
+        theta = (g[0] @ g[1].T)[rows, labels].unsqueeze(1)
+        limit = threshold(theta, options.margin, options.relative)
+        theta_masked = theta > limit
+        partner = {"a": ids[1][labels], "p": ids[0]}  # anchor rows pair with their positive, positive rows with anchor i
+
+    def block(name: str, direction: str, row: str, column: int, *, label=None, keep=None, exclude=None, hard=None):
+        """Block ``name``: rows ``row`` ("a": anchors, "p": their positives) against embeddings[column]."""
+        rows_x = a if row == "a" else p[labels]
+        scores = rows_x @ student[column].T
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        if guided:
+            rows_g = g[0] if row == "a" else g[1][labels]
+            guide = rows_g @ g[column].T
+            mask |= guide_mask(guide, limit, theta_masked, TieIndex(ids[column]).pairs(partner[row], 0, guide.shape[1]))
+        if options.mask_duplicates:
+            col_text = text_ids[column]
+            mask |= (col_text == text_ids[0][:, None]) | (col_text == text_ids[1][labels][:, None])
+        for cols in [c for c in (label, keep) if c is not None]:
+            mask[rows, cols] = False
+        if exclude is not None:
+            mask[rows, exclude] = True
+        return Block(name, direction, scores.masked_fill(mask, float("-inf")), hard)
+
+    def hard(own: bool, others: bool, width: int) -> Tensor | None:
+        """Where the hardness penalty applies in a query-to-document block: anchor i's own column, the others."""
+        if options.hardness == 0.0 or not (own or others):
+            return None
+        out = torch.full((a.shape[0], width), others, dtype=torch.bool, device=a.device)
+        out[rows, labels] = own
+        return out
+
+    mode = options.hardness_mode
+    n_cand = p.shape[0]
+    blocks = [block("ap", "query_to_doc", "a", 1, label=labels, hard=hard(False, mode != "hard_negatives", n_cand))]
+    if options.contrast_anchors:
+        blocks.append(block("aa", "query_to_query", "a", 0, exclude=rows if options.mask_self else None))
+    if options.contrast_positives:
+        blocks.append(block("pp", "doc_to_doc", "p", 1, exclude=labels if options.mask_self else None))
+    blocks += [block("an", "query_to_doc", "a", 2 + k,
+                     hard=hard(mode in ("hard_negatives", "all_negatives"), mode != "hard_negatives", n_cand))
+               for k in range(n_neg)]
+    if "query_to_query" in options.directions:
+        blocks.append(block("qq", "query_to_query", "a", column_of["all"], exclude=own_anchor))
+    if "doc_to_query" in options.directions:
+        blocks.append(block("dq", "doc_to_query", "p", column_of["all"], keep=own_anchor))
+    if "doc_to_doc" in options.directions:
+        blocks += [block("dd" if k == 0 else "dn", "doc_to_doc", "p", 1 if k == 0 else 1 + k, exclude=labels)
+                   for k in range(1 + n_neg)]
+    return blocks
 
 
 def gist_scores(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions = GistOptions(),
     text_ids: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """All student cosine scores, B x (N + [B] + [N] + k*N), with masked entries set to -inf.
+    """All student scores, B x (every block's columns, in ``score_blocks``' order), -inf where masked.
 
-    Block order: AP, AA, PP, AN_1..AN_k, as in sentence-transformers. Column ``offset + i`` of AP is the
-    label of row i and is never masked. An entry is masked when its guide score is strictly above T_i (not at
-    all without a guide, ``guide_embeddings=None``); with ``options.mask_self`` at AA[i, i] and PP[i, offset + i];
-    with ``options.mask_duplicates`` where the column's text id (``text_ids``, one per row of each column) equals
-    that of anchor i or of its positive. ``options.temperature`` plays no part. These are the scores of one
-    dimension: with Matryoshka dimensions, score each truncation (``x[:, :d]``) with options without them.
+    With GIST's blocks alone: AP, AA, PP, AN_1..AN_k, as in sentence-transformers; column ``offset + i`` of AP is
+    the label of row i and is never masked.
     """
-    if options.matryoshka_dims is not None:
-        raise ValueError("gist_scores scores one dimension; truncate the embeddings and drop matryoshka_dims")
-    if options.mask_duplicates and text_ids is None:
-        raise ValueError("mask_duplicates needs text_ids")
-    a, p, *negs = (normalize(e)[0] for e in embeddings)
-    rows = torch.arange(a.shape[0], device=a.device)
-    labels = rows + options.offset
-
-    def excluded(kind: str, cols: int, column: int) -> Tensor:
-        """The explicit exclusions of a block: self-pairs and duplicate texts."""
-        out = torch.zeros(a.shape[0], cols, dtype=torch.bool, device=a.device)
-        if options.mask_self and kind in ("aa", "pp"):
-            out[rows, rows if kind == "aa" else labels] = True
-        if options.mask_duplicates:
-            col_text = text_ids[column]
-            out |= (col_text == text_ids[0][:, None]) | (col_text == text_ids[1][labels][:, None])
-        return out
-
-    if guide_embeddings is not None:
-        ga, gp, *gnegs = (normalize(e)[0] for e in guide_embeddings)
-        id_a, id_p, *id_negs = tie_ids(guide_embeddings, ga.dtype)
-        theta = (ga @ gp.T)[rows, labels].unsqueeze(1)
-        limit = threshold(theta, options.margin, options.relative)
-        theta_masked = theta > limit
-
-    def masked(kind: str, student: Tensor, column: int, guide_pair=None) -> Tensor:
-        if guide_embeddings is None:
-            mask = excluded(kind, student.shape[1], column)
-        else:
-            rows_g, cols_g, col_ids, partner_ids = guide_pair
-            guide = rows_g @ cols_g.T
-            mask = guide_mask(guide, limit, theta_masked, TieIndex(col_ids).pairs(partner_ids, 0, guide.shape[1]))
-            mask |= excluded(kind, student.shape[1], column)
-        if kind == "ap":
-            mask[rows, labels] = False
-        return student.masked_fill(mask, float("-inf"))
-
-    guided = guide_embeddings is not None
-    blocks = [masked("ap", a @ p.T, 1, (ga, gp, id_p, id_p[labels]) if guided else None)]
-    if options.contrast_anchors:
-        blocks.append(masked("aa", a @ a.T, 0, (ga, ga, id_a, id_p[labels]) if guided else None))
-    if options.contrast_positives:
-        blocks.append(masked("pp", p[labels] @ p.T, 1, (gp[labels], gp, id_p, id_a) if guided else None))
-    for k, n in enumerate(negs):
-        blocks.append(masked("an", a @ n.T, 2 + k, (ga, gnegs[k], id_negs[k], id_p[labels]) if guided else None))
-    return torch.cat(blocks, dim=1)
+    return torch.cat([b.scores for b in score_blocks(embeddings, guide_embeddings, options, text_ids)], dim=1)
 
 
 def gist_loss_reference(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions = GistOptions(),
     text_ids: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Mean over anchors of ``logsumexp(unmasked scores / tau) - s_AP[i, offset + i] / tau``.
+    """Mean over anchors of ``logsumexp(unmasked logits) - s_AP[i, offset + i] / tau``.
 
+    The logits are the scores over tau, plus ``hardness_strength * stop_grad(score)`` where the hardness mode
+    says. ``"joint"`` takes one log-sum-exp over every block, ``"per_direction"`` the mean of each direction's.
     With Matryoshka dimensions, ``sum_d w_d`` times that loss of the embeddings truncated to their first d
     components (the guide untouched), as sentence-transformers' ``MatryoshkaLoss`` computes it.
     Differentiable by plain autograd with respect to ``embeddings``; the guide gets no gradient. Masking as in
-    ``gist_scores``.
+    ``score_blocks``.
     """
     if options.matryoshka_dims is not None:
         one = options.replace(matryoshka_dims=None, matryoshka_weights=None)
         return sum(w * gist_loss_reference([e[:, :d] for e in embeddings], guide_embeddings, one, text_ids)
                    for d, w in zip(options.matryoshka_dims, options.matryoshka_weights))
     guide = None if guide_embeddings is None else [g.detach() for g in guide_embeddings]
-    scores = gist_scores(embeddings, guide, options, text_ids) / options.temperature
-    labels = torch.arange(options.offset, options.offset + scores.shape[0], device=scores.device)
-    return torch.nn.functional.cross_entropy(scores, labels)
+    blocks = score_blocks(embeddings, guide, options, text_ids)
+    logits = {}
+    for b in blocks:
+        z = b.scores / options.temperature
+        if b.hard is not None:
+            z = z + torch.where(b.hard, options.hardness * b.scores.detach(), 0.0)
+        logits.setdefault(b.direction, []).append(z)
+    rows = torch.arange(blocks[0].scores.shape[0], device=blocks[0].scores.device)
+    positive = blocks[0].scores[rows, rows + options.offset] / options.temperature
+    if options.partition_mode == "joint":
+        log_z = torch.logsumexp(torch.cat([z for zs in logits.values() for z in zs], dim=1), dim=1)
+    else:
+        log_z = sum(torch.logsumexp(torch.cat(zs, dim=1), dim=1) for zs in logits.values()) / len(logits)
+    return (log_z - positive).mean()

@@ -16,8 +16,9 @@ from .options import GistOptions
 
 __all__ = ["BLOCKS", "GistStats"]
 
-#: Block keys, in the order of the loss: anchor-positive, anchor-anchor, positive-positive, anchor-negatives.
-BLOCKS = ("ap", "aa", "pp", "an")
+#: Block keys, in the order of the loss: anchor-positive, anchor-anchor, positive-positive, anchor-negatives, and
+#: the directions' query-to-query, document-to-query and document-to-document (every document column).
+BLOCKS = ("ap", "aa", "pp", "an", "qq", "dq", "dd")
 
 
 def _to_host(counts: Tensor, sums: Tensor) -> list[float]:
@@ -39,11 +40,13 @@ class GistStats:
     """False-negative statistics of one call (or a mean over calls, see ``mean``).
 
     Attributes:
-        masked: per block (``"ap"``, ``"aa"``, ``"pp"``, ``"an"``), the (anchor, candidate) entries left out of
-            the softmax: masked by the guide, or excluded by ``mask_self`` or ``mask_duplicates`` (those are
-            counted in their blocks, not apart). AP leaves out each anchor's label, which is never masked; AA and
-            PP count the self-pairs, as they count in the loss; ``"an"`` is all negative columns together. A
-            block that is switched off (or has no columns) is absent, here and in ``candidates``.
+        masked: per block (``"ap"``, ``"aa"``, ``"pp"``, ``"an"``, and the directions' ``"qq"``, ``"dq"``,
+            ``"dd"``), the (row, candidate) entries left out of the softmax: masked by the guide, or excluded by
+            ``mask_self``, ``mask_duplicates`` or a direction's own rule (QQ's self-pairs, DD's own documents):
+            those are counted in their blocks, not apart. AP leaves out each anchor's label and DQ each pair,
+            which are never masked; AA and PP count the self-pairs, as they count in the loss; ``"an"`` is all
+            negative columns together, ``"dd"`` every document column. A block that is switched off (or has no
+            columns) is absent, here and in ``candidates``.
         candidates: per block, the entries there were.
         positive_only: anchors whose every candidate except the label was masked.
         anchors: the anchors of the call (B).
@@ -61,9 +64,13 @@ class GistStats:
 
     @classmethod
     def from_counters(cls, counts: Tensor, sums: Tensor, *, batch: int, n_cand: int, n_negatives: int,
-                      options: GistOptions, guided: bool = True) -> GistStats:
-        """Read a backend's counters (``cgist.numerics.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync."""
+                      options: GistOptions, guided: bool = True, n_anchors: int | None = None) -> GistStats:
+        """Read a backend's counters (``cgist.numerics.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync.
+
+        ``n_anchors``: the anchors the anchor-column directions score against (default: ``batch``).
+        """
         values = dict(zip(COUNT_FIELDS + SUM_FIELDS, _to_host(counts, sums)))
+        n_anchors = batch if n_anchors is None else n_anchors
         candidates = {"ap": batch * (n_cand - 1)}
         if options.contrast_anchors:
             candidates["aa"] = batch * batch
@@ -71,6 +78,12 @@ class GistStats:
             candidates["pp"] = batch * n_cand
         if n_negatives:
             candidates["an"] = n_negatives * batch * n_cand
+        if "query_to_query" in options.directions:
+            candidates["qq"] = batch * n_anchors
+        if "doc_to_query" in options.directions:
+            candidates["dq"] = batch * (n_anchors - 1)  # the pair is never masked, like AP's label
+        if "doc_to_doc" in options.directions:
+            candidates["dd"] = (1 + n_negatives) * batch * n_cand
         return cls(
             masked={key: int(values[f"masked_{key}"]) for key in candidates},
             candidates=candidates,

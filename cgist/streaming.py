@@ -63,7 +63,7 @@ from .numerics import (
     COUNT_FIELDS, EPS, SUM_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
     row_dots, threshold, tie_ids,
 )
-from .options import GistOptions
+from .options import ColumnGroup, GistOptions
 
 __all__ = ["ROW_FLOOR", "ROW_TARGET", "Plan", "gist_loss_and_grads", "plan", "release_workspace"]
 
@@ -238,15 +238,14 @@ class _Column:
 
 
 @dataclass
-class _Block:
-    """A score block: its rows are anchors (or, for PP, this rank's positives) against ``cols``."""
+class _Group:
+    """A column group (``cgist.options.ColumnGroup``) with the column it scores against."""
 
-    kind: str  # "ap", "aa", "pp" or "an"
+    spec: ColumnGroup
     cols: _Column
 
-    @property
-    def has_label(self) -> bool:
-        return self.kind == "ap"
+    def __getattr__(self, name: str):  # the spec's fields: name, part, row, label, keep, exclude, hard_own, ...
+        return getattr(self.spec, name)
 
 
 _KEPT = threading.local()
@@ -290,8 +289,8 @@ class _Workspace:
     def __init__(self, problem: _Problem, schedule: Plan) -> None:
         device, dtype = problem.columns[0].x.device, problem.dtype
         rows, self.one_pass = schedule.rows, schedule.one_pass
-        sizes = [b.cols.x.shape[0] for b in problem.blocks]
-        self.starts = dict(zip(map(id, problem.blocks), [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]))
+        sizes = [g.cols.x.shape[0] for g in problem.groups]
+        self.starts = dict(zip(map(id, problem.groups), [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]))
         self.rows = rows
         self.stride = rows * (sum(sizes) if self.one_pass else schedule.cols)
         widest = rows * min(schedule.cols, max(sizes))
@@ -318,12 +317,12 @@ class _Workspace:
         """A ``shape`` view in the half ``dtype`` of the buffer ``half_tile``."""
         return self.flat["half_tile"].view(dtype)[: shape[0] * shape[1]].view(shape)
 
-    def terms(self, dim: int, block: _Block, lo: int, shape: tuple[int, int], name: str = "terms") -> Tensor:
-        """The buffer ``name`` ("terms" or "products") of dimension ``dim`` for the tile of ``block`` from ``lo``.
+    def terms(self, dim: int, group: _Group, lo: int, shape: tuple[int, int], name: str = "terms") -> Tensor:
+        """The buffer ``name`` ("terms" or "products") of dimension ``dim`` for the tile of ``group`` from ``lo``.
 
         In one pass every tile of a row block has its own place; in two passes they all share one.
         """
-        start = self.rows * (self.starts[id(block)] + lo) if self.one_pass else 0
+        start = self.rows * (self.starts[id(group)] + lo) if self.one_pass else 0
         return self.view(name, shape, dim * self.stride + start)
 
 
@@ -354,16 +353,14 @@ class _Problem:
                 column.half = _half_operand(torch.cat(e), column.norm, products[0], column.x)
             if products[1] is not None and self.guided:
                 column.guide_half = _half_operand(torch.cat(guide_embeddings[i]), guide[i][1], products[1], None)
-        anchor, positive, *negatives = self.columns
-        self.blocks = [_Block("ap", positive)]
-        if options.contrast_anchors:
-            self.blocks.append(_Block("aa", anchor))
-        if options.contrast_positives:
-            self.blocks.append(_Block("pp", positive))
-        self.blocks.extend(_Block("an", n) for n in negatives)
+        specs, self.n_parts, self.side_part = options.column_groups(len(self.columns))
+        self.groups = [_Group(spec, self.columns[spec.column]) for spec in specs]
+        anchor, positive = self.columns[0], self.columns[1]
         self.batch, self.n_cand = anchor.x.shape[0], positive.x.shape[0]
-        self.n_score_cols = sum(b.cols.x.shape[0] for b in self.blocks)
         self.logit_scale = LOG2E / options.temperature
+        # Hardness: a penalised logit is (1 + hardness * tau) times its plain value (the penalty adds
+        # hardness * cos to cos / tau), applied to the shifted logits by ``_RowBlock.harden``.
+        self.hard_factor = 1.0 + options.hardness * options.temperature
         self.grad_scale = 1.0 / (options.temperature * self.batch)
         # Shifted base-2 logits below this are dropped: their terms, and their products with embedding
         # components down to 2^-23, would be subnormal.
@@ -385,12 +382,17 @@ class _Problem:
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
         x1 = torch.ones(sum(c.shape[0] for c in student), dims.top + 1, dtype=self.dtype, device=student[0].device)
         x = _copy_rows(student, x1[:, :-1])
-        prefix = [torch.linalg.vector_norm(x[:, :d], dim=1) for d in dims.sizes[:-1]]
-        norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-        x.div_(norm.clamp_min(EPS))
-        floor_top = norm.squeeze(1).clamp_min(EPS)
-        rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])
-        kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
+        if self.options.similarity == "dot":  # dot products: the rows as they are, every ratio 1, no radial term
+            norm = torch.ones(x.shape[0], 1, dtype=self.dtype, device=x.device)
+            rho = torch.ones(len(dims), x.shape[0], dtype=self.dtype, device=x.device)
+            kappa = torch.zeros_like(rho)
+        else:
+            prefix = [torch.linalg.vector_norm(x[:, :d], dim=1) for d in dims.sizes[:-1]]
+            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+            x.div_(norm.clamp_min(EPS))
+            floor_top = norm.squeeze(1).clamp_min(EPS)
+            rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])
+            kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
         radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
         return _Column(x1, norm, rho, kappa, guide, ids, grad, radial, text=text)
@@ -409,12 +411,14 @@ class _Problem:
         with one dimension ``c = x_hat . grad`` (``normalize_backward_``). With several, the accumulated
         ``grad`` is ``sum_d sum_j dL/dcos_d[i, j] rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum
         of every dimension's radial sum c_d: the top dimension's is that minus the smaller ones' (which the
-        tiles accumulated). Components past ``top`` get 0.
+        tiles accumulated). Components past ``top`` get 0. Dot products have no normalisation to pass through.
         """
         out = []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
-            if column.radial is None:
+            if self.options.similarity == "dot":
+                pass
+            elif column.radial is None:
                 normalize_backward_(column.x, column.norm, grad)
             else:
                 column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
@@ -430,7 +434,7 @@ class _Problem:
 
 @dataclass
 class _Rows:
-    """The rows of a row block as one score block sees them."""
+    """The rows of a row block as one side (its anchors, or their positives) sees them."""
 
     x: Tensor  # normalised student rows (R x top)
     g: Tensor  # normalised guide rows (R x Dg)
@@ -441,7 +445,10 @@ class _Rows:
     half: _Half | None = None
     guide_half: _Half | None = None
     shifted: Tensor | None = None  # [logit_scale * x, -shift of the top dimension]: the score products' row operand
+    shift: Tensor | None = None  # the shift of the side's partition's logits (n_dims x R)
+    weight: Tensor | None = None  # the score-gradient weight of the side's partition (n_dims x R)
     weighted: Tensor | None = None  # x times the rows' score-gradient weight (one dimension)
+    weighted_shift: Tensor | None = None  # the weight times the shift (several dimensions)
 
     @classmethod
     def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor | None) -> _Rows:
@@ -482,8 +489,8 @@ class _RowBlock:
         self.ties: dict[int, tuple[Tensor, Tensor]] = {}
         self.exclusions: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def rows_of(self, block: _Block) -> _Rows:
-        return self.positive_rows if block.kind == "pp" else self.anchor_rows
+    def rows_of(self, group: _Group) -> _Rows:
+        return self.positive_rows if group.row == "p" else self.anchor_rows
 
     def _row_operand(self, name: str, rows: _Rows, extra: int = 0) -> Tensor:
         """The workspace's R x (top + ``extra``) buffer ``name`` for the anchor or the positive rows."""
@@ -491,79 +498,105 @@ class _RowBlock:
         return self.problem.work.view(name, shape, 0 if rows is self.anchor_rows else shape[0] * shape[1])
 
     def set_shift(self, shift: Tensor) -> None:
-        """Shift the logits of the next sweeps by ``shift`` (n_dims x R)."""
-        self.shift = shift
-        if self.anchor_rows.half is not None:  # the half products take the shift after the product
-            return
-        for rows in (self.anchor_rows, self.positive_rows):
+        """Shift the logits of the next sweeps by ``shift`` (n_parts x n_dims x R): each row side by its partition's."""
+        for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
+            rows.shift = shift[self.problem.side_part[side]]
+            if rows.half is not None:  # the half products take the shift after the product
+                continue
             rows.shifted = self._row_operand("shifted", rows, 1)
             torch.mul(rows.x, self.problem.logit_scale, out=rows.shifted[:, :-1])
-            rows.shifted[:, -1] = -shift[-1]
+            rows.shifted[:, -1] = -rows.shift[-1]
 
-    def set_weights(self, row_weight: Tensor, others: Tensor) -> None:
-        """The score-gradient weight of each row (n_dims x R) and the sums of the others' terms, for ``accumulate``."""
-        self.row_weight, self.others = row_weight, others
-        if self.anchor_rows.half is not None:  # the half products weigh the tile instead
-            return
-        if len(self.problem.dims) == 1:
-            for rows in (self.anchor_rows, self.positive_rows):
-                rows.weighted = torch.mul(rows.x, row_weight[0].unsqueeze(1), out=self._row_operand("weighted", rows))
-        else:
-            self.weighted_shift = row_weight * self.shift
+    def set_weights(self, row_weight: Tensor, label_terms: Tensor) -> None:
+        """The score-gradient weight of each partition's rows (n_parts x n_dims x R), for ``accumulate``, and the
+        label's term (n_dims x R): its score gradient is ``-label_terms`` times partition 0's weight."""
+        self.label_weight, self.label_terms = row_weight[0], label_terms
+        for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
+            rows.weight = row_weight[self.problem.side_part[side]]
+            if rows.half is not None:  # the half products weigh the tile instead
+                continue
+            if len(self.problem.dims) == 1:
+                rows.weighted = torch.mul(rows.x, rows.weight[0].unsqueeze(1), out=self._row_operand("weighted", rows))
+            else:
+                rows.weighted_shift = rows.weight * rows.shift
 
-    def add_radial_rows(self, anchor_sums: Tensor, pp_sums: Tensor) -> None:
+    def add_radial_rows(self, side_sums: dict[str, Tensor]) -> None:
         """The parts of the smaller dimensions' radial sums that need no tile: the shift's and the label's.
 
         A row's radial sum is ``sum_j dL/dcos_d[row, j] * cos_d[row, j]``, with ``cos = z / logit_scale`` and
-        ``2^L * z = 2^L * L + shift * 2^L`` for the shifted logit L: the tiles give the sums of ``2^L * L``
-        (``accumulate``); the shift's part is ``shift`` times the row's sum of terms, here ``anchor_sums`` for
-        the anchor rows' blocks and ``pp_sums`` for PP's (n_dims x R). The label's term is
-        ``-others * z_pos``, for the anchor row and for its label's column, the positive row.
+        ``2^L' * z = 2^L' * L + shift * 2^L'`` for the shifted logit L (L' after the hardness penalty): the tiles
+        give the sums of ``2^L' * L`` (``accumulate``); the shift's part is ``shift`` times the row's sum of terms,
+        ``side_sums`` of the anchor rows' groups and of the positive rows' (n_dims x R). The label's term is
+        ``-label_terms * z_pos`` times partition 0's weight, for the anchor row and for its label's column, the
+        positive row.
         """
         scale = 1.0 / self.problem.logit_scale
-        label = (self.row_weight * self.others * self.positive)[:-1]
-        shift = self.weighted_shift[:-1]
-        self.anchor_rows.radial[:-1].add_((shift * anchor_sums[:-1] - label) * scale)
-        self.positive_rows.radial[:-1].add_((shift * pp_sums[:-1] - label) * scale)
+        label = (self.label_weight * self.label_terms * self.positive)[:-1]
+        for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
+            rows.radial[:-1].add_((rows.weighted_shift[:-1] * side_sums[side][:-1] - label) * scale)
 
-    def tie_pairs(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    def tie_pairs(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that tie with theta (cols counted from ``lo``)."""
-        if id(block) not in self.ties:  # the whole block's, looked up once per row block
-            n = block.cols.x.shape[0]
-            self.ties[id(block)] = block.cols.ties.pairs(self.rows_of(block).partner_ids, 0, n)
-        return _within(*self.ties[id(block)], lo, hi)
+        if id(group) not in self.ties:  # the whole group's, looked up once per row block
+            n = group.cols.x.shape[0]
+            self.ties[id(group)] = group.cols.ties.pairs(self.rows_of(group).partner_ids, 0, n)
+        return _within(*self.ties[id(group)], lo, hi)
 
-    def excluded(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        """``(rows, cols)`` of the entries of columns ``lo:hi`` that ``mask_self`` and ``mask_duplicates`` exclude.
+    def excluded(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the entries of columns ``lo:hi`` that the group's rules exclude.
 
-        The self-pairs are AA[i, i] and PP[i, offset + i]; the duplicates, the columns whose text id is that of
-        the row's anchor or of its positive (found like the ties, by binary search). The AP label among them is
-        kept by the caller.
+        Each row's own column where the group excludes it (``group.exclude``: self-pairs, own documents), and
+        with ``mask_duplicates`` the columns whose text id is that of the row's anchor or of its positive (found
+        like the ties, by binary search). A label or a kept pair among them is restored by the caller.
         """
-        if id(block) not in self.exclusions:  # the whole block's, once per row block
-            options, parts = self.problem.options, []
-            if options.mask_self and block.kind in ("aa", "pp"):
-                parts.append((self.local, self.local + self.start + (options.offset if block.kind == "pp" else 0)))
+        if id(group) not in self.exclusions:  # the whole group's, once per row block
+            parts = []
+            if group.exclude is not None:
+                parts.append(self.own(group.exclude, 0, group.cols.x.shape[0]))
             if self.texts is not None:
-                n = block.cols.x.shape[0]
-                parts += [block.cols.texts.pairs(text, 0, n) for text in self.texts]
-            self.exclusions[id(block)] = tuple(torch.cat(p) for p in zip(*parts)) if parts else (self.local[:0],) * 2
-        return _within(*self.exclusions[id(block)], lo, hi)
+                n = group.cols.x.shape[0]
+                parts += [group.cols.texts.pairs(text, 0, n) for text in self.texts]
+            self.exclusions[id(group)] = tuple(torch.cat(p) for p in zip(*parts)) if parts else (self.local[:0],) * 2
+        return _within(*self.exclusions[id(group)], lo, hi)
 
-    def labels(self, block: _Block, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-        """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``block`` (none unless it is AP)."""
-        if not block.has_label:
+    def own(self, offset: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of each row's column ``offset + i`` among columns ``lo:hi`` (cols counted from ``lo``)."""
+        return _within(self.local, self.local + (self.start + offset), lo, hi)
+
+    def labels(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``group`` (none unless it is AP)."""
+        if not group.label:
             return self.local[:0], self.local[:0]
-        cols = self.local + (self.problem.options.offset + self.start - lo)
-        inside = (cols >= 0) & (cols < hi - lo)
-        return self.local[inside], cols[inside]
+        return self.own(self.problem.options.offset, lo, hi)
 
-    def masked_logits(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
+    def harden(self, group: _Group, lo: int, hi: int, t: Tensor, m: int) -> Tensor:
+        """Add the hardness penalty to dimension m's shifted logits ``t`` of a query-to-document tile, in place,
+        where the group says.
+
+        A penalised logit is ``factor`` times its plain value z (``_Problem.hard_factor``); on the shifted logit
+        ``L = z - shift`` that is ``factor * L + (factor - 1) * shift``. Masked entries stay far below the cutoff.
+        """
+        if not (group.hard_own or group.hard_others):
+            return t
+        factor = self.problem.hard_factor
+        own_rows, own_cols = self.own(self.problem.options.offset, lo, hi)
+        lift = ((factor - 1.0) * self.rows_of(group).shift[m]).unsqueeze(1)
+        if group.hard_others:
+            kept = t[own_rows, own_cols]
+            t.mul_(factor).add_(lift)
+            if not group.hard_own:
+                t[own_rows, own_cols] = kept
+        else:
+            t[own_rows, own_cols] = t[own_rows, own_cols] * factor + lift[own_rows, 0]
+        return t
+
+    def masked_logits(self, group: _Group, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
         """Per dimension, the base-2 logits minus the shift (``set_shift``) against columns ``lo:hi``.
 
         Masked entries are pushed down by ``MASKED``, far below any logit and the subnormal cutoff. The label
         of row i (AP column ``offset + i``) is never masked, but its logit is carried apart (``self.positive``),
-        so here it is pushed down too. ``unmasked``, if given, gets each row's count of entries left (R): the
+        so here it is pushed down too; a kept pair (DQ's) is never masked. The hardness penalty is not applied
+        here (``harden``). ``unmasked``, if given, gets each row's count of entries left (R): the
         statistics, taken on the first sweep only. The results are views of the workspace's term buffers.
         The mask is kept as 0.0 / 1.0 in the compute dtype, written where the logits will be: the first score
         product scales it by -MASKED as it adds (``beta`` of ``addmm_``), so masking costs one comparison. On
@@ -571,12 +604,12 @@ class _RowBlock:
         ``masked_fill`` and a boolean count.
         """
         problem, dims, work = self.problem, self.problem.dims, self.problem.work
-        rows, cols = self.rows_of(block), block.cols
+        rows, cols = self.rows_of(group), group.cols
         shape = (rows.x.shape[0], hi - lo)
         # A smaller dimension's logits go where their products with the terms will be kept; the top
         # dimension's, where its terms will be (``exp2_`` in place).
         last = len(dims) - 1
-        out = [work.terms(m, block, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
+        out = [work.terms(m, group, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
         # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
         prefix = out[-1]
         if problem.guided:
@@ -586,22 +619,25 @@ class _RowBlock:
                 guide.mul_(rows.guide_half.inv.unsqueeze(1)).mul_(cols.guide_half.inv[lo:hi].unsqueeze(0))
             else:
                 torch.mm(rows.g, cols.g[lo:hi].T, out=guide)
-            mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(block, lo, hi), out=prefix)
+            mask = guide_mask(guide, self.limit, self.theta_masked, self.tie_pairs(group, lo, hi), out=prefix)
         else:
             mask = prefix.zero_()
-        excluded_rows, excluded_cols = self.excluded(block, lo, hi)
+        excluded_rows, excluded_cols = self.excluded(group, lo, hi)
         mask[excluded_rows, excluded_cols] = 1.0
-        label_rows, label_cols = self.labels(block, lo, hi)
+        if group.keep is not None:
+            kept_rows, kept_cols = self.own(group.keep, lo, hi)
+            mask[kept_rows, kept_cols] = 0.0
+        label_rows, label_cols = self.labels(group, lo, hi)
         mask[label_rows, label_cols] = 1.0
         if unmasked is not None:
             masked = mask.sum(dim=1)
             # per row at most a tile's width, exact in floats; summed over the rows as integers
-            problem.count(f"masked_{block.kind}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
+            problem.count(f"masked_{group.name}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
             unmasked += (hi - lo) - masked
         if rows.half is not None:  # one dimension: exact half products, then the normalisations, scale and shift
             _half_addmm_(prefix, rows.half.y, cols.half.y[lo:hi].T, beta=-MASKED)
             prefix.mul_(cols.half.inv[lo:hi].unsqueeze(0))
-            return [torch.addcmul(-self.shift[-1].unsqueeze(1), prefix, (problem.logit_scale * rows.half.inv).unsqueeze(1),
+            return [torch.addcmul(-rows.shift[-1].unsqueeze(1), prefix, (problem.logit_scale * rows.half.inv).unsqueeze(1),
                                   out=prefix)]
         # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
         # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
@@ -612,40 +648,50 @@ class _RowBlock:
             prefix.addmm_(rows_part, cols_part.T, beta=-MASKED if m == 0 else 1.0)
             if m < last:  # logits = rho_row * (prefix * rho_col - shift / rho_row): two passes instead of three
                 row_rho = rows.rho[m].unsqueeze(1)
-                torch.addcmul(-self.shift[m].unsqueeze(1) / row_rho, prefix, cols.rho[m, lo:hi].unsqueeze(0),
+                torch.addcmul(-rows.shift[m].unsqueeze(1) / row_rho, prefix, cols.rho[m, lo:hi].unsqueeze(0),
                               out=out[m]).mul_(row_rho)
         return out
 
-    def terms(self, block: _Block, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
-        """``2^(logit - shift)`` per dimension; 0 where masked, at the label, and below the subnormal cutoff.
+    def terms(self, group: _Group, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
+        """``2^(logit - shift)`` per dimension, the logit with its hardness penalty; 0 where masked, at the label,
+        and below the subnormal cutoff.
 
         The top dimension's terms replace its logits. A smaller dimension's logits' buffer keeps each term
-        times its shifted logit (its radial sums in ``accumulate`` need them; the top dimension's come from
-        the gradient itself, ``_Problem.gradients``).
+        times its shifted logit without the penalty (its radial sums in ``accumulate`` need the score; the top
+        dimension's come from the gradient itself, ``_Problem.gradients``).
         """
-        *smaller, top = self.masked_logits(block, lo, hi, unmasked)
+        *smaller, top = self.masked_logits(group, lo, hi, unmasked)
+        hard = group.hard_own or group.hard_others
         out = []
         for m, t in enumerate(smaller):
             torch.nn.functional.threshold_(t, self.problem.cutoff, -MASKED)  # finite: 0 * logit stays 0
-            out.append(torch.exp2(t, out=self.problem.work.terms(m, block, lo, t.shape)))
+            term = self.problem.work.terms(m, group, lo, t.shape)
+            if hard:  # the penalised logits, in the terms' buffer
+                self.harden(group, lo, hi, term.copy_(t), m)
+                torch.nn.functional.threshold_(term, self.problem.cutoff, -MASKED)
+                out.append(term.exp2_())
+            else:
+                out.append(torch.exp2(t, out=term))
             t.mul_(out[-1])
+        self.harden(group, lo, hi, top, len(smaller))
         torch.nn.functional.threshold_(top, self.problem.cutoff, float("-inf"))
         return [*out, top.exp2_()]
 
-    def accumulate(self, block: _Block, lo: int, hi: int, terms: list[Tensor]) -> None:
+    def accumulate(self, group: _Group, lo: int, hi: int, terms: list[Tensor]) -> None:
         """Add one tile's gradients, from its softmax ``terms``, into its rows' and columns' accumulators.
 
-        dL/d cos_d = w_d * (softmax_d - onehot) / (tau * B) = ``row_weight[d]`` * terms, the label's term
-        being -others_d (exact, where softmax - 1 would cancel). Per dimension the tile's weights on the
-        prefix dot products are ``dL/dcos_d * rho_d,i * rho_d,j``; segment s takes their sum over d >= d_s.
+        dL/d cos_d = w_d * (softmax_d - onehot) / (P tau B) over the group's partition = ``row_weight[d]`` * terms
+        (``set_weights``), the label's term being -label_terms_d (exact, where softmax - 1 would cancel). Per
+        dimension the tile's weights on the prefix dot products are ``dL/dcos_d * rho_d,i * rho_d,j``; segment s
+        takes their sum over d >= d_s.
         """
-        rows, cols = self.rows_of(block), block.cols
-        others, row_weight = self.others, self.row_weight
-        label_rows, label_cols = self.labels(block, lo, hi)
+        rows, cols = self.rows_of(group), group.cols
+        label_terms, row_weight = self.label_terms, rows.weight
+        label_rows, label_cols = self.labels(group, lo, hi)
         if rows.half is not None:  # one dimension in half products: the softmax itself is the operand
             tile = terms[0]
-            tile[label_rows, label_cols] = -others[0, label_rows]
-            # dL/dcos = grad_scale * tile / total: the probabilities (label: -others / total) lie in [-1, 1]
+            tile[label_rows, label_cols] = -label_terms[0, label_rows]
+            # dL/dcos = grad_scale * tile / total: probabilities in [-1, 1] (the label's in [-P, 0], P <= 2)
             weights = self.problem.work.half_tile(tile.shape, rows.half.x_hat.dtype)
             weights.copy_(tile.mul_((row_weight[0] / self.problem.grad_scale).unsqueeze(1)))
             _half_addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.problem.grad_scale)
@@ -653,7 +699,7 @@ class _RowBlock:
             return
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
-            tile[label_rows, label_cols] = -others[0, label_rows]
+            tile[label_rows, label_cols] = -label_terms[0, label_rows]
             rows.grad.addcmul_(torch.mm(tile, cols.x[lo:hi], out=self.problem.work.view("rows", rows.x.shape)),
                                row_weight[0].unsqueeze(1))
             cols.grad[lo:hi].addmm_(tile.T, rows.weighted)
@@ -666,12 +712,12 @@ class _RowBlock:
                 # The tile's parts of a smaller dimension's radial sums (``add_radial_rows``): by rows, the sums
                 # of 2^L * L; by columns, those weighted by the rows plus the shift's part. 0 where masked and
                 # at the label.
-                products = self.problem.work.terms(m, block, lo, tile.shape, "products")  # 2^L * L, ``terms``
+                products = self.problem.work.terms(m, group, lo, tile.shape, "products")  # 2^L' * L, ``terms``
                 rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
-                by_cols = torch.addmv(products.T @ row_weight[m], tile.T, self.weighted_shift[m])
+                by_cols = torch.addmv(products.T @ row_weight[m], tile.T, rows.weighted_shift[m])
                 cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
                 del products
-            tile[label_rows, label_cols] = -others[m, label_rows]
+            tile[label_rows, label_cols] = -label_terms[m, label_rows]
             weights = tile.mul_((row_weight[m] * rows.rho[m]).unsqueeze(1))  # times the columns' rho_d
             if summed is None:  # the top dimension, whose rho is 1
                 summed = weights
@@ -694,31 +740,32 @@ def _copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
     return torch.cat([c if c.shape[1] == width else c[:, :width] for c in chunks], out=out)
 
 
-def _spans(block: _Block, cols: int) -> list[tuple[int, int]]:
-    """The column ranges ``(lo, hi)`` of ``block``'s tiles, ``cols`` wide."""
-    n = block.cols.x.shape[0]
+def _spans(group: _Group, cols: int) -> list[tuple[int, int]]:
+    """The column ranges ``(lo, hi)`` of ``group``'s tiles, ``cols`` wide."""
+    n = group.cols.x.shape[0]
     return [(lo, min(lo + cols, n)) for lo in range(0, n, cols)]
 
 
 def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, keep: bool, count: bool):
-    """Row sums of the softmax terms of every tile (n_dims x R), those of PP's tiles alone, and the tiles
-    themselves if ``keep``."""
+    """Row sums of the softmax terms of every tile per partition (n_parts x n_dims x R), shifted by the partition's
+    ``shift``, those of each row side's groups (``"a"``, ``"p"``: n_dims x R each), and the tiles themselves if
+    ``keep``."""
     rb.set_shift(shift)
-    others, pp_sums = torch.zeros_like(shift), torch.zeros_like(shift)
-    unmasked = torch.zeros_like(shift[0]) if count else None
+    others = torch.zeros_like(shift)
+    side_sums = {"a": torch.zeros_like(shift[0]), "p": torch.zeros_like(shift[0])}
+    unmasked = torch.zeros_like(shift[0, 0]) if count else None
     tiles = []
-    for b in problem.blocks:
-        for lo, hi in _spans(b, cols):
-            terms = rb.terms(b, lo, hi, unmasked)
+    for g in problem.groups:
+        for lo, hi in _spans(g, cols):
+            terms = rb.terms(g, lo, hi, unmasked)
             sums = torch.stack([t.sum(dim=1) for t in terms])
-            others += sums
-            if b.kind == "pp":
-                pp_sums += sums
+            others[g.part] += sums
+            side_sums[g.row] += sums
             if keep:
-                tiles.append((b, lo, hi, terms))
+                tiles.append((g, lo, hi, terms))
     if count:
         problem.count("positive_only", (unmasked == 0).sum())
-    return others, pp_sums, tiles
+    return others, side_sums, tiles
 
 
 def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
@@ -726,33 +773,45 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
 
     In one pass the tiles against all columns are kept from the sums to the gradients; in two passes they
     are recomputed for the gradients. Logits are shifted by the positive's, so that the positive's term is
-    1 and the loss is usually log1p of the others' sum. Only when that sum exceeds ``2^64`` (a candidate
+    1 and the loss is usually log1p of the others' sum. Only when a sum exceeds ``2^64`` (a candidate
     64 base-2 units above the positive; its products with the logits or the embeddings could overflow
     further on) is the shift raised to the row maximum, found by one more sweep, and the sums taken again.
+
+    With P partitions (``per_direction``) a row's loss is ``(1/P) sum_p logsumexp_p - positive``: partition 0
+    holds the label, as with one partition; another's log-sum-exp minus the positive is
+    ``gap + ln(others_p)``. A term's score gradient is ``w (softmax_p - onehot) / (P tau B)`` within its
+    partition, the label's ``-(others_0 + (P - 1) total_0)`` times partition 0's weight.
     """
     one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
-    shift = rb.positive
-    others, pp_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads,
-                                    count=problem.counters is not None)
+    n_parts = problem.n_parts
+    shift = rb.positive.expand(n_parts, *rb.positive.shape)
+    others, side_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads,
+                                      count=problem.counters is not None)
     if not bool((others <= LARGEST_SUM).all()):  # also catches inf and NaN
         peak = torch.zeros_like(shift)
-        for b in problem.blocks:
-            for lo, hi in _spans(b, cols):
-                for m, logits in enumerate(rb.masked_logits(b, lo, hi)):
-                    torch.maximum(peak[m], logits.amax(dim=1), out=peak[m])
+        for g in problem.groups:
+            for lo, hi in _spans(g, cols):
+                for m, logits in enumerate(rb.masked_logits(g, lo, hi)):
+                    torch.maximum(peak[g.part, m], rb.harden(g, lo, hi, logits, m).amax(dim=1), out=peak[g.part, m])
         shift = shift + peak
-        others, pp_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
-    gap = (shift - rb.positive) * LN2
+        others, side_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
+    gaps = (shift - rb.positive) * LN2
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
-    loss = (weights * (gap + torch.log1p(others + torch.expm1(-gap)))).sum()
+    gap = gaps[0]
+    lse = gap + torch.log1p(others[0] + torch.expm1(-gap))  # partition 0's log-sum-exp minus the positive
+    if n_parts > 1:
+        lse = (lse + (gaps[1:] + torch.log(others[1:])).sum(dim=0)) / n_parts
+    loss = (weights * lse).sum()
     if want_grads:
-        rb.set_weights(weights * problem.grad_scale / (others + torch.exp(-gap)), others)
+        totals = others.clone()
+        totals[0] += torch.exp(-gap)  # the label's term
+        rb.set_weights(weights * (problem.grad_scale / n_parts) / totals, others[0] + (n_parts - 1) * totals[0])
         if len(problem.dims) > 1:
-            rb.add_radial_rows(others - pp_sums, pp_sums)
+            rb.add_radial_rows(side_sums)
         if not one_pass:
-            tiles = ((b, lo, hi, rb.terms(b, lo, hi)) for b in problem.blocks for lo, hi in _spans(b, cols))
-        for b, lo, hi, terms in tiles:
-            rb.accumulate(b, lo, hi, terms)
+            tiles = ((g, lo, hi, rb.terms(g, lo, hi)) for g in problem.groups for lo, hi in _spans(g, cols))
+        for g, lo, hi, terms in tiles:
+            rb.accumulate(g, lo, hi, terms)
     return loss
 
 
@@ -787,7 +846,7 @@ def gist_loss_and_grads(
     problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
     itemsize = torch.finfo(problem.dtype).bits // 8
     device = problem.columns[0].x.device
-    schedule = plan(problem.batch, [b.cols.x.shape[0] for b in problem.blocks], problem.dims.top, len(problem.dims),
+    schedule = plan(problem.batch, [g.cols.x.shape[0] for g in problem.groups], problem.dims.top, len(problem.dims),
                     itemsize, options.block_bytes, device, half=problem.columns[0].half is not None)
     problem.work = _Workspace(problem, schedule)
     loss = torch.zeros((), dtype=problem.dtype, device=device)

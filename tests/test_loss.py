@@ -227,9 +227,11 @@ def test_constructor_has_the_parameters_and_defaults_of_sentence_transformers():
     theirs = dict(inspect.signature(CachedGISTEmbedLoss.__init__).parameters)
     backend = ours.pop("backend")
     assert backend.default == "auto" and backend.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for name in ("block_bytes", "mask_self", "mask_duplicates"):
+    extras = {"block_bytes": None, "mask_self": None, "mask_duplicates": None, "directions": ("query_to_doc",),
+              "partition_mode": "joint", "hardness_mode": None, "hardness_strength": 0.0}
+    for name, default in extras.items():
         extra = ours.pop(name)
-        assert extra.default is None and extra.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert extra.default == default and extra.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert [(p.name, p.default, p.kind) for p in ours.values()] == [(p.name, p.default, p.kind) for p in theirs.values()]
 
 
@@ -245,7 +247,8 @@ def test_config_dict_round_trip(student, guide):
     arguments = {key: value for key, value in config.items() if key != "guide_mode"}
     assert FusedCachedGISTLoss(student, **arguments).get_config_dict() == config
     # Apart from cgist's own keys, the same keys and values as sentence-transformers' own loss.
-    own = ("guide_mode", "mask_self", "mask_duplicates", "backend", "block_bytes")
+    own = ("guide_mode", "mask_self", "mask_duplicates", "directions", "partition_mode", "hardness_mode",
+           "hardness_strength", "backend", "block_bytes")
     shared = {key: value for key, value in config.items() if key not in own}
     assert CachedGISTEmbedLoss(student, **shared).get_config_dict() == shared
 

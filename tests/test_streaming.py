@@ -234,7 +234,7 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
     assert float(expected.detach()) > 100  # the case is what it claims
     n_tiles = sum(len(streaming._spans(b, streaming.TILE_COLS if block_bytes is None else 1))
-                  for b in streaming._Problem(student, guide, GistOptions(offset=6), True, False).blocks)
+                  for b in streaming._Problem(student, guide, GistOptions(offset=6), True, False).groups)
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
 
 
