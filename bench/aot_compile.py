@@ -1,26 +1,36 @@
-"""Compile every GIST kernel ahead of time for sm_80 and sm_90, on a machine without a GPU.
+"""Compile every GIST kernel ahead of time for every GPU architecture the tile tables know, on a machine without a GPU.
 
-For each kernel (the forward, the chunk score-gradient kernel of the GEMM backward, and the fused
-backward's row and column passes), each tile config the forward autotunes over for the dtype pair
-(the backward reuses the forward's pick), every student/guide dtype pair the launcher can meet on a
-GPU, and every (D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the
-JIT's own rules, and reads its resource usage back with the ``cuobjdump`` shipped in the triton wheel.
-A Matryoshka configuration (dimensions 768/512/256/128/64, five segments) is built too, for the
-forward and the score-gradient kernel. D and Dg are runtime arguments: sizes that the launcher
-specialises alike (all multiples of 16 here) share one binary, which is compiled once and listed
-with every size it serves.
+For each architecture (``--arch``: compute capabilities, each through ``cgist.devices.arch_for``; by default one per
+tile family and sm_70), each kernel (the forward, the chunk score-gradient kernel of the GEMM backward, and
+the fused backward's row and column passes), each student/guide dtype pair the launcher can meet on a GPU, with the
+input precisions the launcher passes there (``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee"
+below sm_80), each tile config that ``tile_configs`` returns for the pair on that architecture (the forward's over
+both tile sets; the score-gradient kernel reuses the forward's pick from the "gemm" set, the fused passes from the
+"fused" set), and every (D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the JIT's
+own rules, and reads it back with the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel. A Matryoshka
+configuration (dimensions 768/512/256/128/64, five segments) is built too, for the forward and the score-gradient
+kernel. Variants that specialise alike are one binary, compiled once per architecture and listed with every size
+and pair it serves: D and Dg are runtime arguments (all multiples of 16 here), and below sm_80, where fp32 runs at
+"ieee", the fp32 and tf32 pairs (and bf16+fp32 and bf16+tf32) are the same source.
 
-Prints one row per binary: kernel, arch, dtype pair, config, number of dimensions, D, Dg, registers,
-spills, shared memory and, on sm_90, whether the cubin's SASS uses warpgroup MMA (HGMMA). Exits
-non-zero on a compile error, any spill, or shared memory over the arch limit.
+Prints one row per binary: kernel, arch, dtype pairs, config, number of dimensions, D, Dg, registers, stack frame
+and the bytes of it that ptxas spills registers to, shared memory, the tile tables' shared-memory estimate for the
+config (``shared_memory_estimate``, which prunes the tables on GPUs they do not know), whether the SASS uses
+warpgroup MMA (``wgmma``: HGMMA, sm_90 only) and which tensor-core instructions it uses (``mma``: HMMA for
+mma.sync on sm_80 to sm_89 and sm_120, HGMMA on sm_90, UTCHMMA for tcgen05 on sm_100; "-" for the FMA loops below
+sm_80; "?" where the disassembler cannot read the architecture). Then one summary line per architecture: binaries, the largest spill, the largest shared memory against
+the architecture's limit (``cgist.devices.KNOWN_ARCHS``) and the largest ratio of shared memory to estimate.
+Exits non-zero on a compile error, any spill, shared memory over the limit, or shared memory over the estimate.
 
-    python bench/aot_compile.py [--arch 80 90] [--dtypes fp32 tf32 bf16 ...] [--dims 384 768 1024 4096]
-                                [--guide-dims 384 1024] [--no-matryoshka]
+    python bench/aot_compile.py [--arch 70 75 80 86 89 90 100 120] [--dtypes fp32 tf32 bf16 ...]
+                                [--dims 384 768 1024 4096] [--guide-dims 384 1024] [--no-matryoshka] [--jobs N]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -35,47 +45,79 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
+from cgist.devices import Arch, arch_for  # noqa: E402
 from cgist.kernels.gist import (  # noqa: E402
-    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, tile_configs,
+    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, operand_kind,
+    shared_memory_estimate, tile_configs,
 )
-from cgist.kernels.launch import TL_DTYPES  # noqa: E402
+from cgist.kernels.launch import TL_DTYPES, input_precision  # noqa: E402
 from cgist.numerics import compute_dtype  # noqa: E402
 
-#: Largest dynamic shared memory per block, bytes.
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+CUOBJDUMP, NVDISASM = TOOLS / "cuobjdump", TOOLS / "nvdisasm"
+#: Compute capabilities compiled by default (major * 10 + minor): one per tile family, and sm_70 (V100), which
+#: takes family 75's tiles.
+DEFAULT_ARCHS = [70, 75, 80, 86, 89, 90, 100, 120]
+#: SASS opcodes of the tensor cores: mma.sync (HMMA), Hopper's warpgroup MMA (HGMMA), Blackwell's tcgen05
+#: (UTCHMMA and its integer and low-precision kinds), and the integer and fp8 mma.sync ones.
+SASS_OPCODE = r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?"  # an instruction's offset and predicate, before its opcode
+TENSOR_CORE_OPCODE = re.compile(SASS_OPCODE + r"((?:H|HG|I|Q|O|UTCH|UTCI|UTCQ|UTCO)MMA)\b", re.MULTILINE)
+EXIT_OPCODE = re.compile(SASS_OPCODE + r"EXIT\b", re.MULTILINE)
 
-#: Student/guide dtype pairs: each side's torch dtype and the ``tl.dot`` input precision the launcher picks
-#: for it. fp32 is tf32x3 at ``torch.get_float32_matmul_precision() == "highest"`` and tf32 at "high"/"medium".
+#: Student/guide dtype pairs: each side's torch dtype, and ``torch.get_float32_matmul_precision()``, from
+#: which the launcher's ``input_precision`` picks the ``tl.dot`` input precision of the fp32 sides.
 PAIRS = {
-    "fp32": (torch.float32, "tf32x3", torch.float32, "tf32x3"),
-    "tf32": (torch.float32, "tf32", torch.float32, "tf32"),
-    "bf16": (torch.bfloat16, "ieee", torch.bfloat16, "ieee"),
-    "fp16": (torch.float16, "ieee", torch.float16, "ieee"),
-    "bf16+fp32": (torch.bfloat16, "ieee", torch.float32, "tf32x3"),
-    "bf16+tf32": (torch.bfloat16, "ieee", torch.float32, "tf32"),
-    "fp64": (torch.float64, "ieee", torch.float64, "ieee"),
+    "fp32": (torch.float32, torch.float32, "highest"),
+    "tf32": (torch.float32, torch.float32, "high"),
+    "bf16": (torch.bfloat16, torch.bfloat16, "highest"),
+    "fp16": (torch.float16, torch.float16, "highest"),
+    "bf16+fp32": (torch.bfloat16, torch.float32, "highest"),
+    "bf16+tf32": (torch.bfloat16, torch.float32, "high"),
+    "fp64": (torch.float64, torch.float64, "highest"),
 }
 DEFAULT_PAIRS = ["fp32", "tf32", "bf16", "fp16", "bf16+fp32", "bf16+tf32"]
 #: The Matryoshka configuration of the check, and the pairs it is built for.
 MATRYOSHKA_DIMS = (64, 128, 256, 512, 768)
-MATRYOSHKA_PAIRS = ("fp32", "bf16", "bf16+fp32")
+MATRYOSHKA_PAIRS = ("fp32", "tf32", "bf16", "bf16+fp32", "bf16+tf32")  # one per operand kind
 #: The block kind (label, counting) is a runtime argument, so each kernel is one binary per config. Each
-#: kernel with the tile set the forward autotunes over when it runs (the fused passes follow a forward
+#: kernel with the tile sets of the forwards whose pick it runs with (the fused passes follow a forward
 #: tuned over the "fused" set).
-KERNELS = {gist_fwd_kernel.fn: "gemm", gist_score_grad_kernel: "gemm", gist_bwd_rows_kernel: "fused",
-           gist_bwd_cols_kernel: "fused"}
-MATRYOSHKA_KERNELS = {gist_fwd_kernel.fn: "gemm", gist_score_grad_kernel: "gemm"}
+KERNELS = {gist_fwd_kernel.fn: ("gemm", "fused"), gist_score_grad_kernel: ("gemm",), gist_bwd_rows_kernel: ("fused",),
+           gist_bwd_cols_kernel: ("fused",)}
+MATRYOSHKA_KERNELS = {gist_fwd_kernel.fn: ("gemm",), gist_score_grad_kernel: ("gemm",)}
+COLUMNS = ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est", "wgmma",
+           "mma"]
+KEY = ("kernel", "arch", "dtype", "tiles", "dims", "D", "Dg")
 
 
-def launch_values(kernel, pair: str, dim: int, dim_g: int, config: triton.Config, n_dims: int = 1,
+def operands(pair: str, arch: Arch) -> tuple[torch.dtype, str, torch.dtype, str]:
+    """``(dtype, precision, guide_dtype, guide_precision)`` of a pair as the launcher passes them on ``arch``."""
+    dtype, guide_dtype, matmul = PAIRS[pair]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        return dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+#: A block's runtime rules (kernels/gist.py, ``RULE_*``): every bit, though the value does not shape the binary (the
+#: kernels do not specialise on it), so that a table row stands for every block kind.
+RULES_ALL = 127
+
+
+def launch_values(kernel, pair: tuple, dim: int, dim_g: int, config: triton.Config, n_dims: int = 1,
                   rows: int = 4096, cols: int = 4096) -> dict:
-    """Argument values as the launcher passes them for a B = N = 4096 batch (tensors stand in for pointers)."""
-    dtype, precision, guide_dtype, guide_precision = PAIRS[pair]
+    """Argument values as the launcher passes them for a B = N = 4096 batch (tensors stand in for pointers).
+
+    ``pair`` is ``(dtype, precision, guide_dtype, guide_precision)``, as ``operands`` returns it.
+    """
+    dtype, precision, guide_dtype, guide_precision = pair
     acc = compute_dtype(dtype)
     emb = torch.empty(1, dtype=dtype)
     guide = torch.empty(1, dtype=guide_dtype)
@@ -92,6 +134,7 @@ def launch_values(kernel, pair: str, dim: int, dim_g: int, config: triton.Config
         stride_rq=rows, stride_rk=cols, stride_state=rows,
         stride_f_seg=2 * rows * cols, stride_f_part=rows * cols, stride_f_row=cols,
         stride_rp_dim=rows * 64, stride_rp_tile=rows, stride_cp_dim=cols * 64, stride_cp_tile=cols,
+        col_text_ptr=ids, row_text_ptr=ids, self_offset=0, keep_offset=0, stride_text=rows, rules=RULES_ALL,
         tile_set=0, has_label=1, relative=0, count=1, ACC=TL_DTYPES[acc], PRECISION=precision, PRECISION_G=guide_precision,
         N_DIMS=n_dims, DIMS_P2=triton.next_power_of_2(n_dims), SPLIT=precision == "tf32x3", **config.kwargs,
     )
@@ -118,41 +161,136 @@ def specialise(kernel, values: dict, backend) -> ASTSource:
 
 
 def resource_usage(cubin: bytes) -> dict:
-    """REG / STACK / SHARED / LOCAL of the cubin's kernel, and whether its SASS has HGMMA."""
+    """REG / STACK / SHARED / LOCAL of the cubin's kernel (cuobjdump), and the tensor-core opcodes of its SASS.
+
+    The SASS comes from nvdisasm without its dataflow analysis (branch-target annotations), a quarter faster
+    than ``cuobjdump -sass``: the disassembly is most of this function's time. The wheel's nvdisasm (CUDA 13)
+    no longer reads sm_70: there ``mma`` is None.
+    """
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([NVDISASM, "--print-code", "--no-dataflow", f.name], capture_output=True, text=True)
     fields = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage)}
-    fields["HGMMA"] = "HGMMA" in sass
+    if "REG" not in fields:
+        raise RuntimeError("cuobjdump printed no resource usage")
+    if sass.returncode and "is deprecated" in sass.stderr:
+        fields["mma"] = None
+    elif sass.returncode or not EXIT_OPCODE.search(sass.stdout):
+        raise RuntimeError(f"nvdisasm printed no SASS: {sass.stderr.strip()}")
+    else:
+        fields["mma"] = sorted(set(TENSOR_CORE_OPCODE.findall(sass.stdout)))
     return fields
 
 
-def compile_one(row: dict, src: ASTSource, target: GPUTarget, backend, config: triton.Config) -> dict:
-    """Compile one binary; return its table row, with a ``failure`` entry when it breaks a limit."""
-    arch = target.arch
+@contextlib.contextmanager
+def ptxas_log():
+    """Collect what Triton's ptxas runs print with ``-v`` (``TRITON_DUMP_PTXAS_LOG``) into a StringIO."""
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        yield log
+
+
+def spill_stores(log: str) -> int | None:
+    """Bytes of spill stores in a ptxas ``-v`` log, or None for a log without them."""
+    found = re.findall(r"(\d+) bytes spill stores", log)
+    return sum(map(int, found)) if found else None
+
+
+def compile_one(row: dict, src: ASTSource, target: GPUTarget, backend, config: triton.Config, arch: Arch,
+                estimate: int) -> dict:
+    """Compile one binary; return its table row, with a ``failure`` entry when it breaks a limit.
+
+    ``stack`` is the binary's stack frame (local memory), ``spill`` the part of it ptxas spills registers to
+    (asked only where there is a frame): a frame can also hold a local variable, such as two int8 values that
+    LLVM packs through memory for sm_86 and newer.
+    """
     options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
+    row = {**row, "est": estimate}
     try:
-        compiled = triton.compile(src, target=target, options=options.__dict__)
+        with ptxas_log() as log:
+            compiled = triton.compile(src, target=target, options=options.__dict__)
+        usage = resource_usage(compiled.asm["cubin"])
+        stack = usage.get("STACK", 0) + usage.get("LOCAL", 0)
+        spill = spill_stores(log.getvalue()) if stack else 0
+        if spill is None:  # a binary from Triton's cache: run its ptxas again for the log
+            with ptxas_log() as log:
+                backend.make_cubin(compiled.asm["ptx"], {}, options, target.arch)
+            if (spill := spill_stores(log.getvalue())) is None:
+                raise RuntimeError("ptxas printed no spill counts")
     except Exception as err:  # noqa: BLE001 - report every failing variant, then fail
-        return {**row, "regs": "-", "spill": "-", "smem": "-", "wgmma": "ERROR", "failure": f"compile error: {err}"}
-    usage = resource_usage(compiled.asm["cubin"])
+        return {**row, "regs": "-", "stack": "-", "spill": "-", "smem": "-", "wgmma": "-", "mma": "ERROR",
+                "failure": f"compile error: {err}"}
     smem = compiled.metadata.shared
-    spill = usage.get("STACK", 0) + usage.get("LOCAL", 0)
-    row = {**row, "regs": usage.get("REG", "?"), "spill": spill, "smem": smem,
-           "wgmma": ("yes" if usage["HGMMA"] else "no") if arch >= 90 else "n/a"}
+    row = {**row, "regs": usage["REG"], "stack": stack, "spill": spill, "smem": smem,
+           "wgmma": ("yes" if "HGMMA" in usage["mma"] else "no") if arch.wgmma else "n/a",
+           "mma": "?" if usage["mma"] is None else "+".join(usage["mma"]) or "-"}
     if spill:
-        row["failure"] = f"{spill} bytes of spills"
-    elif smem > SHARED_LIMIT[arch]:
-        row["failure"] = f"shared memory {smem} B > {SHARED_LIMIT[arch]} B"
+        row["failure"] = f"{spill} bytes of spill stores"
+    elif smem > arch.shared_bytes:
+        row["failure"] = f"shared memory {smem} B > {arch.shared_bytes} B"
+    elif smem > estimate:
+        row["failure"] = f"shared memory {smem} B > its estimate {estimate} B"
     return row
+
+
+def build_jobs(args) -> list[tuple]:
+    """One ``compile_one`` argument tuple per distinct binary, in table order."""
+    variants = [(pair, 1, KERNELS, args.dims) for pair in args.dtypes]
+    if not args.no_matryoshka:
+        variants += [(pair, len(MATRYOSHKA_DIMS), MATRYOSHKA_KERNELS, [MATRYOSHKA_DIMS[-1]])
+                     for pair in args.dtypes if pair in MATRYOSHKA_PAIRS]
+    jobs = []
+    for capability in args.arch:
+        arch = arch_for(divmod(capability, 10))
+        if arch is None:
+            raise SystemExit(f"sm_{capability}: no tile tables below compute capability 7.0")
+        target = GPUTarget("cuda", capability, 32)
+        backend = make_backend(target)
+        # by source and launch options: the pairs and sizes that specialise alike share one binary
+        binaries: dict[tuple, dict] = {}
+        for pair, n_dims, kernels, dims in variants:
+            ops = operands(pair, arch)
+            kind = operand_kind(*ops, arch)
+            for kernel, tile_sets in kernels.items():
+                configs = {str(c): c for tile_set in tile_sets
+                           for c in tile_configs(*ops, n_dims, tile_set, arch, interpret=False)}
+                for config, dim, dim_g in ((c, d, g) for c in configs.values() for d in dims for g in args.guide_dims):
+                    src = specialise(kernel, launch_values(kernel, ops, dim, dim_g, config, n_dims), backend)
+                    entry = binaries.setdefault((src.hash(), config.num_warps, config.num_stages), dict(
+                        kernel=kernel.__name__, dims=str(n_dims), src=src, config=config, pairs=[], sizes=[],
+                        estimate=shared_memory_estimate(config, kind)))
+                    entry["pairs"] += [] if pair in entry["pairs"] else [pair]
+                    entry["sizes"].append((dim, dim_g))
+        for entry in binaries.values():
+            c = entry["config"]
+            row = dict(kernel=entry["kernel"], arch=arch.name, dtype=",".join(entry["pairs"]),
+                       tiles="{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}",
+                       dims=entry["dims"], D=",".join(sorted({str(d) for d, _ in entry["sizes"]}, key=int)),
+                       Dg=",".join(sorted({str(g) for _, g in entry["sizes"]}, key=int)))
+            jobs.append((row, entry["src"], target, backend, c, arch, entry["estimate"]))
+    return jobs
+
+
+def summary(rows: list[dict], arch: Arch) -> str:
+    """One architecture's line: binaries, the largest spill, the largest shared memory and smem / estimate."""
+    mine = [r for r in rows if r["arch"] == arch.name and isinstance(r["smem"], int)]
+    if not mine:
+        return f"{arch.name}: no binary built"
+    top = max(mine, key=lambda r: r["smem"])
+    ratio = max(r["smem"] / r["est"] for r in mine)
+    return (f"{arch.name}: {len(mine)} binaries, max spill {max(r['spill'] for r in mine)} B, largest shared memory "
+            f"{top['smem']} B of {arch.shared_bytes} B ({top['kernel']} {top['dtype']} {top['tiles']} "
+            f"dims={top['dims']}), largest smem/estimate {ratio:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    parser.add_argument("--arch", type=int, nargs="+", default=DEFAULT_ARCHS,
+                        help="compute capabilities, major * 10 + minor")
     parser.add_argument("--dims", type=int, nargs="+", default=[384, 768, 1024, 4096])
     parser.add_argument("--guide-dims", type=int, nargs="+", default=[384, 1024])
     parser.add_argument("--dtypes", nargs="+", default=DEFAULT_PAIRS, choices=list(PAIRS))
@@ -160,31 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "k/n": compile jobs k, k + n, ... and print JSON rows
     args = parser.parse_args(argv)
-
-    variants = [(pair, 1, KERNELS, args.dims) for pair in args.dtypes]
-    if not args.no_matryoshka:
-        variants += [(pair, len(MATRYOSHKA_DIMS), MATRYOSHKA_KERNELS, [MATRYOSHKA_DIMS[-1]])
-                     for pair in args.dtypes if pair in MATRYOSHKA_PAIRS]
-    jobs = []
-    for arch in args.arch:
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        for pair, n_dims, kernels, dims in variants:
-            for kernel, tile_set in kernels.items():
-                for config in tile_configs(*PAIRS[pair], n_dims, tile_set, arch // 10, interpret=False):
-                    tiles = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**config.kwargs)
-                    binaries: dict[str, tuple[ASTSource, list]] = {}
-                    for dim in dims:
-                        for dim_g in args.guide_dims:
-                            values = launch_values(kernel, pair, dim, dim_g, config, n_dims)
-                            src = specialise(kernel, values, backend)
-                            binaries.setdefault(src.hash(), (src, []))[1].append((dim, dim_g))
-                    for src, sizes in binaries.values():
-                        row = dict(kernel=kernel.__name__, arch=f"sm_{arch}", dtype=pair,
-                                   tiles=f"{tiles}-w{config.num_warps}-s{config.num_stages}", dims=str(n_dims),
-                                   D=",".join(sorted({str(d) for d, _ in sizes}, key=int)),
-                                   Dg=",".join(sorted({str(g) for _, g in sizes}, key=int)))
-                        jobs.append((row, src, target, backend, config))
+    jobs = build_jobs(args)
 
     if args.worker:
         k, n = map(int, args.worker.split("/"))
@@ -194,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # triton.compile holds the GIL for most of its work: one process per core, each taking every n-th job.
     start = time.time()
-    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--jobs")]
+    argv = sys.argv[1:] if argv is None else argv
     n = max(1, min(args.jobs, len(jobs)))
     workers = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", f"{k}/{n}"], stdout=subprocess.PIPE,
                                 text=True) for k in range(n)]
@@ -203,20 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         print("FAIL: a compiling process exited with an error", file=sys.stderr)
         return 1
     done = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith("{")]
-    order = {json.dumps({h: r[h] for h in ("kernel", "arch", "dtype", "tiles", "dims", "D", "Dg")}): i
-             for i, (r, *_) in enumerate(jobs)}
-    rows = sorted(done, key=lambda r: order[json.dumps({h: r[h] for h in ("kernel", "arch", "dtype", "tiles", "dims",
-                                                                              "D", "Dg")})])
+    order = {json.dumps({h: r[h] for h in KEY}): i for i, (r, *_) in enumerate(jobs)}
+    rows = sorted(done, key=lambda r: order[json.dumps({h: r[h] for h in KEY})])
     if len(rows) != len(jobs):
         print(f"FAIL: {len(jobs) - len(rows)} binaries missing from the workers' output", file=sys.stderr)
         return 1
     failures = [f"{r['kernel']} {r['arch']} {r['dtype']} {r['tiles']} dims={r['dims']}: {r['failure']}"
                 for r in rows if "failure" in r]
-    header = ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "spill", "smem", "wgmma"]
-    widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in header}
-    print("  ".join(h.ljust(widths[h]) for h in header))
+    widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in COLUMNS}
+    print("  ".join(h.ljust(widths[h]) for h in COLUMNS))
     for r in rows:
-        print("  ".join(str(r[h]).ljust(widths[h]) for h in header))
+        print("  ".join(str(r[h]).ljust(widths[h]) for h in COLUMNS))
+    for arch in dict.fromkeys(job[5] for job in jobs):
+        print(summary(rows, arch))
     print(f"{len(rows)} binaries in {time.time() - start:.0f} s")
     for failure in failures:
         print("FAIL:", failure, file=sys.stderr)

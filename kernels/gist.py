@@ -43,13 +43,23 @@ import torch
 import triton
 import triton.language as tl
 
+from cgist.devices import Arch, arch_for, gpu_arch
+
 __all__ = [
     "gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars",
     "tile_configs",
 ]
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
-SCALE, MARGIN = tl.constexpr(0), tl.constexpr(1)
+SCALE, MARGIN, HARD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+#: Bits of a block's runtime ``rules``: it holds the labels (AP, column ``i + offset`` of row i); a guide masks it;
+#: each row's column ``i + self_offset`` is excluded (self-pairs, own documents); candidates with row i's texts
+#: are excluded; each row's column ``i + keep_offset`` is never masked (DQ's pair); the hardness penalty
+#: (``scalars[HARD]`` times the logit) applies at each row's own column ``i + offset``, or at the others.
+RULE_LABEL, RULE_GUIDED, RULE_SELF, RULE_TEXTS, RULE_KEEP, RULE_HARD_OWN, RULE_HARD_OTHERS = 1, 2, 4, 8, 16, 32, 64
+LABEL, GUIDED, SELF, TEXTS, KEEP, HARD_OWN, HARD_OTHERS = (
+    tl.constexpr(bit) for bit in (RULE_LABEL, RULE_GUIDED, RULE_SELF, RULE_TEXTS, RULE_KEEP, RULE_HARD_OWN,
+                                  RULE_HARD_OTHERS))
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -61,72 +71,173 @@ def _configs(tiles) -> list[triton.Config]:
     ]
 
 
-#: Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by GPU generation (8: sm_80 mma, 9: sm_90 wgmma) and
-#: operand kind (``operand_kind``), each the largest the four kernels compile for without spills (see
-#: bench/aot_compile.py). 128 x 256 spills at 8 and at 16 warps; 128 x 128 fits where the operands come
-#: from shared memory unsplit (2-byte and tf32 on sm_90). tf32x3 splits its operands in registers, so it
-#: takes BLOCK_K = 16. Several Matryoshka dimensions carry a second tile (the running segment sum) through
-#: the score-gradient kernel: 64 x 64 on 8 warps.
+#: The architecture ``tile_configs`` assumes when given none: sm_90 (H100, H200).
+DEFAULT_ARCH = arch_for((9, 0))
+
+# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by tile family (``cgist.devices.Arch.family``) and operand
+# kind (``operand_kind``): for each, the largest configs that every kernel using them compiles for on that
+# architecture without spills and within its shared memory (bench/aot_compile.py builds each one). The forward and
+# the score-gradient kernel use all of a table ("gemm"); the fused backward passes, which hold a gradient tile
+# beside the score tile, those of at most FUSED_TILE_VALUES values, or the table's entry in _FUSED_TILES. Spills
+# below are ptxas's bytes of spill stores.
+#
+# mma.sync (sm_80, 86, 89, 120) and tcgen05 (sm_100): 128 x 128 spills on 8 warps (the forward 188 to 524 B, the
+# score-gradient kernel 52 to 92 B with mma.sync), and on 16 warps, where the registers are capped at 128; 128 x 64
+# fits on 8 warps. tf32x3 splits its operands in registers, so it takes BLOCK_K = 16.
+_MMA_HALF = [(128, 64, 64, 8, 3), (64, 64, 64, 4, 3)]
+_MMA_TF32 = [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)]
+_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]
+# Hopper's warpgroup MMA reads its operands from shared memory: 128 x 128 fits for half and tf32, which it takes
+# unsplit (tf32x3 splits them in registers).
+_WGMMA_HALF = [(128, 128, 64, 8, 3), *_MMA_HALF]
+_WGMMA_TF32 = [(128, 128, 32, 8, 3), *_MMA_TF32]
+# Below sm_80 Triton has no tensor-core MMA: ``tl.dot`` runs as FMA loops, whose operands and products live in
+# registers. On 8 warps 64 x 32 and 32 x 32 spill (8 and 12 B in the fp32 forward); on 4 warps 64 x 32 x 16 with one
+# stage fits every kernel with a half student but spills 4 to 8 B with an fp32 one, which takes 32 x 32 x 8 (a half
+# ``tl.dot`` needs BLOCK_K >= 16).
 _TILES = {
-    (9, "half"): [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3)],
-    (8, "half"): [(128, 64, 64, 8, 3), (64, 64, 64, 4, 3)],
-    (9, "tf32"): [(128, 128, 32, 8, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
-    (8, "tf32"): [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
-    (9, "tf32x3"): [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)],
-    (8, "tf32x3"): [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)],
+    (75, "fma"): [(32, 32, 8, 4, 2)],
+    (75, "fma-half"): [(64, 32, 16, 4, 1)],
+    **{(family, kind): tiles for family in (80, 86, 89, 90, 100, 120) for kind, tiles in (
+        ("half", _WGMMA_HALF if family == 90 else _MMA_HALF), ("tf32", _WGMMA_TF32 if family == 90 else _MMA_TF32),
+        ("mixed", _WGMMA_TF32 if family == 90 else _MMA_TF32), ("tf32x3", _MMA_TF32X3), ("mixed3", _MMA_TF32X3))},
+    # tf32's 64 x 64 x 32 forward spills 52 B on 4 warps with 3 stages; 2 stages fit
+    **{(120, kind): [(128, 64, 32, 8, 3), (64, 64, 32, 4, 2)] for kind in ("tf32", "mixed")},
+    # ptxas gives sm_100's 8-warp score-gradient kernel 128 registers: 128 x 64 x 32 spills 12 B with a half
+    # student, 128 x 64 x 16 8 B with an fp32 one, so the two tf32 kinds part there
+    (100, "mixed"): [(128, 64, 16, 8, 3), (64, 64, 32, 4, 3)],
+    # 64 x 64 x 16 on 4 warps: the forward spills 8 B on sm_86 and sm_89, the score-gradient kernel 12 B on sm_100
+    **{(family, "tf32x3"): [(128, 64, 16, 8, 3)] for family in (86, 89, 100)},
+    (80, "mixed3"): [(64, 64, 16, 4, 3)],  # the 128 x 64 forward spills 8 B
+    (120, "mixed3"): [(128, 64, 16, 8, 3)],  # the 64 x 64 forward on 4 warps spills 68 B
 }
-_TILES.update({(arch, "mixed3"): _TILES[arch, "tf32x3"] for arch in (8, 9)})
-_MATRYOSHKA_TILES = {"half": [(64, 64, 64, 8, 3)], "tf32": [(64, 64, 32, 8, 3)], "tf32x3": [(64, 64, 32, 8, 3)],
-                     "mixed3": [(64, 64, 16, 8, 3)]}
+#: The fused passes' configs where a pass spills with one of the table's configs of at most FUSED_TILE_VALUES.
+_FUSED_TILES = {
+    **{(family, "mixed3"): [(128, 64, 16, 8, 3)] for family in (86, 89)},  # 64 x 64: 4 and 8 B in the two passes
+    (100, "tf32x3"): [(64, 64, 16, 4, 3)],  # the 128 x 64 column pass spills 12 B
+    (100, "tf32"): [(64, 64, 32, 4, 3)],  # the 128 x 64 column pass spills 36 B
+    # the 64 x 64 x 64 column pass spills 56 B on sm_100, the row pass 12 B on sm_120
+    **{(family, "half"): [(128, 64, 64, 8, 3)] for family in (100, 120)},
+}
+#: Several Matryoshka dimensions carry a second tile (the running segment sum) through the score-gradient
+#: kernel: 64 x 64 on 8 warps (128 x 64 spills; on 4 warps the score-gradient kernel spills 120 B on sm_86).
+_MATRYOSHKA_TILES = {
+    **{(75, kind): [(32, 64, 16, 8, 2)] for kind in ("fma", "fma-half")},  # 64 x 32 spills 56 B in the fp32 forward
+    **{(family, kind): tiles for family in (80, 86, 89, 90, 100, 120) for kind, tiles in (
+        ("half", [(64, 64, 64, 8, 3)]), ("tf32", [(64, 64, 32, 8, 3)]), ("mixed", [(64, 64, 32, 8, 3)]),
+        ("tf32x3", [(64, 64, 32, 8, 3)]), ("mixed3", [(64, 64, 16, 8, 3)]))},
+    # tf32x3: at 64 x 64 x 32 the score-gradient kernel spills 184 B on sm_80, at 64 x 64 x 16 144 B; the forward
+    # spills 24 B at 64 x 32 x 16 on 4 warps
+    (80, "tf32x3"): [(32, 32, 32, 4, 3)],
+    # on sm_86 at 64 x 32 x 32 on 4 warps the score-gradient kernel spills 76 B, at 32 x 32 x 32 the forward 76 B;
+    # on 8 warps 64 x 32 x 32 fits both
+    **{(family, "tf32x3"): [(64, 32, 32, 8, 3)] for family in (86, 89)},
+    (120, "tf32x3"): [(64, 64, 16, 8, 3)],
+    (100, "tf32"): [(64, 32, 16, 4, 3)],  # 64 x 64 x 16 on 8 warps spills 20 B in the forward
+    (100, "mixed"): [(64, 64, 16, 8, 3)],  # at BLOCK_K = 32 the forward spills 80 B
+    (100, "mixed3"): [(64, 32, 16, 4, 3)],  # 64 x 64 spills 52 B in the forward on 8 warps, 36 B in the other on 4
+}
 #: fp64 dots (tests) run on the FMA units; their operands live in registers, so small tiles.
-FMA_CONFIGS = _configs([(64, 32, 16, 4, 2)])
+_FP64_TILES = [(64, 32, 16, 4, 2)]
+FMA_CONFIGS = _configs(_FP64_TILES)
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
-ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_MATRYOSHKA_TILES.values()) for t in group})) \
-    + FMA_CONFIGS
-#: ``tile_set`` values of the forward: any config, or the fused backward's (whose passes hold a gradient
-#: tile beside the score tile and compile spill-free up to 128 x 64 values).
+#: Every config a table can return: the autotuner's list, fixed when the kernel is decorated.
+ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_FUSED_TILES.values(), *_MATRYOSHKA_TILES.values(),
+                                               _FP64_TILES) for t in group}))
+#: ``tile_set`` values of the forward: any config, or the fused backward's.
 TILE_SETS = ("gemm", "fused")
+#: The largest tile (BLOCK_M * BLOCK_N values) of the fused passes, where a table has no _FUSED_TILES entry.
+FUSED_TILE_VALUES = 128 * 64
 
 
-def operand_kind(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str) -> str:
-    """The class of a dtype pair for the tile configs.
+def operand_kind(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str,
+                 arch: Arch | None = None) -> str:
+    """The class of a dtype pair for the tile configs on ``arch`` (None: ``DEFAULT_ARCH``).
 
-    "half" (bf16/fp16 on both sides), "tf32" (an fp32 side at "high"/"medium"), "tf32x3" (an fp32
-    student at "highest"), "mixed3" (a half student with an fp32 guide at "highest") or "fp64".
+    "half" (bf16/fp16 on both sides), "tf32" (an fp32 student at "high"/"medium"), "mixed" (a half student
+    with an fp32 guide at "high"/"medium"), "tf32x3" (an fp32 student at "highest"), "mixed3" (a half
+    student with an fp32 guide at "highest"), "fma" and "fma-half" (an fp32 or a half student on an
+    architecture without tensor-core MMA, where every ``tl.dot`` is FMA loops and fp32 runs at "ieee") or
+    "fp64".
     """
     if torch.float64 in (dtype, guide_dtype):
         return "fp64"
+    if not (arch or DEFAULT_ARCH).mma:
+        return "fma" if dtype == torch.float32 else "fma-half"
     if precision == "tf32x3":
         return "tf32x3"
     if guide_precision == "tf32x3":
         return "mixed3"
-    return "tf32" if torch.float32 in (dtype, guide_dtype) else "half"
+    if dtype == torch.float32:
+        return "tf32"
+    return "mixed" if guide_dtype == torch.float32 else "half"
+
+
+def shared_memory_estimate(config: triton.Config, kind: str) -> int:
+    """An upper bound on the shared memory (bytes) of any kernel compiled with ``config`` for operands of ``kind``.
+
+    The largest of two buffers, plus 1 KiB for barriers and alignment (sm_100 adds 16 B):
+    - the pipelined operand loads of the K loops, ``num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * e`` with ``e``
+      the largest operand element size (Triton keeps num_stages - 1 buffers with mma.sync and num_stages with
+      wgmma and tcgen05), taken as 4 for the FMA loops, whose fused passes stage more than 2-byte operands;
+    - the fused column pass's transposed score tile in the student's element size ``s`` (twice with tf32x3: a
+      high and a low part) with ``num_stages + 1`` buffers of the (BLOCK_M, BLOCK_K / 2) student rows it
+      multiplies, ``parts * BLOCK_M * BLOCK_N * s + (num_stages + 1) * BLOCK_M * BLOCK_K / 2 * s``.
+    bench/aot_compile.py checks it against every binary it builds.
+    """
+    bm, bn, bk = (config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    stages = config.num_stages
+    e = 2 if kind == "half" else 4
+    s = 2 if kind in ("half", "mixed", "mixed3") else 4
+    parts = 2 if kind == "tf32x3" else 1
+    loads = stages * (bm + bn) * bk * e
+    column = parts * bm * bn * s + (stages + 1) * bm * (bk // 2) * s
+    return max(loads, column) + 1024
 
 
 def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
-                 tile_set: str = "gemm", arch: int = 9, interpret: bool = INTERPRET) -> list[triton.Config]:
+                 tile_set: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
-    row, column and K tiles. On a GPU of compute capability ``arch``.x every dtype pair but fp64 runs
-    on the tensor cores (fp32 as tf32 or tf32x3). ``tile_set="fused"`` keeps to the tiles the fused
-    backward compiles without spills.
+    row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.devices.Arch``; None:
+    ``DEFAULT_ARCH``) the configs are its family's: from sm_80 on every dtype pair but fp64 runs on the
+    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``tile_set="fused"`` keeps to the tiles
+    the fused backward compiles without spills. On an architecture the tables do not know
+    (``arch.known`` false) only the configs whose ``shared_memory_estimate`` fits its shared memory are
+    kept, or the smallest one if none does.
     """
     if interpret:
         return INTERPRET_CONFIGS
-    kind = operand_kind(dtype, precision, guide_dtype, guide_precision)
+    arch = arch or DEFAULT_ARCH
+    kind = operand_kind(dtype, precision, guide_dtype, guide_precision, arch)
     if kind == "fp64":
         return FMA_CONFIGS
+    key = arch.family, kind
     if n_dims > 1:
-        return _configs(_MATRYOSHKA_TILES[kind])
-    tiles = _TILES[min(arch, 9), kind]
-    if tile_set == "fused":
-        tiles = [t for t in tiles if t[0] * t[1] <= 128 * 64]
-    return _configs(tiles)
+        tiles = _MATRYOSHKA_TILES[key]
+    elif tile_set == "fused":
+        tiles = _FUSED_TILES.get(key) or [t for t in _TILES[key] if t[0] * t[1] <= FUSED_TILE_VALUES]
+    else:
+        tiles = _TILES[key]
+    configs = _configs(tiles)
+    if not arch.known:
+        estimate = {str(c): shared_memory_estimate(c, kind) for c in configs}
+        configs = ([c for c in configs if estimate[str(c)] <= arch.shared_bytes]
+                   or [min(configs, key=lambda c: estimate[str(c)])])
+    return configs
 
 
-def _device_arch(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
+def _device_arch(device: torch.device) -> Arch | None:
+    """The architecture of a CUDA tensor's device; None for other devices (the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    arch = gpu_arch(device)
+    if arch is None:
+        raise RuntimeError(f"{torch.cuda.get_device_name(device)} (compute capability "
+                           f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) is older than every "
+                           "architecture the Triton tile configs know (sm_70 and newer)")
+    return arch
 
 
 def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
@@ -135,13 +246,14 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
                         args["N_DIMS"], TILE_SETS[args["tile_set"]], _device_arch(args["q_ptr"].device))
 
 
-def pack_scalars(temperature: float, margin: float) -> tuple[float, float]:
-    """``(log2(e) / tau, margin)``: the scalar tensor every kernel reads, in the accumulation dtype.
+def pack_scalars(temperature: float, margin: float, hardness: float = 0.0) -> tuple[float, float, float]:
+    """``(log2(e) / tau, margin, 1 + hardness * tau)``: the scalar tensor every kernel reads, in the accumulation
+    dtype. The last is the factor of a logit with the hardness penalty (``hardness * cos`` added to ``cos / tau``).
 
     A tensor rather than kernel arguments, so that float64 runs keep full precision (Python floats
     reach a kernel as float32).
     """
-    return (math.log2(math.e) / temperature, margin)
+    return (math.log2(math.e) / temperature, margin, 1.0 + hardness * temperature)
 
 
 @triton.jit
@@ -225,33 +337,60 @@ def _is_label(offs_m, offs_n, mask_m, offset, has_label):
 
 @triton.jit
 def _masked_start(
-    qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-    offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
+    qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked, col_text_ptr, row_text_ptr,
+    offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset, keep_offset, stride_qg, stride_kg, stride_text, rules,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
     PRECISION_G: tl.constexpr, KEEP_LABEL: tl.constexpr,
 ):
-    """The guide's verdict on one tile, as the student accumulator's start: 0 where kept, -inf where masked.
+    """The block's verdict on one tile, as the student accumulator's start: 0 where kept, -inf where masked.
 
-    An entry is masked where its guide score is strictly above the row threshold ``thr``, or out of
-    range. A column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties with
-    theta_i and is masked iff ``theta_masked`` (theta_i > T_i). The label, which is never masked but
-    carried apart from the other terms, starts at 0 with KEEP_LABEL (its logit is wanted) and at -inf
-    without (it drops out of the sums like a masked entry). The one code path of every kernel's mask.
+    With a guide (``rules & GUIDED``) an entry is masked where its guide score is strictly above the row
+    threshold ``thr``; a column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties
+    with theta_i and is masked iff ``theta_masked`` (theta_i > T_i). With ``rules & SELF`` row i's column
+    ``i + self_offset`` is masked; with ``rules & TEXTS`` every column whose text id (``col_text_ptr``) is that
+    of row i's anchor or positive (``row_text_ptr``, two rows ``stride_text`` apart); with ``rules & KEEP`` row
+    i's column ``i + keep_offset`` is kept whatever else says. Out-of-range entries are masked. The label,
+    which is never masked but carried apart from the other terms, starts at 0 with KEEP_LABEL (its logit is
+    wanted) and at -inf without (it drops out of the sums like a masked entry). The one code path of every
+    kernel's mask.
 
     The student's products then accumulate onto it, and the masked entries stay -inf through every
     prefix (the products are finite): the mask rides in the accumulator, so no mask tile is live
     during the student's K loop.
     """
-    rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
-    rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-    g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
-                      BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
-    col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
-    keep = tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None], g <= thr[:, None])
-    is_label = _is_label(offs_m, offs_n, mask_m, offset, has_label)
+    in_range = mask_m[:, None] & mask_n[None, :]
+    keep = in_range
+    if (rules & GUIDED) != 0:
+        rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
+        rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+        g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
+                          BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+        col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
+        keep = keep & tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None],
+                               g <= thr[:, None])
+    if (rules & SELF) != 0:
+        keep = keep & (offs_n[None, :] != offs_m[:, None] + self_offset)
+    if (rules & TEXTS) != 0:
+        col_text = tl.load(col_text_ptr + offs_n, mask=mask_n, other=0)
+        anchor_text = tl.load(row_text_ptr + offs_m, mask=mask_m, other=0)
+        positive_text = tl.load(row_text_ptr + stride_text + offs_m, mask=mask_m, other=0)
+        keep = keep & (col_text[None, :] != anchor_text[:, None]) & (col_text[None, :] != positive_text[:, None])
+    if (rules & KEEP) != 0:
+        keep = keep | ((offs_n[None, :] == offs_m[:, None] + keep_offset) & in_range)
+    is_label = _is_label(offs_m, offs_n, mask_m, offset, rules & LABEL)
     keep = (keep | is_label) if KEEP_LABEL else (keep & ~is_label)
-    keep = keep & mask_m[:, None] & mask_n[None, :]
     return tl.where(keep, 0.0, float("-inf")).to(ACC)
+
+
+@triton.jit
+def _harden(z, offs_m, offs_n, offset, rules, hard_factor):
+    """Logits ``z`` (BLOCK_M, BLOCK_N) with the hardness penalty: ``hard_factor`` times the logit at each row's own
+    column (``offset + i``) with ``rules & HARD_OWN``, at every other column with ``rules & HARD_OTHERS``."""
+    if (rules & (HARD_OWN | HARD_OTHERS)) != 0:
+        own = offs_n[None, :] == offs_m[:, None] + offset
+        hard = tl.where(own, (rules & HARD_OWN) != 0, (rules & HARD_OTHERS) != 0)
+        z = tl.where(hard, z * hard_factor, z)
+    return z
 
 
 @triton.jit
@@ -270,21 +409,23 @@ def _dim_column(state, dcol, u):
 
 
 @triton.jit
-def _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr,
+def _score_grad(acc, rq, rk, scale, hard_factor, offs_m, offs_n, mask_m, offset, rules, m_ptr, l_ptr, rw_ptr,
                 stride_state, u):
     """dL/dcos_u of one tile (BLOCK_M, BLOCK_N) from its prefix dot products ``acc`` (-inf where masked).
 
     With the forward's running max ``m``, sum ``l`` (label excluded) and row weight
     ``rw = w_u / (tau * B * (l + 2^(pos - m)))`` of dimension u, an unmasked entry gets
-    ``2^(z - m) * rw`` (0 where masked: 2^-inf) and the label, whatever its start, ``-l * rw``: exactly
-    w_u (softmax - 1) / (tau B), with no cancellation.
+    ``2^(z - m) * rw`` (0 where masked: 2^-inf; z with the hardness penalty, ``_harden``) and the label,
+    whatever its start, ``-l * rw``: exactly w_u (softmax - 1) / (tau B), with no cancellation (``l`` is then
+    the label's term the launcher passes: the others' sum, with partitions more).
     """
     shift = tl.load(m_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
     row_sum = tl.load(l_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
     row_weight = tl.load(rw_ptr + u * stride_state + offs_m, mask=mask_m, other=0.0)
-    p = tl.exp2(_logits(acc, rq, rk, scale) - shift[:, None]) * row_weight[:, None]
+    z = _harden(_logits(acc, rq, rk, scale), offs_m, offs_n, offset, rules, hard_factor)
+    p = tl.exp2(z - shift[:, None]) * row_weight[:, None]
     # the label is found here, from the indices, so that no label tile is live during the products
-    return tl.where(_is_label(offs_m, offs_n, mask_m, offset, has_label), (-row_sum * row_weight)[:, None], p)
+    return tl.where(_is_label(offs_m, offs_n, mask_m, offset, rules & LABEL), (-row_sum * row_weight)[:, None], p)
 
 
 @triton.jit
@@ -312,7 +453,7 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
         tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
-# The block kind (has_label; relative; count) is a runtime value, not a constexpr, and is kept out of the
+# The block's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and is kept out of the
 # JIT's integer specialisation: all the blocks of a step (AP, AA, PP, AN_1..AN_k) then share one binary per
 # kernel and tile config, instead of compiling and autotuning a variant per block. The branches it selects
 # are per program, so they cost nothing measurable.
@@ -322,13 +463,15 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
     prune_configs_by={"early_config_prune": _prune_configs},
     restore_value=["m_ptr", "l_ptr", "masked_ptr", "kept_ptr"],
 )
-@triton.jit(do_not_specialize=["partner_start", "has_label", "relative", "count", "tile_set"])
+@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules", "relative",
+                               "count", "tile_set"])
 def gist_fwd_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
     thr_ptr, theta_masked_ptr, theta_ptr, pos_ptr, m_ptr, l_ptr, masked_ptr, kept_ptr, scalars_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state,
-    b_bucket, n_bucket, tile_set, has_label, relative, count,
+    col_text_ptr, row_text_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state, stride_text,
+    b_bucket, n_bucket, tile_set, rules, relative, count,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     N_DIMS: tl.constexpr, DIMS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -337,10 +480,11 @@ def gist_fwd_kernel(
 
     Per dimension u (row u of ``m``, ``l``, ``pos``; ``stride_state`` apart), updates the running
     base-2 max ``m`` and sum ``l`` of each row over the unmasked logits other than the label. The AP
-    launch (``has_label``) comes first: it computes ``theta_i`` and the positive logits from the label
-    tiles, stores theta, the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positives,
+    launch (``rules & LABEL``) comes first: it computes the positive logits and, with a guide, ``theta_i`` from
+    the label tiles, stores theta, the threshold ``T_i``, the flag ``theta_i > T_i`` (int8) and the positives,
     and seeds ``m`` with the positive logit (so ``l`` starts at 0). ``col_id_ptr`` holds the tie ids
-    of the columns and ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner.
+    of the columns and ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner; the other
+    rules are ``_masked_start``'s and ``_harden``'s. A partition's state is the launcher's view of its rows.
 
     ``tile_set`` (an index into ``TILE_SETS``) only selects the configs the autotuner tries.
 
@@ -350,10 +494,11 @@ def gist_fwd_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
     scale = tl.load(scalars_ptr + SCALE)
+    hard_factor = tl.load(scalars_ptr + HARD)
     dcol = tl.arange(0, DIMS_P2)
     state_ptrs = dcol[None, :] * stride_state + offs_m[:, None]  # (BLOCK_M, DIMS_P2)
     state_mask = mask_m[:, None] & (dcol < N_DIMS)[None, :]
-    if has_label:
+    if (rules & LABEL) != 0:
         # theta and the positive logits, read off the label tiles with the same code as the main loop.
         rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
         theta = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -364,10 +509,11 @@ def gist_fwd_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < n_cols
             is_label = offs_n[None, :] == offs_m[:, None] + offset
-            rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
-            g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
-                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
-            theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
+            if (rules & GUIDED) != 0:
+                rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
+                g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg,
+                                  stride_kg, BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
+                theta += tl.sum(tl.where(is_label, g, 0.0), axis=1)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
             for u in range(N_DIMS):
                 acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
@@ -396,21 +542,23 @@ def gist_fwd_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_cols
         acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                            offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
-                            BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, False)
+                            col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
+                            keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                            PRECISION_G, False)
         if count:
             # the unmasked entries other than the label, and so the masked ones (in range - kept - label):
             # one tile reduction
             kept = tl.sum((acc == 0.0).to(tl.int32), axis=1)
             labels = ((offs_m + offset >= start_n) & (offs_m + offset < start_n + BLOCK_N) & mask_m
-                      & (has_label != 0)).to(tl.int32)
+                      & ((rules & LABEL) != 0)).to(tl.int32)
             n_masked += tl.where(mask_m, tl.minimum(n_cols - start_n, BLOCK_N), 0) - kept - labels
             n_kept += kept
         for u in range(N_DIMS):
             acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
                                   stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
             rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
-            z = _logits(acc, rq, rk, scale)  # -inf where masked and at the label
+            # -inf where masked and at the label
+            z = _harden(_logits(acc, rq, rk, scale), offs_m, offs_n, offset, rules, hard_factor)
             m_u = _dim_column(m_i, dcol, u)
             l_u = _dim_column(l_i, dcol, u)
             m_new = tl.maximum(m_u, tl.max(z, axis=1))  # m_u is finite: it starts at the positive logit
@@ -424,14 +572,16 @@ def gist_fwd_kernel(
         tl.store(kept_ptr + offs_m, tl.load(kept_ptr + offs_m, mask=mask_m, other=0) + n_kept, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["partner_start", "has_label", "row_start", "col_start"])
+@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules", "row_start",
+                               "col_start"])
 def gist_score_grad_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, f_ptr, row_part_ptr, col_part_ptr,
-    row_stop, col_stop, dim, dim_g, offset, partner_start, row_start, col_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state,
+    col_text_ptr, row_text_ptr,
+    row_stop, col_stop, dim, dim_g, offset, partner_start, self_offset, keep_offset, row_start, col_start,
+    stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state, stride_text,
     stride_f_seg, stride_f_part, stride_f_row, stride_rp_dim, stride_rp_tile, stride_cp_dim, stride_cp_tile,
-    has_label,
+    rules,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr, N_DIMS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -456,11 +606,13 @@ def gist_score_grad_kernel(
     mask_m = offs_m < row_stop
     mask_n = offs_n < col_stop
     scale = tl.load(scalars_ptr + SCALE)
+    hard_factor = tl.load(scalars_ptr + HARD)
     partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
                                                     theta_masked_ptr)
     acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                        offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
-                        BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, N_DIMS > 1)
+                        col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
+                        keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                        PRECISION_G, N_DIMS > 1)
     local_m = offs_m - row_start
     local_n = offs_n - col_start
 
@@ -468,7 +620,7 @@ def gist_score_grad_kernel(
         acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q, stride_k,
                               0, N_DIMS, BLOCK_K, ACC, PRECISION)
         rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, 0)
-        grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr,
+        grad = _score_grad(acc, rq, rk, scale, hard_factor, offs_m, offs_n, mask_m, offset, rules, m_ptr, l_ptr, rw_ptr,
                            stride_state, 0)
         _store_operand(f_ptr, local_m, local_n, stride_f_row, stride_f_part, grad * rq[:, None] * rk[None, :],
                        mask_m[:, None] & mask_n[None, :], SPLIT)
@@ -478,7 +630,7 @@ def gist_score_grad_kernel(
             acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
                                   stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
             rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
-            grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr,
+            grad = _score_grad(acc, rq, rk, scale, hard_factor, offs_m, offs_n, mask_m, offset, rules, m_ptr, l_ptr,
                                rw_ptr, stride_state, u)
             # dL/dcos_u * cos_u (grad is 0 where acc is -inf)
             radial = grad * tl.where(acc > float("-inf"), acc, 0.0) * rq[:, None] * rk[None, :]
@@ -496,7 +648,7 @@ def gist_score_grad_kernel(
             acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
                                   stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
             rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, stride_rq, stride_rk, u)
-            grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr,
+            grad = _score_grad(acc, rq, rk, scale, hard_factor, offs_m, offs_n, mask_m, offset, rules, m_ptr, l_ptr,
                                rw_ptr, stride_state, u)
             summed -= grad * rq[:, None] * rk[None, :]
             _store_operand(f_ptr + (u + 1) * stride_f_seg, local_m, local_n, stride_f_row, stride_f_part, summed,
@@ -528,8 +680,9 @@ def _add_product(
 @triton.jit
 def _fused_tile_grad(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale, offs_m, offs_n, mask_m, mask_n,
-    dim, dim_g, offset, partner_start, stride_q, stride_qg, stride_k, stride_kg, has_label,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, col_text_ptr, row_text_ptr, offs_m, offs_n,
+    mask_m, mask_n, dim, dim_g, offset, partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k,
+    stride_kg, stride_text, rules,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
 ):
@@ -537,21 +690,23 @@ def _fused_tile_grad(
     partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
                                                     theta_masked_ptr)
     start = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                          offs_m, offs_n, mask_m, mask_n, dim_g, offset, has_label, stride_qg, stride_kg,
-                          BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G, False)
+                          col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
+                          keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                          PRECISION_G, False)
     acc = _dot_range(start, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n,
                      0, dim, stride_q, stride_k, BLOCK_K, ACC, PRECISION)
     rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, 0, 0, 0)
-    grad = _score_grad(acc, rq, rk, scale, offs_m, offs_n, mask_m, offset, has_label, m_ptr, l_ptr, rw_ptr, 0, 0)
+    grad = _score_grad(acc, rq, rk, tl.load(scalars_ptr + SCALE), tl.load(scalars_ptr + HARD), offs_m, offs_n,
+                       mask_m, offset, rules, m_ptr, l_ptr, rw_ptr, 0, 0)
     return grad * rq[:, None] * rk[None, :]
 
 
-@triton.jit(do_not_specialize=["partner_start", "has_label"])
+@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules"])
 def gist_bwd_rows_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -563,25 +718,25 @@ def gist_bwd_rows_kernel(
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
-    scale = tl.load(scalars_ptr + SCALE)
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_cols
         ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
-                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale,
-                              offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset, partner_start,
-                              stride_q, stride_qg, stride_k, stride_kg, has_label,
+                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
+                              col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
+                              partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k, stride_kg,
+                              stride_text, rules,
                               BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         _add_product(grad_ptr, offs_m, mask_m, stride_grad, ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n,
                      stride_k, dim, BLOCK_K // 2, ACC, PRECISION)
 
 
-@triton.jit(do_not_specialize=["partner_start", "has_label"])
+@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules"])
 def gist_bwd_cols_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, has_label,
+    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -592,14 +747,14 @@ def gist_bwd_cols_kernel(
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_cols
-    scale = tl.load(scalars_ptr + SCALE)
     for start_m in range(0, n_rows, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
         ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
-                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scale,
-                              offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset, partner_start,
-                              stride_q, stride_qg, stride_k, stride_kg, has_label,
+                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
+                              col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
+                              partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k, stride_kg,
+                              stride_text, rules,
                               BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         _add_product(grad_ptr, offs_n, mask_n, stride_grad, tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr,
                      offs_m, mask_m, stride_q, dim, BLOCK_K // 2, ACC, PRECISION)

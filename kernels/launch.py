@@ -54,11 +54,12 @@ from cgist.devices import Arch, gpu_arch
 from cgist.numerics import EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
 
 from .gist import (
-    TILE_SETS, gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
+    RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_KEEP, RULE_LABEL, RULE_SELF, RULE_TEXTS, TILE_SETS,
+    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
 )
 
 if TYPE_CHECKING:
-    from cgist.options import GistOptions
+    from cgist.options import ColumnGroup, GistOptions
 
 __all__ = [
     "BACKWARD_METHODS", "BackwardWork", "ForwardState", "chunk_plan", "forward_block", "gist_backward",
@@ -71,8 +72,8 @@ BACKWARD_METHODS = ("gemm", "fused")
 #: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
 GEMM_ROW_FLOOR = 1024
 #: Counter rows of the forward: masked entries per block kind, then unmasked entries other than the label.
-_COUNTER_ROW = {"ap": 0, "aa": 1, "pp": 2, "an": 3}
-_KEPT_ROW = 4
+_COUNTER_ROW = {"ap": 0, "aa": 1, "pp": 2, "an": 3, "qq": 4, "dq": 5, "dd": 6}
+_KEPT_ROW = len(_COUNTER_ROW)
 
 
 def input_precision(dtype: torch.dtype, arch: Arch | None = None) -> str:
@@ -189,43 +190,54 @@ class _Side:
     """Student and guide vectors of one side of a block, with their inverse norms and guide tie ids."""
 
     x: Tensor
-    g: Tensor
+    g: Tensor  # without a guide, ``x`` (a pointer the kernels do not read)
     rx: Tensor  # inverse prefix norm of each row per dimension, ascending (n_dims x rows)
     rg: Tensor
     ids: Tensor  # int32 tie id of each guide row
+    text: Tensor  # int32 text id of each row (mask_duplicates), or the tie ids (not read)
     grad: int  # index of the embedding whose gradient this side feeds
     start: int = 0  # first row of that embedding
 
     def rows(self, start: int, stop: int) -> _Side:
         return _Side(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
-                     self.ids[start:stop], self.grad, start)
+                     self.ids[start:stop], self.text[start:stop], self.grad, start)
 
 
 @dataclass
 class _Block:
-    """One score block: rows against columns; row i's partner id is ``partner[partner_start + i]``."""
+    """One column group (``cgist.options.ColumnGroup``): rows against columns; row i's partner id is
+    ``partner[partner_start + i]``."""
 
-    kind: str  # "ap", "aa", "pp" or "an"
+    spec: ColumnGroup
     rows: _Side
     cols: _Side
     partner: Tensor
     partner_start: int
 
     @property
+    def kind(self) -> str:
+        return self.spec.name
+
+    @property
     def has_label(self) -> bool:
-        return self.kind == "ap"
+        return self.spec.label
 
     def kernel_args(self, state: ForwardState) -> dict:
-        """The keyword arguments the kernels share, for this block."""
-        rows, cols = self.rows, self.cols
+        """The keyword arguments the kernels share, for this block (its partition's state)."""
+        rows, cols, spec = self.rows, self.cols, self.spec
+        rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_SELF * (spec.exclude is not None)
+                 | RULE_TEXTS * state.options.mask_duplicates | RULE_KEEP * (spec.keep is not None)
+                 | RULE_HARD_OWN * spec.hard_own | RULE_HARD_OTHERS * spec.hard_others)
         return dict(
             q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
             rq_ptr=rows.rx, rqg_ptr=rows.rg, rk_ptr=cols.rx, rkg_ptr=cols.rg,
             col_id_ptr=cols.ids, partner_id_ptr=self.partner, thr_ptr=state.thr, theta_masked_ptr=state.theta_masked,
-            m_ptr=state.run_max, l_ptr=state.run_sum, scalars_ptr=state.scalars,
-            dim=state.top, dim_g=rows.g.shape[1], offset=state.offset, partner_start=self.partner_start,
+            col_text_ptr=cols.text, row_text_ptr=state.row_texts, stride_text=state.row_texts.stride(0),
+            m_ptr=state.run_max[spec.part], l_ptr=state.run_sum[spec.part], scalars_ptr=state.scalars,
+            dim=state.top, dim_g=rows.g.shape[1] if state.guided else 0, offset=state.offset,
+            partner_start=self.partner_start, self_offset=spec.exclude or 0, keep_offset=spec.keep or 0,
             stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0), stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0),
-            has_label=int(self.has_label),
+            rules=rules,
         )
 
 
@@ -245,11 +257,13 @@ class ForwardState:
     theta: Tensor
     theta_masked: Tensor
     pos: Tensor  # base-2 positive logit of each row, per dimension (n_dims x B)
-    run_max: Tensor  # running max m (at least the positive)
-    run_sum: Tensor  # sum of 2^(z - m) over the unmasked entries other than the label
+    run_max: Tensor  # running max m (at least the positive), per partition (n_parts x n_dims x B)
+    run_sum: Tensor  # sum of 2^(z - m) over the unmasked entries other than the label, per partition
     counts: Tensor  # int32 counters (masked per block kind, then unmasked others) x B
     scalars: Tensor
     flags: dict
+    guided: bool = True  # False: no guide masking (the guide pointers are not read)
+    row_texts: Tensor | None = None  # (2, B) int32: the text ids of anchor i and of its positive (mask_duplicates)
     tile_set: str = "gemm"
     tiles: dict | None = None
 
@@ -271,14 +285,32 @@ class ForwardState:
         return list(zip([0, *self.dims[:-1]], self.dims))
 
     def loss(self) -> Tensor:
-        """``sum_u w_u mean_i ((m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2)))``, 0-dim."""
-        gap = (self.run_max - self.pos) * LN2
-        return (self.weights * (gap + torch.log1p(self.run_sum + torch.expm1(-gap)))).sum() / self.batch
+        """``sum_u w_u mean_i ((m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2)))``, 0-dim.
 
-    def row_weight(self) -> Tensor:
-        """``w_u / (tau * B * total)``, with ``total = l + 2^(pos - m)`` the softmax denominator over ``2^m``."""
-        total = self.run_sum + torch.exp2(self.pos - self.run_max)
-        return self.weights / ((self.options.temperature * self.batch) * total)
+        With P partitions, the mean over them of each one's log-sum-exp minus the positive; for partition 0, which
+        holds the label, as above, for another ``(m_p - pos) ln 2 + ln(l_p)``.
+        """
+        gaps = (self.run_max - self.pos) * LN2
+        lse = gaps[0] + torch.log1p(self.run_sum[0] + torch.expm1(-gaps[0]))
+        if len(gaps) > 1:
+            lse = (lse + (gaps[1:] + torch.log(self.run_sum[1:])).sum(dim=0)) / len(gaps)
+        return (self.weights * lse).sum() / self.batch
+
+    def totals(self) -> Tensor:
+        """Each partition's softmax denominator over ``2^m`` (n_parts x n_dims x B): ``l``, plus ``2^(pos - m)``, the
+        label's term, in partition 0."""
+        totals = self.run_sum.clone()
+        totals[0] += torch.exp2(self.pos - self.run_max[0])
+        return totals
+
+    def row_weight(self, totals: Tensor) -> Tensor:
+        """``w_u / (P * tau * B * total_p)`` per partition p (n_parts x n_dims x B)."""
+        return self.weights / ((len(totals) * self.options.temperature * self.batch) * totals)
+
+    def label_terms(self, totals: Tensor) -> Tensor:
+        """The label's term for the score-gradient kernel: its score gradient is minus this times partition 0's row
+        weight, ``l_0 + (P - 1) total_0`` (n_dims x B)."""
+        return self.run_sum[0] + (len(totals) - 1) * totals[0]
 
     def counters(self) -> tuple[Tensor, Tensor]:
         """The mask counters: int64 counts (``cgist.numerics.COUNT_FIELDS``) and the sums of theta and T_i."""
@@ -298,54 +330,69 @@ def _prefix_norms(x: Tensor, dims: list[int], acc: torch.dtype) -> Tensor:
 
 @torch.no_grad()
 def prepare_forward(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, need_stats: bool = False
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
+    need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
 ) -> ForwardState:
-    """Norms, tie ids, blocks and the per-row buffers of one call; launches nothing."""
-    embeddings, guide_embeddings = [stack_rows(x) for x in embeddings], [stack_rows(g) for g in guide_embeddings]
+    """Norms, tie ids, blocks and the per-row buffers of one call; launches nothing.
+
+    Without a guide (``guide_embeddings=None``) the guide operands are the student's (the kernels skip them), so a
+    call without a guide compiles and runs the same binaries.
+    """
+    embeddings = [_rows_contiguous(stack_rows(x)) for x in embeddings]
     acc = compute_dtype(embeddings[0].dtype)
-    guide_dtype = guide_embeddings[0].dtype
-    if acc == torch.float64 or guide_dtype == torch.float64:
-        guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
-    embeddings = [_rows_contiguous(x) for x in embeddings]
-    guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
     device = embeddings[0].device
     batch = embeddings[0].shape[0]
     offset = options.offset
     pairs = options.dims(embeddings[0].shape[1])[::-1]  # ascending
     dims = [d for d, _ in pairs]
-
     norms = [_prefix_norms(x, dims, acc) for x in embeddings]
-    guide_norms = [torch.linalg.vector_norm(g, dim=1, dtype=acc) for g in guide_embeddings]
-    # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
-    ids = tie_ids(guide_embeddings, acc)
-    sides = [
-        _Side(x, g, 1.0 / n.clamp_min(EPS), 1.0 / gn.clamp_min(EPS), tid, i)
-        for i, (x, g, n, gn, tid) in enumerate(zip(embeddings, guide_embeddings, norms, guide_norms, ids))
-    ]
-    anchor, positive, *negatives = sides
-    # The blocks in the order of the loss: AP, AA, PP, AN_1..AN_k. The partner of an anchor row is its
-    # positive offset + i; PP's rows are the positives offset + i, whose partner is anchor i.
-    blocks = [_Block("ap", anchor, positive, positive.ids, offset)]
-    if options.contrast_anchors:
-        blocks.append(_Block("aa", anchor, anchor, positive.ids, offset))
-    if options.contrast_positives:
-        blocks.append(_Block("pp", positive.rows(offset, offset + batch), positive, anchor.ids, 0))
-    blocks.extend(_Block("an", anchor, negative, positive.ids, offset) for negative in negatives)
+    # Dot products: no normalisation, every inverse norm 1 (and no radial term in ``gradients``).
+    inverse = [torch.ones_like(n) if options.similarity == "dot" else 1.0 / n.clamp_min(EPS) for n in norms]
+
+    guided = guide_embeddings is not None
+    if guided:
+        guide_embeddings = [stack_rows(g) for g in guide_embeddings]
+        guide_dtype = guide_embeddings[0].dtype
+        if acc == torch.float64 or guide_dtype == torch.float64:
+            guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
+        guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
+        guide_inverse = [1.0 / torch.linalg.vector_norm(g, dim=1, dtype=acc).clamp_min(EPS) for g in guide_embeddings]
+        # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
+        ids = tie_ids(guide_embeddings, acc)
+    else:
+        guide_dtype = embeddings[0].dtype
+        guide_embeddings, guide_inverse = embeddings, [r[-1] for r in inverse]
+        ids = [torch.zeros(x.shape[0], dtype=torch.int32, device=device) for x in embeddings]
+    texts = text_ids if options.mask_duplicates else ids
+    sides = [_Side(x, g, r, rg, tid, text, i)
+             for i, (x, g, r, rg, tid, text) in enumerate(zip(embeddings, guide_embeddings, inverse, guide_inverse,
+                                                              ids, texts))]
+    anchor, positive = sides[0], sides[1]
+    # The column groups in the order of the loss (``GistOptions.column_groups``). The partner of an anchor row is
+    # its positive offset + i; the positive rows are the positives offset + i, whose partner is anchor i.
+    specs, n_parts, _ = options.column_groups(len(sides))
+    local_positives = positive.rows(offset, offset + batch)
+    blocks = [_Block(spec, anchor, sides[spec.column], positive.ids, offset) if spec.row == "a" else
+              _Block(spec, local_positives, sides[spec.column], anchor.ids, 0) for spec in specs]
+    # Each row's two texts, whatever the block: its anchor's and its positive's.
+    row_texts = torch.stack([anchor.text, positive.text[offset : offset + batch]])
 
     n_dims = len(dims)
-    state_rows = [torch.empty(n_dims, batch, dtype=acc, device=device) for _ in range(3)]
+    pos = torch.empty(n_dims, batch, dtype=acc, device=device)
+    run_max, run_sum = (torch.empty(n_parts, n_dims, batch, dtype=acc, device=device) for _ in range(2))
     return ForwardState(
         options=options, embeddings=embeddings, sides=sides, norms=norms, blocks=blocks, dims=dims,
         weights=_device_constant(tuple(w for _, w in pairs), acc, device).unsqueeze(1),
         dims_tensor=_device_constant(tuple(dims), torch.int32, device),
         thr=torch.empty(batch, dtype=acc, device=device), theta=torch.empty(batch, dtype=acc, device=device),
         theta_masked=torch.empty(batch, dtype=torch.int8, device=device),
-        pos=state_rows[0], run_max=state_rows[1], run_sum=state_rows[2],
+        pos=pos, run_max=run_max, run_sum=run_sum,
         counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
                                                             device=device),
-        scalars=_device_constant(pack_scalars(options.temperature, options.margin), acc, device),
+        scalars=_device_constant(pack_scalars(options.temperature, options.margin, options.hardness), acc, device),
         flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype, _arch(device)),
                    PRECISION_G=input_precision(guide_dtype, _arch(device)), N_DIMS=n_dims),
+        guided=guided, row_texts=row_texts,
     )
 
 
@@ -368,18 +415,21 @@ def forward_block(state: ForwardState, block: _Block, count: bool = False) -> No
 
 @torch.no_grad()
 def gist_forward(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, need_stats: bool = False,
-    tile_set: str = "gemm",
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
+    need_stats: bool = False, tile_set: str = "gemm", text_ids: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ForwardState]:
     """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs.
 
     ``tile_set="fused"`` autotunes over the tiles the fused backward compiles without spills (use it
     before ``gist_backward(state, "fused")``); the default, "gemm", over all of them.
     """
-    state = prepare_forward(embeddings, guide_embeddings, options, need_stats)
+    state = prepare_forward(embeddings, guide_embeddings, options, need_stats, text_ids)
     state.tile_set = tile_set
-    for block in state.blocks:
+    for i, block in enumerate(state.blocks):
         forward_block(state, block, count=need_stats)
+        if i == 0:  # AP, first, seeded partition 0 with the positive logits; the other partitions start there too
+            state.run_max[1:] = state.pos
+            state.run_sum[1:] = 0.0
     return state.loss(), state
 
 
@@ -437,7 +487,9 @@ class BackwardWork:
         n_dims = len(state.dims)
         self.radial = [torch.zeros(n_dims, x.shape[0], dtype=acc, device=device) for x in state.embeddings] \
             if n_dims > 1 else None
-        self.row_weight = state.row_weight()
+        totals = state.totals()
+        self.row_weight = state.row_weight(totals)
+        self.label_terms = state.label_terms(totals)
         self.split = state.flags["PRECISION"] == "tf32x3"
         self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
         self._operands = None
@@ -476,16 +528,20 @@ class BackwardWork:
             self._buffers = plan, f, row_part, col_part
         return self._buffers
 
+    def kernel_args(self, block: _Block) -> dict:
+        """The block's kernel arguments with its partition's row weights and, read at the label only, the label's
+        term (``ForwardState.label_terms``) in place of the running sum."""
+        return dict(block.kernel_args(self.state), rw_ptr=self.row_weight[block.spec.part], l_ptr=self.label_terms)
+
     def score_grad_chunk(self, block: _Block, r0: int, r1: int, c0: int, c1: int) -> None:
         """Launch the score-gradient kernel for rows r0:r1 and columns c0:c1 of ``block``."""
         state = self.state
         _, f, row_part, col_part = self.buffers()
         tiles = state.tiles
         grid = (triton.cdiv(r1 - r0, tiles["BLOCK_M"]), triton.cdiv(c1 - c0, tiles["BLOCK_N"]))
-        args = block.kernel_args(state)
         with _launch_device(f.device):
             gist_score_grad_kernel[grid](
-                **args, dims_ptr=state.dims_tensor, rw_ptr=self.row_weight, f_ptr=f, row_part_ptr=row_part,
+                **self.kernel_args(block), dims_ptr=state.dims_tensor, f_ptr=f, row_part_ptr=row_part,
                 col_part_ptr=col_part, row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,
                 stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=state.batch,
                 stride_f_seg=f.stride(0), stride_f_part=f.stride(1), stride_f_row=f.stride(2),
@@ -548,7 +604,7 @@ class BackwardWork:
         out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
         with _launch_device(state.pos.device):
             kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                **block.kernel_args(state), rw_ptr=self.row_weight, grad_ptr=out, stride_grad=out.stride(0),
+                **self.kernel_args(block), grad_ptr=out, stride_grad=out.stride(0),
                 n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
                 ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"], PRECISION_G=state.flags["PRECISION_G"],
                 **state.tiles,
@@ -573,7 +629,9 @@ class BackwardWork:
         out = []
         for i, (x, side, norm, h) in enumerate(zip(state.embeddings, state.sides, state.norms, self.h)):
             kappa = (side.rx**2).masked_fill_(norm < EPS, 0.0)
-            if self.radial is None:
+            if state.options.similarity == "dot":  # no normalisation to pass through
+                pass
+            elif self.radial is None:
                 xa, ha = x[:, : state.top].to(h.dtype), h[:, : state.top]  # past top, h is 0 and stays 0
                 ha.addcmul_(xa, (kappa[0] * torch.linalg.vecdot(xa, ha)).unsqueeze(1), value=-1.0)
             else:
@@ -595,18 +653,19 @@ def gist_backward(state: ForwardState, method: str = "gemm", block_bytes: int | 
 
 
 def gist_loss_and_grads(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions, *, need_grads: bool,
-    need_stats: bool = False,
-) -> tuple[Tensor, list[Tensor] | None, Tensor | None]:
+    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions, *,
+    need_grads: bool, need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
+) -> tuple[Tensor, list[Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Loss, d(loss)/d(embeddings) if ``need_grads``, and the mask counters if ``need_stats``.
 
     ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg; anchor i's label is candidate ``options.offset + i``. A column may be a list of
-    row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
+    columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``;
+    ``text_ids`` (with ``options.mask_duplicates``) an int32 text id per row of each column. A column may be a
+    list of row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
     gradients have the dtype of their embedding; the counters are ``(counts, sums)`` as in
     ``cgist.streaming.gist_loss_and_grads``. No host synchronisation.
     """
-    loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats)
+    loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats, text_ids=text_ids)
     grads = gist_backward(state) if need_grads else None
     return loss, grads, (state.counters() if need_stats else None)

@@ -1,9 +1,16 @@
-"""bench/aot_compile.py: every Triton kernel builds for sm_80 and sm_90 without a GPU, spill-free.
+"""bench/aot_compile.py: every Triton kernel builds for every architecture the tiles know, without a GPU, spill-free.
 
-Each build fits in shared memory, and the script's table covers every kernel, arch, dtype pair (fp32 at
-both matmul precisions, the half types and the mixed bf16/fp32 pairs), tile config the launcher can pick
-and embedding size (the script takes the configs from the launcher's ``tile_configs``), plus a Matryoshka
-configuration of five dimensions. On sm_90 every tensor-core tile of 64+ rows uses warpgroup MMA.
+One run of the script over every architecture of the tile tables (sm_75 to sm_120) for the two operand kinds at
+the ends of the tables: bf16 (2-byte operands, the largest tiles) and fp32 at "highest" (tf32x3, operands split in
+registers), with the Matryoshka configuration of five dimensions. It must cover every kernel, arch, pair and
+embedding size, with exactly the tile configs the launcher's ``tile_configs`` can pick there. Each build fits the
+arch's shared memory and the tables' estimate. The SASS shows the tensor cores: HMMA (mma.sync) on sm_80 to sm_89
+and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100, and none on
+sm_75, where ``tl.dot`` is FMA loops.
+
+The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: 367 binaries, about
+21 minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
+``bench/results/aot_compile.txt`` holds its last output.
 """
 
 import os
@@ -12,32 +19,82 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
+from cgist.devices import arch_for  # noqa: E402
+from cgist.kernels.gist import tile_configs  # noqa: E402
+from cgist.kernels.launch import input_precision  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
-KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel", "gist_bwd_rows_kernel", "gist_bwd_cols_kernel")
-PAIRS = ("fp32", "tf32", "bf16", "fp16", "bf16+fp32", "bf16+tf32")
-MATRYOSHKA = {("gist_fwd_kernel", pair) for pair in ("fp32", "bf16", "bf16+fp32")} | {
-    ("gist_score_grad_kernel", pair) for pair in ("fp32", "bf16", "bf16+fp32")}
+#: Each kernel with the tile sets of the forwards whose pick it runs with.
+KERNELS = {"gist_fwd_kernel": ("gemm", "fused"), "gist_score_grad_kernel": ("gemm",),
+           "gist_bwd_rows_kernel": ("fused",), "gist_bwd_cols_kernel": ("fused",)}
+MATRYOSHKA_KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel")
+#: Student and guide dtypes, and the fp32 matmul precision of each pair.
+PAIRS = {"fp32": (torch.float32, torch.float32, "highest"), "tf32": (torch.float32, torch.float32, "high"),
+         "bf16": (torch.bfloat16, torch.bfloat16, "highest"), "fp16": (torch.float16, torch.float16, "highest"),
+         "bf16+fp32": (torch.bfloat16, torch.float32, "highest"), "bf16+tf32": (torch.bfloat16, torch.float32, "high")}
+MATRYOSHKA_PAIRS = ("fp32", "tf32", "bf16", "bf16+fp32", "bf16+tf32")
+#: What this test compiles: every architecture of the tile tables, and the pairs at the ends of the tables.
+CHECKED_ARCHS = (75, 80, 86, 89, 90, 100, 120)
+CHECKED_PAIRS = ("bf16", "fp32")
+#: The tensor-core opcode each arch's SASS must show: none below sm_80, where ``tl.dot`` is FMA loops ("?": the
+#: wheel's nvdisasm no longer reads sm_70).
+MMA_OPCODE = {"sm_70": "?", "sm_75": "-", "sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
+              "sm_100": "UTCHMMA", "sm_120": "HMMA"}
+#: The default table's architectures, by name.
+ARCH = {f"sm_{a}": arch_for(divmod(a, 10)) for a in CHECKED_ARCHS}
 
 
-def test_aot_compile_all_kernels_sm80_sm90():
+def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int) -> set[str]:
+    """The configs the launcher can run ``kernel`` with on this arch, as the table writes them."""
+    dtype, guide_dtype, matmul = PAIRS[pair]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        ops = (dtype, input_precision(dtype, ARCH[arch]), guide_dtype, input_precision(guide_dtype, ARCH[arch]))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    sets = KERNELS[kernel] if n_dims == 1 else ("gemm",)
+    return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
+            for tile_set in sets for c in tile_configs(*ops, n_dims, tile_set, ARCH[arch], interpret=False)}
+
+
+def test_aot_compile_every_kernel_for_every_arch():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1800)
+    command = [sys.executable, str(SCRIPT), "--arch", *map(str, CHECKED_ARCHS), "--dtypes", *CHECKED_PAIRS]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     assert proc.returncode == 0, f"aot_compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    header, *rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("kernel", "gist_"))]
-    assert header[:3] == ["kernel", "arch", "dtype"]
-    col = {name: i for i, name in enumerate(header)}
-    seen = {(r[col["kernel"]], r[col["arch"]], r[col["dtype"]], r[col["dims"]]) for r in rows}
-    archs = ("sm_80", "sm_90")
-    want = {(k, arch, pair, "1") for k in KERNELS for arch in archs for pair in PAIRS}
-    want |= {(k, arch, pair, "5") for k, pair in MATRYOSHKA for arch in archs}
+    lines = proc.stdout.splitlines()
+    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_"))]
+    assert header == ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est",
+                      "wgmma", "mma"]
+    assert all(len(r) == len(header) for r in table)
+    rows = [dict(zip(header, r)) for r in table]
+
+    # exactly the configs the launcher can pick, for every kernel, arch, pair and dimension count
+    seen: dict[tuple, set] = {}
+    for r in rows:
+        for pair in r["dtype"].split(","):
+            seen.setdefault((r["kernel"], r["arch"], pair, r["dims"]), set()).add(r["tiles"])
+    want = {(k, a, pair, "1"): launcher_tiles(k, a, pair, 1) for k in KERNELS for a in ARCH for pair in CHECKED_PAIRS}
+    want |= {(k, a, pair, "5"): launcher_tiles(k, a, pair, 5)
+             for k in MATRYOSHKA_KERNELS for a in ARCH for pair in CHECKED_PAIRS if pair in MATRYOSHKA_PAIRS}
     assert seen == want
-    assert all(r[col["spill"]] == "0" for r in rows)
-    sizes = {(r[col["D"]], r[col["Dg"]]) for r in rows if r[col["dims"]] == "1"}
+    sizes = {(r["D"], r["Dg"]) for r in rows if r["dims"] == "1"}
     assert sizes == {("384,768,1024,4096", "384,1024")}, "every D and Dg must be covered (one binary here)"
-    # the large tiles are there, and tensor-core tiles of 64+ rows use Hopper's warpgroup MMA on sm_90
-    assert any(r[col["tiles"]].startswith("128x128") for r in rows if r[col["arch"]] == "sm_90")
-    big_mma = [r for r in rows if r[col["arch"]] == "sm_90" and int(r[col["tiles"]].split("x")[0]) >= 64]
-    assert big_mma and all(r[col["wgmma"]] == "yes" for r in big_mma)
+
+    for r in rows:
+        assert r["spill"] == "0", r
+        assert int(r["smem"]) <= min(ARCH[r["arch"]].shared_bytes, int(r["est"])), r
+        # tensor cores from sm_80 on, and warpgroup MMA on sm_90 (where every tile has 64+ rows)
+        assert MMA_OPCODE[r["arch"]] in r["mma"].split("+"), r
+        assert r["wgmma"] == ("yes" if r["arch"] == "sm_90" else "n/a"), r
+    big = {(r["kernel"], r["dtype"]) for r in rows if r["arch"] == "sm_90" and r["tiles"].startswith("128x128")}
+    assert big == {(k, "bf16") for k in ("gist_fwd_kernel", "gist_score_grad_kernel")}  # not tf32x3
+
+    summaries = [line for line in lines if line.startswith("sm_")]
+    assert [line.split(":")[0] for line in summaries] == list(ARCH)
+    assert all(", max spill 0 B," in line for line in summaries)

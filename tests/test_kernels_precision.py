@@ -21,7 +21,8 @@ import triton.language as tl
 from helpers import DEVICE, one_thread  # noqa: F401  (one_thread: autouse)
 
 from cgist.kernels import launch
-from cgist.kernels.gist import _round_tf32, operand_kind, tile_configs
+from cgist.devices import KNOWN_ARCHS, arch_for
+from cgist.kernels.gist import TILE_SETS, _round_tf32, operand_kind, shared_memory_estimate, tile_configs
 from cgist.kernels.launch import input_precision, split_tf32
 
 U = 2.0**-11
@@ -106,22 +107,79 @@ def test_fp32_runs_split_at_highest_and_tf32_below():
     assert input_precision(torch.bfloat16) == "ieee"  # ignored by tl.dot for half operands
 
 
-@pytest.mark.parametrize("arch", [8, 9])
-@pytest.mark.parametrize(("student", "guide"), [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
-])
-@pytest.mark.parametrize("precision", ["highest", "high"])
-def test_no_dtype_pair_falls_back_to_fma_tiles(arch, student, guide, precision):
-    """Every pair but fp64 gets tensor-core tiles (64+ rows, BLOCK_K >= 16) and a tensor-core input precision."""
+#: One architecture of each tile family, by family: the oldest compute capability that uses it.
+FAMILIES = {}
+for _capability in sorted(KNOWN_ARCHS):
+    FAMILIES.setdefault(KNOWN_ARCHS[_capability][0], arch_for(_capability))
+PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+         (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+def _launcher_pair(student, guide, precision, arch):
+    """The pair as the launcher passes it on ``arch`` at ``torch.set_float32_matmul_precision(precision)``."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
-        pair = (student, input_precision(student), guide, input_precision(guide))
+        return student, input_precision(student, arch), guide, input_precision(guide, arch)
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def _every_list(pair, arch):
+    """``tile_configs`` for one and five dimensions and both tile sets, as ``(n_dims, tile_set, configs)``."""
+    return [(n_dims, tile_set, tile_configs(*pair, n_dims, tile_set, arch=arch, interpret=False))
+            for n_dims in (1, 5) for tile_set in TILE_SETS]
+
+
+@pytest.mark.parametrize("arch", [a for family, a in FAMILIES.items() if family >= 80], ids=lambda a: a.name)
+@pytest.mark.parametrize(("student", "guide"), PAIRS)
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_no_dtype_pair_falls_back_to_fma_tiles(arch, student, guide, precision):
+    """On every family with tensor cores, every pair but fp64 gets tensor-core tiles (BLOCK_K >= 16, and 64+ rows
+    on sm_90, a warpgroup's MMA; 32+ elsewhere) and a tensor-core input precision."""
+    pair = _launcher_pair(student, guide, precision, arch)
     assert all(p != "ieee" for d, p in zip(pair[::2], pair[1::2]) if d == torch.float32)
-    assert operand_kind(*pair) != "fp64"
-    for n_dims in (1, 5):
-        configs = tile_configs(*pair, n_dims, arch=arch, interpret=False)
-        assert configs and all(c.kwargs["BLOCK_M"] >= 64 and c.kwargs["BLOCK_K"] >= 16 for c in configs)
+    assert operand_kind(*pair, arch) not in ("fp64", "fma")
+    for _, _, configs in _every_list(pair, arch):
+        rows = 64 if arch.wgmma else 32
+        assert configs and all(c.kwargs["BLOCK_M"] >= rows and c.kwargs["BLOCK_K"] >= 16 for c in configs)
+
+
+@pytest.mark.parametrize("capability", [c for c in KNOWN_ARCHS if KNOWN_ARCHS[c][0] == 75])
+@pytest.mark.parametrize(("student", "guide"), PAIRS)
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_fma_tiles_for_every_pair_without_tensor_cores(capability, student, guide, precision):
+    """Below sm_80 fp32 runs at "ieee" and every pair gets the FMA tiles of its student's element size, whatever the
+    precisions."""
+    arch = arch_for(capability)
+    pair = _launcher_pair(student, guide, precision, arch)
+    assert pair[1::2] == ("ieee", "ieee")
+    split = (student, "tf32x3", guide, "tf32x3" if guide == torch.float32 else "ieee")
+    kind = "fma" if student == torch.float32 else "fma-half"
+    assert operand_kind(*pair, arch) == operand_kind(*split, arch) == kind
+    fma = {str(c) for n_dims in (1, 5) for c in tile_configs(student, "ieee", student, "ieee", n_dims,
+                                                               arch=arch, interpret=False)}
+    for candidate in (pair, split):
+        for _, _, configs in _every_list(candidate, arch):
+            assert configs and {str(c) for c in configs} <= fma
+            assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 for c in configs)
+
+
+@pytest.mark.parametrize("shared_kib", [99, 48])
+def test_unknown_capability_takes_the_newest_family_pruned_to_its_shared_memory(shared_kib):
+    """A future GPU gets the newest family's tiles, keeping those whose estimate fits its shared memory (the
+    smallest one where none does): never an empty list."""
+    arch = arch_for((13, 0), shared_bytes=shared_kib * 1024)
+    newest = arch_for(max(KNOWN_ARCHS))
+    assert not arch.known and arch.family == newest.family and arch.shared_bytes == shared_kib * 1024
+    pruned_any = False
+    for student, guide in PAIRS:
+        for precision in ("highest", "high"):
+            pair = _launcher_pair(student, guide, precision, arch)
+            kind = operand_kind(*pair, arch)
+            for (n_dims, tile_set, configs), (_, _, full) in zip(_every_list(pair, arch), _every_list(pair, newest)):
+                fits = [c for c in full if shared_memory_estimate(c, kind) <= arch.shared_bytes]
+                want = fits or [min(full, key=lambda c: shared_memory_estimate(c, kind))]
+                assert configs and [str(c) for c in configs] == [str(c) for c in want], (pair, n_dims, tile_set)
+                pruned_any |= len(configs) < len(full)
+    assert pruned_any == (shared_kib < 99)
