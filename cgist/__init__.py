@@ -1,8 +1,9 @@
 """cgist: a fused, streaming drop-in for sentence-transformers' CachedGISTEmbedLoss.
 
-``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. ``FusedCachedGISTLoss`` subclasses a
-sentence-transformers loss and ``GuideStatsCallback`` a transformers callback, so they (and with them
-sentence-transformers) are imported on first use.
+``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. ``FusedCachedGISTLoss`` and
+``FusedCachedMultipleNegativesRankingLoss`` subclass sentence-transformers losses, ``GuideStatsCallback`` a transformers callback, and ``add_guide_embeddings`` runs a
+sentence-transformers model over a ``datasets.Dataset``, so they (and with them sentence-transformers) are imported
+on first use.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from .stats import GistStats
 
 if TYPE_CHECKING:
     from .callbacks import GuideStatsCallback
-    from .loss import FusedCachedGISTLoss
+    from .loss import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
+    from .precompute import add_guide_embeddings
 
 __version__ = "0.1.0"
-__all__ = ["FusedCachedGISTLoss", "GistOptions", "GistStats", "GuideStatsCallback", "gist_loss", "__version__"]
+__all__ = [
+    "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "GistOptions", "GistStats", "GuideStatsCallback",
+    "add_guide_embeddings", "gist_loss", "__version__",
+]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
-_LAZY = {"FusedCachedGISTLoss": "loss", "GuideStatsCallback": "callbacks"}
+_LAZY = {"FusedCachedGISTLoss": "loss", "FusedCachedMultipleNegativesRankingLoss": "loss", "GuideStatsCallback": "callbacks",
+         "add_guide_embeddings": "precompute"}
 
 
 def __getattr__(name: str):

@@ -65,6 +65,20 @@ def label_guide(labels: object, n_columns: int, batch: int) -> list[Tensor]:
     return [labels[:, c] for c in range(n_columns)]
 
 
+def batch_rows(feature: dict[str, Tensor]) -> int:
+    """The texts in one column's features: the rows of its token ids (or of its first tensor), or the packed
+    sequences of ``cu_seq_lens_q``."""
+    if "cu_seq_lens_q" in feature:
+        return len(feature["cu_seq_lens_q"]) - 1
+    tensor = feature.get("input_ids")
+    if not isinstance(tensor, Tensor):
+        tensor = next((v for v in feature.values() if isinstance(v, Tensor) and v.dim()), None)
+    if tensor is None:
+        raise ValueError("guide='labels' checks the label tensor against the batch's rows, but these features hold "
+                         "no tensor")
+    return tensor.shape[0]
+
+
 def text_fingerprints(feature: dict[str, Tensor]) -> Tensor:
     """A key per text of one column's features, from its token ids and attention mask (or packed lengths)."""
     if "input_ids" not in feature:
@@ -102,9 +116,10 @@ def fused_loss_stage(
         candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
         if everyone:  # every rank's anchors, as one more column
             candidates.append(all_gather_with_grad(torch.cat(anchors)))
-        if isinstance(guide, list):
-            gathered = [all_gather_with_grad(torch.cat(c)) for c in guide[1:]]
-            guide = [guide[0], *gathered, *([all_gather_with_grad(torch.cat(guide[0]))] if everyone else [])]
+        if isinstance(guide, list):  # the guide model's mini-batches, or the label column's whole columns
+            whole = [torch.cat(c) if isinstance(c, (list, tuple)) else c for c in guide]
+            gathered = [all_gather_with_grad(c) for c in whole[1:]]
+            guide = [guide[0], *gathered, *([all_gather_with_grad(whole[0])] if everyone else [])]
         if text_ids is not None:
             text_ids = [text_ids[0], *(all_gather(t) for t in text_ids[1:]), *([all_gather(text_ids[0])] if everyone else [])]
         options = options.replace(offset=get_rank() * batch, all_anchors=everyone)
@@ -345,8 +360,7 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         sentence_features = list(sentence_features)
         batch = {}
         if self.guide_mode == "labels":
-            rows = len(labels) if isinstance(labels, Tensor) and labels.dim() else -1
-            batch["guide"] = label_guide(labels, len(sentence_features), rows)
+            batch["guide"] = label_guide(labels, len(sentence_features), batch_rows(sentence_features[0]))
         if self.options.mask_duplicates:
             batch["text_ids"] = [text_fingerprints(feature) for feature in sentence_features]
         self._batch = batch
@@ -445,7 +459,9 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
 
     @property
     def citation(self) -> str:
-        return (_SELF_GUIDED_CITATION if self.guide_mode == "self" else "") + """
+        """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
+        paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
+        return _direction_citation(self.options, self.guide_mode == "self") + """
 @misc{solatorio2024gistembed,
     title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
     author={Aivin V. Solatorio},
@@ -466,8 +482,39 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
 """
 
 
-#: The recipe of a self-guided loss (the model's own scores mask false negatives, and duplicate texts).
-_SELF_GUIDED_CITATION = """
+def _direction_citation(options: GistOptions, self_guided: bool) -> str:
+    """The papers whose loss these directions (or a self-guide) make, as BibTeX entries ("" for none)."""
+    directions, joint = set(options.directions), options.partition_mode == "joint"
+    qwen3 = self_guided or (joint and directions == {"query_to_doc", "query_to_query", "doc_to_doc"})
+    gte = joint and directions == {"query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"}
+    jina = not joint and directions == {"query_to_doc", "doc_to_query"}
+    return (_QWEN3_CITATION if qwen3 else "") + (_GTE_CITATION if gte else "") + (_JINA_CITATION if jina else "")
+
+
+_GTE_CITATION = """
+@misc{li2023gte,
+    title={Towards General Text Embeddings with Multi-stage Contrastive Learning},
+    author={Zehan Li and Xin Zhang and Yanzhao Zhang and Dingkun Long and Pengjun Xie and Meishan Zhang},
+    year={2023},
+    eprint={2308.03281},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""
+
+_JINA_CITATION = """
+@misc{guenther2024jina2,
+    title={Jina Embeddings 2: 8192-Token General-Purpose Text Embeddings for Long Documents},
+    author={Michael G{\"u}nther and others},
+    year={2024},
+    eprint={2310.19923},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""
+
+#: The self-guided recipe and the three-direction loss with false-negative masks.
+_QWEN3_CITATION = """
 @misc{zhang2025qwen3embedding,
     title={Qwen3 Embedding: Advancing Text Embedding and Reranking Through Foundation Models},
     author={Yanzhao Zhang and Mingxin Li and Dingkun Long and Xin Zhang and Huan Lin and Baosong Yang and Pengjun Xie

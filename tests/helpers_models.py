@@ -12,6 +12,7 @@ Every model is put in ``eval()`` mode; tests that want dropout call ``.train()``
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,3 +90,17 @@ def tiny_model(
     pooling = Pooling(transformer.get_embedding_dimension(), "mean")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu").to(dtype).eval()
 
+
+def run_loss(loss, model: SentenceTransformer, columns: list[list[str]], seed: int,
+             labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Seed torch and Python's random (MatryoshkaLoss samples dimensions with it), run ``loss`` forward and
+    backward on ``columns`` (with ``labels``); return the loss and every parameter gradient."""
+    model.zero_grad(set_to_none=True)
+    features = [model.preprocess(texts) for texts in columns]
+    torch.manual_seed(seed)
+    random.seed(seed)
+    value = loss(features, labels)
+    value.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return value.detach(), grads

@@ -1,5 +1,7 @@
-"""``cgist train``: argument parsing, bad inputs (exit 2, nothing written) and a tiny end-to-end run (tiny BERT
-student, real MiniLM guide, a small JSONL file). The data loaders' own tests are in test_data.py."""
+"""``cgist train``: argument parsing, bad inputs (exit 2, nothing written), a tiny end-to-end run (tiny BERT
+student, real MiniLM guide, a small JSONL file), and the guide modes: the precomputed guide's cache (built once, then
+used without loading the guide; rebuilt when damaged), and runs without a guide model. The data loaders' own tests
+are in test_data.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from helpers_models import tiny_model
 from safetensors.torch import load_file
 from test_data import pairs, write_csv, write_jsonl  # noqa: F401 (pairs is a fixture)
 
-from cgist.cli import arguments, main, report, run
+from cgist.cli import arguments, guide_cache, main, report, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,6 +28,14 @@ def student_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("student")
     model = tiny_model(root / "bert", dtype=torch.float32)
     model.save(str(root / "st"))
+    return root / "st"
+
+
+@pytest.fixture(scope="module")
+def guide_dir(tmp_path_factory) -> Path:
+    """A saved tiny BERT SentenceTransformer, other weights and width than the student, as a quick guide."""
+    root = tmp_path_factory.mktemp("guide")
+    tiny_model(root / "bert", dtype=torch.float32, hidden_size=16, seed=1).save(str(root / "st"))
     return root / "st"
 
 
@@ -58,6 +68,7 @@ def test_parser_defaults():
     assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
     assert arguments.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
     assert (args.save_steps, args.save_total_limit, args.resume, args.overwrite) == (None, 2, False, False)
+    assert (args.guide_mode, args.guide_cache) == ("model", None)
     assert 1 <= arguments.save_steps(args) == arguments.DEFAULT_STDLIB_SAVE_STEPS < arguments.DEFAULT_STDLIB_STEPS
 
 
@@ -110,6 +121,7 @@ def test_resume_command(argv, expected):
         (["--temperature", "warm"], "--temperature"),
         (["--save-steps", "0"], "--save-steps"),
         (["--save-total-limit", "0"], "--save-total-limit"),
+        (["--guide-mode", "teacher"], "--guide-mode"),
     ],
     ids=lambda v: "-".join(v).strip("-") if isinstance(v, list) else None,
 )
@@ -123,7 +135,7 @@ def test_module_help():
     )
     assert result.returncode == 0, result.stderr
     for option in ("--data", "--batch-size", "--max-steps", "--margin-strategy", "--no-contrast-positives",
-                   "--save-steps", "--save-total-limit", "--resume"):
+                   "--save-steps", "--save-total-limit", "--resume", "--guide-mode", "--guide-cache"):
         assert option in result.stdout
 
 
@@ -171,9 +183,26 @@ def test_bad_csv(header, message, tmp_path, capsys):
         (["--model", "{tmp}/no-such-model"], "--model"),
         (["--guide", "{tmp}/no-such-guide"], "--guide"),
         (["--model", "{tmp}"], "--model: cannot load"),
+        (["--guide-mode", "self", "--guide", "{tmp}/guide"], "--guide-mode self trains without a guide model"),
+        (["--guide-mode", "none", "--guide", "{tmp}/guide"], "--guide-mode none trains without a guide model"),
+        (["--guide-cache", "{tmp}/cache"], "--guide-cache is used only with --guide-mode precomputed, not model"),
+        (["--guide-mode", "precomputed", "--guide-cache", "{tmp}/pairs.jsonl"], "exists and is not a directory"),
+        (["--directions", "query_to_doc", "query_to_query"],
+         "--directions query_to_query holds the anchor-anchor block, which the loss also adds by default; add "
+         "--no-contrast-anchors"),
+        (["--directions", "query_to_doc", "doc_to_doc", "--no-contrast-anchors"],
+         "--directions doc_to_doc holds the positive-positive block, which the loss also adds by default; add "
+         "--no-contrast-positives"),
+        (["--directions", "doc_to_query"], "directions must include 'query_to_doc'"),
+        (["--directions", "query_to_doc", "sideways"], "directions must be among"),
+        (["--partition-mode", "per_direction"], "partition_mode='per_direction' requires"),
+        (["--hardness-mode", "hardest"], "hardness_mode must be one of"),
+        (["--hardness-mode", "hard_negatives", "--hardness-strength", "-1"], "hardness_strength must be"),
     ],
     ids=["batch-1", "mini-batch-0", "temperature-0", "margin-nan", "strategy-squared", "backend-cuda", "device",
-         "model-missing", "guide-missing", "model-not-a-model"],
+         "model-missing", "guide-missing", "model-not-a-model", "self-with-guide", "none-with-guide",
+         "cache-without-precomputed", "cache-is-a-file", "q2q-with-contrast-anchors", "d2d-with-contrast-positives",
+         "no-q2d", "unknown-direction", "per-direction-with-contrast", "unknown-hardness", "negative-hardness"],
 )
 def test_bad_options(argv, message, pairs, tmp_path, capsys):
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
@@ -181,6 +210,29 @@ def test_bad_options(argv, message, pairs, tmp_path, capsys):
     empty.mkdir()
     argv = [a.replace("{tmp}", str(empty if a == "{tmp}" else tmp_path)) for a in argv]
     _check(["--data", str(data), *argv], capsys, code=2, out_dir=tmp_path / "out", message=message)
+
+
+def test_direction_options_reach_the_loss_and_resume():
+    """--directions and the other MultipleNegativesRankingLoss flags become the loss's options; a checkpoint that
+    predates them (no record of them) resumes as one trained with their defaults, and a different value is named."""
+    parser = arguments.build_parser()
+    args = parser.parse_args(["train", "--no-contrast-anchors", "--no-contrast-positives", "--directions",
+                              "query_to_doc", "query_to_query", "doc_to_doc", "--hardness-mode", "hard_negatives",
+                              "--hardness-strength", "5"])
+    arguments.check_args(args)
+    options = arguments.loss_options(args)
+    assert (options["directions"], options["partition_mode"], options["hardness_mode"], options["hardness_strength"]) \
+        == (["query_to_doc", "query_to_query", "doc_to_doc"], "joint", "hard_negatives", 5.0)
+    assert parser.parse_args(["train", "--hardness-mode", "none"]).hardness_mode is None
+
+    default = arguments.training_options(parser.parse_args(["train"]), "sha256:x")
+    older = {k: v for k, v in default.items()
+             if k not in ("--directions", "--partition-mode", "--hardness-mode", "--hardness-strength")}
+    arguments.check_resume(json.loads(json.dumps(older)), default, Path("checkpoint-8"))
+    changed = arguments.training_options(args, "sha256:x")
+    with pytest.raises(arguments.UsageError, match="--directions differs from the checkpoint's"):
+        arguments.check_resume(json.loads(json.dumps(older)), {**default, "--directions": changed["--directions"]},
+                               Path("checkpoint-8"))
 
 
 def test_existing_output_dir_kept(pairs, tmp_path, capsys):
@@ -239,3 +291,153 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
     guide = loaded["--guide"]
     assert not guide.training and all(not p.requires_grad and p.grad is None for p in guide.parameters())
     assert loaded["--model"].max_seq_length == 32
+
+
+# ---------------------------------------------------------------------------------------------- guide modes
+
+
+class Loads:
+    """``run.load_model`` replaced by one that records what each option loaded and can refuse the guide."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.options: list[str] = []
+        self.refuse_guide = False
+        load_model = run.load_model
+
+        def recording_load_model(option, path, *args):
+            if option == "--guide" and self.refuse_guide:
+                raise AssertionError("the guide model was loaded")
+            self.options.append(option)
+            return load_model(option, path, *args)
+
+        monkeypatch.setattr(run, "load_model", recording_load_model)
+
+
+def _train(argv: list[str], out: Path, capsys) -> tuple[dict, str]:
+    """A successful ``cgist train`` into ``out``: its summary and stdout."""
+    status = main(["train", *argv, "--output-dir", str(out)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    return json.loads((out / "cgist_train.json").read_text()), captured.out
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture
+def mode_argv(pairs, student_dir, tmp_path, monkeypatch) -> list[str]:
+    """The options of the guide-mode runs (tiny student, 2 steps), without --guide."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:24])
+    return ["--data", str(data), "--model", str(student_dir), "--max-steps", "2", "--batch-size", "6",
+            "--mini-batch-size", "4", "--max-seq-length", "32", "--eval-fraction", "0.25", "--lr", "1e-3",
+            "--device", "cpu"]
+
+
+def test_precomputed_guide_is_cached_then_used_without_the_guide(mode_argv, guide_dir, tmp_path, capsys, monkeypatch):
+    """The first run embeds the training split with the guide and caches it; a second run with the same key loads
+    the cache and never loads the guide, and trains to the same weights; another --max-seq-length is another key."""
+    loads = Loads(monkeypatch)
+    cache = tmp_path / "cache"
+    argv = [*mode_argv, "--guide", str(guide_dir), "--guide-mode", "precomputed", "--guide-cache", str(cache)]
+    cold, stdout = _train(argv, tmp_path / "cold", capsys)
+    assert loads.options == ["--model", "--guide"]
+    assert cold["guide_mode"] == "precomputed" and not cold["guide_embeddings"]["cached"]
+    entry = Path(cold["guide_embeddings"]["entry"])
+    assert entry.parent.parent == cache and (entry / guide_cache.ENTRY_NAME).is_file() and (entry / "dataset").is_dir()
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no staging directory left
+    assert "guide mode: precomputed (the guide's embeddings of the training split, computed and cached" in stdout
+    assert '"guide_mode": "labels"' in (tmp_path / "cold" / "README.md").read_text()
+    assert set(cold["guide"]) >= {"guide/masked_ap", "guide/theta_mean"}
+
+    loads.refuse_guide, loads.options = True, []
+    warm, stdout = _train(argv, tmp_path / "warm", capsys)
+    assert loads.options == ["--model"]
+    assert warm["guide_embeddings"] == {**warm["guide_embeddings"], "cached": True, "entry": str(entry)}
+    assert "loaded from the cache" in stdout
+    cold_weights, warm_weights = _weights(tmp_path / "cold"), _weights(tmp_path / "warm")
+    assert all(torch.equal(cold_weights[k], warm_weights[k]) for k in cold_weights)
+    assert (warm["before"], warm["after"]) == (cold["before"], cold["after"])
+
+    loads.refuse_guide = False
+    shorter = [*argv[:argv.index("--max-seq-length") + 1], "16", *argv[argv.index("--max-seq-length") + 2:]]
+    other, _ = _train(shorter, tmp_path / "shorter", capsys)
+    assert not other["guide_embeddings"]["cached"] and other["guide_embeddings"]["entry"] != str(entry)
+    assert len(list(entry.parent.iterdir())) == 2
+
+
+@pytest.mark.parametrize("damage", ["edited-file", "missing-record"])
+def test_a_damaged_cache_entry_is_rebuilt(damage, mode_argv, guide_dir, tmp_path, capsys, monkeypatch):
+    loads = Loads(monkeypatch)
+    argv = [*mode_argv, "--guide", str(guide_dir), "--guide-mode", "precomputed", "--guide-cache", str(tmp_path / "c")]
+    cold, _ = _train(argv, tmp_path / "cold", capsys)
+    entry = Path(cold["guide_embeddings"]["entry"])
+    if damage == "edited-file":
+        data = max((entry / "dataset").glob("*.arrow"), key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[-100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        reason = "its files differ from those it recorded"
+    else:
+        (entry / guide_cache.ENTRY_NAME).unlink()
+        reason = f"its {guide_cache.ENTRY_NAME} cannot be read (FileNotFoundError)"
+    loads.options = []
+    again, stdout = _train(argv, tmp_path / "again", capsys)
+    assert f"cannot be used ({reason}); computing it again" in stdout
+    assert loads.options == ["--model", "--guide"] and not again["guide_embeddings"]["cached"]
+    first, second = _weights(tmp_path / "cold"), _weights(tmp_path / "again")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    loads.refuse_guide = True  # the rebuilt entry is whole again
+    assert _train(argv, tmp_path / "warm", capsys)[0]["guide_embeddings"]["cached"]
+
+
+def test_cache_entries_are_checked_before_use(tmp_path):
+    """``load_entry`` takes only an entry of the same key whose files and texts are those recorded."""
+    from datasets import Dataset
+
+    from cgist.cli.output import fingerprint
+
+    train = Dataset.from_dict({"anchor": ["a b", "c d"], "positive": ["e f", "g h"]})
+    labelled = train.add_column("label", [[[0.5, 1.5], [2.5, 3.5]]] * 2)
+    key = {"format": guide_cache.FORMAT, "guide": "g", "guide_files": "sha256:0",
+           "train_texts": guide_cache.texts_digest(train), "student_tokenizer": "sha256:1", "max_seq_length": 8}
+    entry = guide_cache.entry_path(tmp_path, key)
+    assert guide_cache.load_entry(entry, key, train) == (None, "")
+    guide_cache.store_entry(entry, key, labelled)
+    dataset, problem = guide_cache.load_entry(entry, key, train)
+    assert problem == "" and dataset.to_list() == labelled.to_list()
+    assert guide_cache.load_entry(entry, {**key, "max_seq_length": 9}, train)[1] == "its entry.json records another key"
+    other = Dataset.from_dict({"anchor": ["a b", "x y"], "positive": ["e f", "g h"]})
+    other_key = {**key, "train_texts": guide_cache.texts_digest(other)}
+    guide_cache.store_entry(guide_cache.entry_path(tmp_path, other_key), other_key, labelled)  # a wrong dataset
+    assert guide_cache.load_entry(guide_cache.entry_path(tmp_path, other_key), other_key, other)[1] == \
+        "its texts differ from the training split's"
+    state = entry / "dataset" / "state.json"
+    state.unlink()
+    assert guide_cache.load_entry(entry, key, train)[1] == "its files differ from those it recorded"
+    # Rebuilt in place: the damaged entry is replaced as a whole.
+    guide_cache.store_entry(entry, key, labelled)
+    assert guide_cache.load_entry(entry, key, train)[1] == "" and fingerprint(state).startswith("sha256:")
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("mode", ["self", "none"])
+def test_self_and_none_load_no_guide(mode, mode_argv, tmp_path, capsys, monkeypatch):
+    loads = Loads(monkeypatch)
+    loads.refuse_guide = True
+    summary, stdout = _train([*mode_argv, "--guide-mode", mode], tmp_path / "out", capsys)
+    assert loads.options == ["--model"] and summary["guide_mode"] == mode and summary["guide_embeddings"] is None
+    assert f"guide mode: {mode} (" in stdout
+    assert f'"guide_mode": "{mode}"' in (tmp_path / "out" / "README.md").read_text()
+    student = Path(mode_argv[mode_argv.index("--model") + 1])
+    before, after = (load_file(str(next(d.glob("**/model.safetensors")))) for d in (student, tmp_path / "out"))
+    assert any(not torch.equal(before[k], after[k]) for k in before), "training did not change the student"
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert guide_cache.default_cache_dir() == tmp_path / "xdg" / "cgist"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert guide_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "cgist"

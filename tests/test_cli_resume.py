@@ -1,4 +1,5 @@
-"""``cgist train`` loses nothing: checkpoints, ``--resume``, the stop on SIGINT/SIGTERM and the non-finite guard.
+"""``cgist train`` loses nothing: checkpoints, ``--resume`` (also from the precomputed guide's cache), the stop on
+SIGINT/SIGTERM and the non-finite guard.
 
 The signal tests run the real command line in a subprocess with a tiny student and a tiny guide. To make the
 signal land in the middle of a step whatever the machine's load, the interrupted run goes through a small
@@ -25,7 +26,7 @@ from helpers_models import tiny_model
 from safetensors.torch import load_file
 from test_data import write_jsonl
 
-from cgist.cli import main
+from cgist.cli import main, run
 from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, read_record
 from cgist.data import stdlib_pairs
 from cgist.loss import FusedCachedGISTLoss
@@ -245,8 +246,9 @@ def listing(directory: Path) -> list[tuple[str, int]]:
         (("--guide", "{student}"), "--guide differs from the checkpoint's: {student} here, {guide} in "),
         (("--data", "{other data}"), "--data differs from the checkpoint's (compared by content): sha256:"),
         (("--no-contrast-anchors", None), "--no-contrast-anchors differs from the checkpoint's: given here, not given"),
+        (("--guide-mode", "precomputed"), "--guide-mode differs from the checkpoint's: precomputed here, model in "),
     ],
-    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors"],
+    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors", "guide-mode"],
 )
 def test_resume_refuses_other_options(change, message, setup, finished, tmp_path, capsys):
     option, value = change
@@ -279,6 +281,50 @@ def test_resume_of_a_finished_run_trains_no_further(setup, finished, tmp_path, c
     assert summary["timing"]["steps"] == 0 and summary["resumed_after"] == 2
     ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(finished / "model.safetensors"))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_resume_of_a_checkpoint_that_predates_guide_mode(setup, finished, tmp_path, capsys):
+    """A checkpoint whose record has no --guide-mode was trained with the guide model, the only mode there was."""
+    out = tmp_path / "run"
+    shutil.copytree(finished / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
+    for checkpoint in list_checkpoints(out / CHECKPOINTS_DIR):
+        record = read_record(checkpoint)
+        del record["options"]["--guide-mode"]
+        (checkpoint / RECORD_NAME).write_text(json.dumps(record))
+    argv = replace_option(setup["argv"], "--max-steps", "2")
+    before = listing(out)
+    status, err = run_cli([*argv, "--guide-mode", "precomputed", "--output-dir", str(out), "--resume"], capsys)
+    assert status == 2 and "--guide-mode differs from the checkpoint's: precomputed here, model in " in err, err
+    assert listing(out) == before
+    status, err = run_cli([*argv, "--output-dir", str(out), "--resume"], capsys)
+    assert status == 0, err
+
+
+def test_precomputed_run_resumes_from_the_cache(setup, tmp_path, capsys, monkeypatch):
+    """Resumed with --guide-mode precomputed, a run reads the guide embeddings from the cache (the guide model is
+    not loaded) and reaches the weights and scores of the uninterrupted run."""
+    argv = [*replace_option(replace_option(setup["argv"], "--max-steps", "4"), "--save-steps", "2"),
+            "--save-total-limit", "3", "--guide-mode", "precomputed", "--guide-cache", str(tmp_path / "cache")]
+    straight = tmp_path / "straight"
+    status, err = run_cli([*argv, "--output-dir", str(straight)], capsys)
+    assert status == 0, err
+    out = tmp_path / "resumed"
+    shutil.copytree(straight / CHECKPOINTS_DIR / "checkpoint-2", out / CHECKPOINTS_DIR / "checkpoint-2")
+    load_model = run.load_model
+
+    def load_no_guide(option, *args):
+        assert option != "--guide", "the guide model was loaded"
+        return load_model(option, *args)
+
+    monkeypatch.setattr(run, "load_model", load_no_guide)
+    status, err = run_cli([*argv, "--output-dir", str(out), "--resume"], capsys)
+    assert status == 0, err
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(straight / "model.safetensors"))
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+    summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, straight))
+    assert (summary["before"], summary["after"]) == (reference["before"], reference["after"])
+    assert summary["resumed_after"] == 2 and summary["guide_embeddings"]["cached"]
 
 
 def test_overwrite_starts_afresh(setup, finished, tmp_path, capsys):

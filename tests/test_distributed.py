@@ -5,6 +5,9 @@ One process group serves the whole module. The ``runs`` fixture starts this file
 sentence-transformers' ``CachedGISTEmbedLoss`` and ``FusedCachedGISTLoss``, and saves the losses and
 gradients. The tests then compare the ranks' results with each other and with the dense oracle.
 
+The cases with negatives and a margin run a third time with precomputed guide embeddings
+(``cgist.add_guide_embeddings`` and ``guide="labels"``), which must give what the live guide gives.
+
 The relation to the oracle. Rank r computes ``L_r = ref(anchors_r, all candidates, offset=r*B)``. The
 all-gather backward sums every rank's candidate gradients into the rank that owns the rows, so the
 gradient a rank receives is the slice it owns of ``d(sum_r L_r)``. Averaging ranks (as DDP does)
@@ -65,6 +68,8 @@ CASES = [
     Case(GistOptions(margin=0.4), 1, dtype=torch.float32),
 ]
 UNEQUAL = (LOCAL, LOCAL - 2)  # rows per rank in the unequal-batch run
+#: The cases also run with precomputed guide embeddings (``guide="labels"``): with negatives and a margin.
+LABEL_CASES = [case for case in CASES if case.negatives and case.options.margin > 0]
 
 
 @functools.cache
@@ -138,6 +143,28 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
     return result
 
 
+def _run_labels(case: Case, rank: int, student, guide) -> dict:
+    """``FusedCachedGISTLoss(student, "labels")`` forward and backward on this rank's texts, with their guide
+    embeddings from ``cgist.add_guide_embeddings(..., model=student)`` as the labels."""
+    from datasets import Dataset
+
+    from cgist import FusedCachedGISTLoss, add_guide_embeddings
+
+    student.to(case.dtype)
+    guide.to(case.dtype)
+    columns = _texts(case, _rows(rank))
+    dataset = Dataset.from_dict(dict(zip(("anchor", "positive", "negative"), columns)))
+    dataset = add_guide_embeddings(dataset, guide, model=student, dtype=case.dtype, show_progress_bar=False)
+    labels = torch.tensor(list(dataset["label"]), dtype=case.dtype)
+    loss_fn = FusedCachedGISTLoss(student, "labels", mini_batch_size=MINI, gather_across_devices=True,
+                                  **loss_kwargs(case.options))
+    student.zero_grad(set_to_none=True)
+    loss = loss_fn([student.preprocess(column) for column in columns], labels)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {name: p.grad.clone() for name, p in student.named_parameters()
+                                             if p.grad is not None}}
+
+
 def _worker(rank: int, port: int, workdir: Path) -> None:
     import conftest  # the same NaN-poisoned allocations as in the test process
 
@@ -159,6 +186,8 @@ def _worker(rank: int, port: int, workdir: Path) -> None:
                                                                                   ("cgist", FusedCachedGISTLoss))}
         for case in CASES
     }
+    for case in LABEL_CASES:
+        results[case.id]["labels"] = _run_labels(case, rank, student, guide)
     try:
         _run(FusedCachedGISTLoss, CASES[0], rank, student, guide, size=UNEQUAL[rank])
         results["unequal"] = "no error"
@@ -312,6 +341,23 @@ def test_matches_sentence_transformers(runs, oracle_models, case):
             exact = _rank_parameter_grads(*oracle_models, case, rank)
             _check(ours["grads"], exact, case.dtype, f"rank {rank} grads against the exact ones")
             _check(theirs["grads"], exact, case.dtype, f"rank {rank} sentence-transformers' grads against the exact ones")
+
+
+@pytest.mark.parametrize("case", LABEL_CASES, ids=lambda c: c.id)
+def test_precomputed_labels_match_the_live_guide(runs, oracle_models, case):
+    """``guide="labels"`` with gathering: each rank's loss and parameter gradients equal those of the live guide,
+    and so sentence-transformers' (in float32: against the exact gradients, as above)."""
+    float32 = case.dtype == torch.float32
+    for rank, run in enumerate(runs):
+        labels, live, theirs = (run[case.id][name] for name in ("labels", "cgist", "st"))
+        _check(labels["loss"], live["loss"], case.dtype, f"rank {rank} loss against the live guide")
+        _check(labels["grads"], live["grads"], case.dtype, f"rank {rank} grads against the live guide")
+        _check(labels["loss"], theirs["loss"], case.dtype, f"rank {rank} loss against sentence-transformers")
+        if float32:
+            exact = _rank_parameter_grads(*oracle_models, case, rank)
+            _check(labels["grads"], exact, case.dtype, f"rank {rank} grads against the exact ones")
+        else:
+            _check(labels["grads"], theirs["grads"], case.dtype, f"rank {rank} grads against sentence-transformers")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

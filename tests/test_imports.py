@@ -1,8 +1,8 @@
 """Import structure: what importing ``cgist`` and ``cgist.kernels`` loads, and what kernels/ may import.
 
-``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` loads it on
-first use); the modules under kernels/ import only torch, triton, the standard library and the leaf modules ``cgist.numerics``
-and ``cgist.devices``.
+``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` and
+``add_guide_embeddings`` load it on first use); the modules under kernels/ import only torch, triton, the standard
+library and the leaf modules ``cgist.numerics`` and ``cgist.devices``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("sentence_transform
 cls = cgist.FusedCachedGISTLoss
 after = "sentence_transformers" in sys.modules
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+precompute = cgist.add_guide_embeddings
 print(json.dumps({"heavy": heavy, "finite": bool(torch.isfinite(loss)), "after": after,
-                  "name": cls.__name__, "subclass": issubclass(cls, CachedGISTEmbedLoss)}))
+                  "name": cls.__name__, "subclass": issubclass(cls, CachedGISTEmbedLoss),
+                  "precompute": f"{precompute.__module__}.{precompute.__name__}"}))
 """
 
 
@@ -50,6 +52,7 @@ def test_light_imports_leave_sentence_transformers_unloaded(tmp_path):
     assert result["finite"]
     # The probe sees the import once the class is asked for, so the empty list above means something.
     assert result["after"] and result["name"] == "FusedCachedGISTLoss" and result["subclass"]
+    assert result["precompute"] == "cgist.precompute.add_guide_embeddings"
 
 
 def test_unknown_attribute_raises_attribute_error():

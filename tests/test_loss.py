@@ -19,7 +19,7 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import TOL, one_thread, precision  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import guide_model, other_vocab_tokenizer, tiny_model
+from helpers_models import guide_model, other_vocab_tokenizer, run_loss, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
 from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
@@ -97,27 +97,13 @@ def student(tmp_path_factory) -> SentenceTransformer:
     return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
 
 
-def _run(loss, model: SentenceTransformer, columns: list[list[str]], seed: int) -> tuple[torch.Tensor, dict]:
-    """Seed torch and Python's random (MatryoshkaLoss samples dimensions with it), run ``loss`` forward and
-    backward on ``columns``; return the loss and every parameter gradient."""
-    model.zero_grad(set_to_none=True)
-    features = [model.preprocess(texts) for texts in columns]
-    torch.manual_seed(seed)
-    random.seed(seed)
-    value = loss(features, None)
-    value.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return value.detach(), grads
-
-
 def _check(make_loss, model: SentenceTransformer, columns: list[list[str]], *, train: bool) -> torch.Tensor:
     """``make_loss(cls)`` builds the same loss around ``CachedGISTEmbedLoss`` or ``FusedCachedGISTLoss``;
     both must give the same loss and the same gradient for every student parameter. Returns the loss."""
     model.train(train)
     try:
-        expected_loss, expected = _run(make_loss(CachedGISTEmbedLoss), model, columns, seed=1234)
-        loss, grads = _run(make_loss(FusedCachedGISTLoss), model, columns, seed=1234)
+        expected_loss, expected = run_loss(make_loss(CachedGISTEmbedLoss), model, columns, seed=1234)
+        loss, grads = run_loss(make_loss(FusedCachedGISTLoss), model, columns, seed=1234)
     finally:
         model.eval()
     tol = TOL["models"][precision(expected_loss.dtype)]

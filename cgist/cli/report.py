@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
     from ..loss import FusedCachedGISTLoss
 
-__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_summary", "peak_memory"]
+__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_guide_mode", "format_summary", "peak_memory"]
 
 # Metric key suffixes of InformationRetrievalEvaluator and their names in the summary table.
 METRICS = {"mrr@10": "MRR@10", "recall@1": "Recall@1", "ndcg@10": "NDCG@10"}
@@ -94,6 +94,21 @@ def format_guide(guide: dict[str, float]) -> str:
             f"{100 * guide['guide/positive_only']:.1f}% of anchors{theta}")
 
 
+def format_guide_mode(summary: dict) -> str:
+    """Where the run's guide masks came from, as one line."""
+    mode = summary["guide_mode"]
+    if mode == "precomputed":
+        source = summary["guide_embeddings"]
+        how = "loaded from the cache" if source["cached"] else "computed and cached"
+        return (f"guide mode: precomputed (the guide's embeddings of the training split, {how} in "
+                f"{source['seconds']:.1f} s: {source['entry']})")
+    return "guide mode: " + {
+        "model": "model (the guide model ran on every batch)",
+        "self": "self (the student's own first-pass embeddings; no guide model)",
+        "none": "none (no guide masking; no guide model)",
+    }[mode]
+
+
 def format_summary(summary: dict) -> str:
     """The before/after metric table and the timing, memory and output lines of a finished run."""
     rows = [("metric (held-out)", "before", "after")]
@@ -109,6 +124,7 @@ def format_summary(summary: dict) -> str:
     lines += [
         "",
         f"pairs: {summary['train_pairs']} train, {summary['eval_pairs']} held out; {steps}",
+        format_guide_mode(summary),
         f"wall time: {timing['wall_s']:.1f} s total, {timing['train_s']:.1f} s training; "
         f"CPU time {timing['cpu_s']:.0f} s",
         f"throughput: {timing['samples_per_s']:.1f} samples/s",

