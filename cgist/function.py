@@ -273,9 +273,9 @@ def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide
     kernel failure and is raised as it is.
     """
 
-    def run_or_fall_back(embeddings, guide_embeddings, options, *, need_grads, need_stats):
+    def run_or_fall_back(embeddings, guide_embeddings, options, **kwargs):
         try:
-            return run(embeddings, guide_embeddings, options, need_grads=need_grads, need_stats=need_stats)
+            return run(embeddings, guide_embeddings, options, **kwargs)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 - any build or launch error: keep training on the PyTorch path
@@ -286,8 +286,7 @@ def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide
                 "with these dtypes on this device use the PyTorch streaming path (backend='triton' raises instead)",
                 _describe(device), _dtype_name(dtype), _dtype_name(guide_dtype), message,
             )
-        return streaming.gist_loss_and_grads(embeddings, guide_embeddings, options, need_grads=need_grads,
-                                             need_stats=need_stats)
+        return streaming.gist_loss_and_grads(embeddings, guide_embeddings, options, **kwargs)
 
     return run_or_fall_back
 

@@ -58,8 +58,7 @@ def score_blocks(
         raise ValueError("mask_duplicates needs text_ids")
     n_neg = len(embeddings) - 2 - options.all_anchors
     student = [normalize(e)[0] if options.similarity == "cos" else e for e in embeddings]
-    a, p, negs = student[0], student[1], student[2 : 2 + n_neg]
-    everyone = student[-1] if options.all_anchors else a  # the anchors the anchor-column directions score
+    a, p = student[0], student[1]
     rows = torch.arange(a.shape[0], device=a.device)
     labels = rows + options.offset
     own_anchor = labels if options.all_anchors else rows  # anchor i among ``everyone``

@@ -17,6 +17,7 @@ It imports only torch, pytest and cgist: the model builders that need sentence-t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,6 +116,12 @@ LOSS_FIELDS = ("temperature", "margin", "margin_strategy", "contrast_anchors", "
 def loss_kwargs(options: GistOptions) -> dict:
     """``options`` as keyword arguments of ``CachedGISTEmbedLoss`` / ``FusedCachedGISTLoss``."""
     return {name: getattr(options, name) for name in LOSS_FIELDS}
+
+
+def gist_loss_kwargs(options: GistOptions) -> dict:
+    """``options`` as keyword arguments of ``cgist.gist_loss``: every field but ``all_anchors``, a flag of the column
+    layout that ``gist_loss`` sets itself when it is given the tensor of that name."""
+    return {k: v for k, v in dataclasses.asdict(options).items() if k != "all_anchors"}
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).

@@ -282,7 +282,7 @@ TENSOR_CASES = [
     ),
     pytest.param(
         dict(guide_embeddings=_with(GUIDE, 0, GUIDE[0][:-1])), ValueError,
-        r"guide_embeddings\[0\] \(guide anchor\) has 2 rows, but embeddings\[0\] has 3", id="guide-anchor-rows",
+        r"guide_embeddings\[0\] \(guide anchor\) has 2 rows, but embeddings\[0\] \(student anchor\) has 3", id="guide-anchor-rows",
     ),
     pytest.param(
         dict(embeddings=[STUDENT[0], STUDENT[1][:2], STUDENT[2][:2]], guide_embeddings=[GUIDE[0], GUIDE[1][:2], GUIDE[2][:2]]),

@@ -246,6 +246,22 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
         cgist.gist_loss(student, guide, backend="triton", **options)
 
 
+def test_the_fallback_keeps_every_argument(monkeypatch):
+    """A call with text ids (duplicates masked, no guide) falls back with them: the streaming path's result."""
+    from cgist.kernels import launch
+
+    monkeypatch.setattr(launch, "gist_fwd_kernel", _FailingKernel())
+    monkeypatch.setattr(function, "_device_route", lambda device: ("triton", "faked"))
+    monkeypatch.setattr(function, "_TRITON_FAILURES", {})
+    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    student, _ = make_inputs(4, 8, 6, 6, 1, torch.float32, seed=5)
+    text_ids = [torch.arange(4), torch.arange(8) % 5, torch.arange(8) % 3]  # duplicates across the columns
+    options = dict(temperature=0.05, offset=4, text_ids=text_ids)
+    want = cgist.gist_loss(student, None, backend="torch", **options)
+    assert not torch.equal(want, cgist.gist_loss(student, None, backend="torch", mask_duplicates=False, **options))
+    assert torch.equal(cgist.gist_loss(student, None, backend="auto", **options), want)
+
+
 def test_out_of_memory_is_not_a_kernel_failure(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")

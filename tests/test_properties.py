@@ -34,14 +34,13 @@ The Triton backend runs a tenth of each budget, on smaller shapes, because the i
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, TOL, loss_kwargs, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
+from helpers import DEVICE, DTYPES, TOL, gist_loss_kwargs, loss_kwargs, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -225,7 +224,7 @@ def _check(spec: Spec, backend: str) -> None:
         event("zero student row")
 
     leaves = [s.to(DEVICE).requires_grad_() for s in student]
-    loss = cgist.gist_loss(leaves, [g.to(DEVICE) for g in guide], backend=backend, **dataclasses.asdict(spec.options))
+    loss = cgist.gist_loss(leaves, [g.to(DEVICE) for g in guide], backend=backend, **gist_loss_kwargs(spec.options))
     grads = torch.autograd.grad(loss, leaves)
     leaves64 = [s.double().requires_grad_() for s in student]
     expected = gist_loss_reference(leaves64, [g.double() for g in guide], spec.options)
@@ -312,7 +311,7 @@ def test_real_valued_duplicate_of_positive_is_a_tie(where, dtype, backend):
         masked = gist_loss_reference(leaves, [g.double() for g in guide], spec.options.replace(margin=eps))
         loss = cgist.gist_loss(
             [s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], backend=backend,
-            **dataclasses.asdict(spec.options),
+            **gist_loss_kwargs(spec.options),
         )
         atol = TOL["fuzz"][precision(dtype)] * (1 + 1 / spec.options.temperature)
         assert abs(float(masked) - float(expected)) > 100 * atol
