@@ -40,6 +40,12 @@ BM x BN the tile and M Matryoshka dimensions (1 without):
   for every column tile (8 D / BN) and the column rows for the product (D s / BM); the column pass
   likewise with BM and BN swapped.
 
+The estimates suite also counts the four ``MultipleNegativesRankingLoss`` directions in one softmax (``DIRECTIONS``,
+both contrast flags off, GEMM backward): at B = N their score blocks (AP, AN_1..AN_k; QQ; DQ; DD over the
+positives and each negative set: ``block_columns``) are 2 (1 + k) + 2 of B x B entries, six at k = 1, against
+GIST's 3 + k, and each entry costs what a query-to-document one does, so the count scales with the entries
+(the check does not measure this configuration).
+
 Rows follow bench/common.py's schema; ``note`` carries the estimates, the ratio measured / estimate and
 the autotuner's pick. Every row is built from ``common.make_embeddings``.
 """
@@ -90,6 +96,12 @@ OPTIONS = GistOptions(temperature=0.01, margin=0.05)
 CHECK_ORDER = [("bf16", 65536, False), ("bf16", 65536, True), ("bf16", 16384, False), ("fp32", 65536, False),
                ("bf16+fp32", 65536, False), ("bf16", 16384, True), ("bf16", 4096, False), ("fp32", 16384, False),
                ("bf16+fp32", 16384, False)]
+#: All four of sentence-transformers' ``MultipleNegativesRankingLoss`` directions, in one softmax: the estimates'
+#: four-direction configuration.
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+#: (B, D, Dg, k) of the four-direction CPU measurement (``bench/loss_stage.py --directions``), whose GPU estimate
+#: the check prints.
+DIRECTIONS_SHAPE = (4096, 384, 384, 1)
 #: The Matryoshka target: this many dimensions in at most this multiple of one dimension's loss stage.
 MATRYOSHKA_TARGET = 1.6
 #: Largest batch at which sentence-transformers' loss stage and the streaming path are timed.
@@ -450,33 +462,49 @@ def _chunk_rows(batch: int, tiles: dict, n_dims: int, dtype: torch.dtype) -> int
                       (2**31 - 1) // (n_dims * parts)).rows
 
 
-def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str,
-                    dims: tuple[int, ...] | None = None) -> list[dict]:
+def block_columns(batch: int, k: int, directions: tuple[str, ...] | None = None) -> list[int]:
+    """Columns of each score block at B = N (every block has B rows): GIST's AP, AA, PP, AN_1..AN_k, or with
+    ``directions`` (both contrast flags off) their blocks: AP and AN_1..AN_k for query-to-document, QQ,
+    DQ, and DD over the positives and each negative set for document-to-document."""
+    if directions is None:
+        return [batch] * (3 + k)
+    blocks = {"query_to_doc": 1 + k, "query_to_query": 1, "doc_to_query": 1, "doc_to_doc": 1 + k}
+    return [batch] * sum(blocks[d] for d in directions)
+
+
+def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: tuple[int, ...] | None = None,
+                    directions: tuple[str, ...] | None = None) -> list[dict]:
     """The estimates of one size by count alone (``SPEC``), with the largest tile of each set taken as the pick.
 
     With Matryoshka ``dims`` (ascending), also the GEMM backward over those dimensions and its ratio to one.
+    With ``directions``, also the GEMM backward over those directions' blocks (``block_columns``), each entry
+    counted as a query-to-document one, and its ratio to GIST's blocks.
     """
     from cgist.kernels.gist import tile_configs
     from cgist.kernels.launch import input_precision
 
     dtype, guide_dtype = PAIRS[pair]
-    n_cols = [batch, batch, batch] + [batch] * k  # AP, AA, PP, AN (B = N)
     rows, totals = [], {}
-    runs = [("gemm", ("fwd", "score_grad", "gemms"), None), ("fused", ("fwd", "fused_rows", "fused_cols"), None)]
+    gemm = ("fwd", "score_grad", "gemms")
+    runs = [("gemm", gemm, None, None), ("fused", ("fwd", "fused_rows", "fused_cols"), None, None)]
     if dims is not None:
-        runs.append(("gemm", ("fwd", "score_grad", "gemms"), dims))
-    for method, kernels, run_dims in runs:  # each backward with its forward's tile set
+        runs.append(("gemm", gemm, dims, None))
+    if directions is not None:
+        runs.append(("gemm", gemm, None, directions))
+    for method, kernels, run_dims, run_directions in runs:  # each backward with its forward's tile set
         n_dims = len(run_dims or (dim,))
         config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), n_dims,
-                              method, 9, interpret=False)[0]
+                              method, interpret=False)[0]  # the H200's tiles (DEFAULT_ARCH, sm_90)
         tiles = config.kwargs
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**tiles)
         chunk_rows = _chunk_rows(batch, tiles, n_dims, dtype)
         name = f"estimate/{_method_name(method, run_dims)}"
+        if run_directions is not None:
+            name += f"-dir{len(run_directions)}"
+        scores = batch * sum(block_columns(batch, k, run_directions))
         total = 0.0
         for kernel in kernels:
-            ms, bound = estimate(kernel, batch * sum(n_cols), dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC,
-                                 run_dims)
+            ms, bound = estimate(kernel, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, run_dims)
             total += ms
             rows.append(_row(name, kernel, batch, batch, dim, dim_g, k, pair, (ms,) * 3,
                              note=f"bound={bound} tiles={pick} chunk_rows={chunk_rows}"))
@@ -484,6 +512,8 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str,
         note = f"tiles={pick}"
         if run_dims is not None:
             note += f" dims={'/'.join(map(str, run_dims[::-1]))} vs_one_dim={total / totals['estimate/gemm']:.2f}"
+        if run_directions is not None:
+            note += f" directions={'+'.join(run_directions)} joint vs_gist={total / totals['estimate/gemm']:.2f}"
         rows.append(_row(name, "fwd+bwd", batch, batch, dim, dim_g, k, pair, (total,) * 3, note=note))
     return rows
 
@@ -570,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "estimates":
         rows = [r for pair in (args.dtype or ["bf16", "fp32", "bf16+fp32"]) for batch in (args.batch or [16384, 65536])
                 for r in paper_estimates(batch, args.dim, args.guide_dim, args.negatives, pair,
-                                         matryoshka_dims(args.dim))]
+                                         matryoshka_dims(args.dim), DIRECTIONS)]
         print(_format(rows))
         return 0
 
@@ -586,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = [(pair, batch, False) for pair in pairs for batch in (4096, 16384)]
     rows += tie_id_rows(max(batch for _, batch, _ in runs), args.guide_dim, torch.float32, "fp32")
+    if args.suite == "check":  # by count: the four directions at the shape bench/loss_stage.py --directions times
+        rows += [r for pair in pairs for r in paper_estimates(*DIRECTIONS_SHAPE, pair, directions=DIRECTIONS)
+                 if r["impl"] in ("estimate/gemm", f"estimate/gemm-dir{len(DIRECTIONS)}")]
     skipped = []
     for pair, batch, matryoshka in runs:
         if time.time() - start > args.budget_s:

@@ -1,10 +1,12 @@
-"""Loss-stage benchmark: sentence-transformers' CachedGISTEmbedLoss against cgist, forward + backward.
+"""Loss-stage benchmark: sentence-transformers' cached losses against cgist's, forward + backward.
 
 This script measures (providers, setup, timing, memory, the per-process runner, budget skips);
 ``loss_stage_report`` writes and draws what it measured.
 
     python bench/loss_stage.py --device cpu|cuda [--quick] [--out DIR] [--interpret] [--threads T]
     python bench/loss_stage.py --matryoshka [--matryoshka-dims 384,192,96,48] ...   # the Matryoshka comparison
+    python bench/loss_stage.py --directions ...   # four MultipleNegativesRankingLoss directions against one
+    python bench/loss_stage.py --mnrl ...         # CachedMultipleNegativesRankingLoss against its drop-in
     python bench/loss_stage.py --from-csv bench/results/loss_stage_cpu.csv   # redraw plot and table only
 
 Every provider gets the same cached embeddings (``common.make_embeddings``: fixed seed, float32,
@@ -31,13 +33,27 @@ These providers are measured only when ``--providers`` names them:
                     inner loss's decorated ``calculate_loss``, as the trainer calls it, all dimensions in one pass;
 * ``mat-loop``      the same with ``FusedMatryoshka``'s takeover disabled: sentence-transformers' loop over the
                     dimensions, one ``FusedCachedGISTLoss.calculate_loss`` each;
-* ``mat-st-cos_sim`` ``MatryoshkaLoss`` over ``st-cos_sim``'s loss.
+* ``mat-st-cos_sim`` ``MatryoshkaLoss`` over ``st-cos_sim``'s loss;
+* ``dir-cgist-torch``  ``cgist-torch`` with all four of sentence-transformers' ``MultipleNegativesRankingLoss``
+                    directions in one softmax (``directions=DIRECTIONS``, ``partition_mode="joint"``,
+                    ``contrast_anchors=False``, ``contrast_positives=False``);
+* ``dir-gemm``      ``gemm_step`` over those directions' score blocks: ``dir-cgist-torch``'s limit;
+* ``mnrl-st``       ``CachedMultipleNegativesRankingLoss(model).calculate_loss(reps, None, with_backward=True)``,
+                    sentence-transformers' defaults (scale 20, ``cos_sim``, query-to-document), no guide;
+* ``mnrl-cgist-torch``  ``FusedCachedMultipleNegativesRankingLoss(model, backend="torch")``, the same call;
+* ``mnrl-gemm``     ``gemm_step`` over the query-to-document blocks without the guide's products: the limit
+                    of the two ``mnrl-*`` loss stages.
 
 ``--matryoshka`` selects the three ``mat-*`` providers and ``gemm`` (and adds ``_matryoshka`` to the file
 names). Their dimensions are ``--matryoshka-dims`` (default D, D/2, D/4, D/8 for each D), recorded in
 the rows' ``note`` as ``matryoshka_dims=...``; the table leaves their ratios against ``st`` and
 ``st-cos_sim`` (a single dimension) blank and says under it how many times faster ``mat-fused`` is than
 the other two.
+
+``--directions`` selects ``dir-cgist-torch`` and ``dir-gemm`` beside ``cgist-torch`` and ``gemm`` (``_directions`` in
+the file names), so that the table gives each loss stage's time over its own bare GEMMs and a line under it sets
+the two ratios side by side. ``--mnrl`` selects the three ``mnrl-*`` providers (``_mnrl``); their rows have
+``Dg`` = 0 (no guide), and the line under the table gives the drop-in's speed-up over sentence-transformers.
 
 On CPU each (provider, size) runs in a fresh process: it builds the inputs, rewinds the RSS high-water
 mark, runs once (the peak RSS above the baseline is ``peak_mb``; the run doubles as warm-up) and then
@@ -46,10 +62,12 @@ times further calls with ``perf_counter``. On CUDA the points run in this proces
 
 A provider is skipped at a size (a row whose ``note`` says why) when the time measured at the previous
 size, scaled by (B / B_prev)^2, exceeds ``--budget`` seconds per call, or, on CPU, when its scaled peak
-memory would not fit in half of the available RAM. Results: ``loss_stage_<device>[_quick][_matryoshka].csv``
-and ``.png`` (log-log time and peak memory against B) under ``--out``, and a markdown table printed last
-(also saved as ``.md``) with speed ratios against ``st`` and ``st-cos_sim``, each time as a multiple of
-the ``gemm`` time at the same size, and the Matryoshka speed-ups and the statistics' overhead under it.
+memory would not fit in half of the available RAM. Results:
+``loss_stage_<device>[_quick][_matryoshka|_directions|_mnrl].csv`` and ``.png`` (log-log time and peak
+memory against B) under ``--out``, and a markdown table printed last (also saved as ``.md``) with speed
+ratios against ``st`` and ``st-cos_sim``, each time as a multiple of its limit's time at the same size
+(``gemm``, or the ``dir-gemm`` or ``mnrl-gemm`` that the cell names), and the Matryoshka and drop-in
+speed-ups, the ratios over the bare GEMMs and the statistics' overhead under it.
 """
 
 from __future__ import annotations
@@ -79,12 +97,24 @@ LIMIT = "gemm"
 NOSTATS = "cgist-torch-nostats"
 CORE = "cgist-torch-core"
 MATRYOSHKA = ("mat-st-cos_sim", "mat-loop", "mat-fused")
+#: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, all four: ``dir-*``'s.
+DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+DIRECTIONS_LIMIT = "dir-gemm"
+#: ``--directions``: the four-direction loss stage and its limit beside the one-direction ones.
+DIRECTIONS_RUN = ("cgist-torch", LIMIT, "dir-cgist-torch", DIRECTIONS_LIMIT)
+MNRL_LIMIT = "mnrl-gemm"
+MNRL = ("mnrl-st", "mnrl-cgist-torch", MNRL_LIMIT)
+#: The bare-GEMM providers: the directions whose blocks they compute (None: GIST's AP, AA, PP, AN_1..AN_k).
+GEMMS = {LIMIT: None, DIRECTIONS_LIMIT: DIRECTIONS, MNRL_LIMIT: ("query_to_doc",)}
 #: Every provider, in table and plot order.
-ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, CORE, "cgist-triton", "dense", *MATRYOSHKA, LIMIT)
+ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, CORE, "cgist-triton", "dense", *MATRYOSHKA, LIMIT,
+                 "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL)
 #: Providers that take the whole columns, not GradCache's mini-batch leaves.
-WHOLE_COLUMNS = (CORE, LIMIT)
+WHOLE_COLUMNS = (CORE, *GEMMS)
+#: Providers without a guide: their rows have Dg = 0 and their loss stage gets no guide columns.
+UNGUIDED = MNRL
 #: Providers whose version is sentence-transformers'.
-ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim")
+ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim", "mnrl-st")
 OP = "fwd+bwd"
 GUIDE_DIM = 384
 MARGIN = 0.05
@@ -98,11 +128,16 @@ LEGEND = loss_stage_report.Legend(
     baselines=BASELINES,
     limit=LIMIT,
     featured=("cgist-torch", "cgist-triton"),
-    separate=MATRYOSHKA,
-    speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")),),
+    separate=(*MATRYOSHKA, "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL),
+    speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")), ("mnrl-cgist-torch", ("mnrl-st",))),
     overheads=(("statistics", "cgist-torch", NOSTATS), ("mini-batches, checks and hand-back", "cgist-torch", CORE)),
+    limits=(("dir-cgist-torch", DIRECTIONS_LIMIT), ("mnrl-st", MNRL_LIMIT), ("mnrl-cgist-torch", MNRL_LIMIT)),
+    beside=(("loss stage over its bare GEMMs", ("cgist-torch", "dir-cgist-torch")),),
     header=f"Loss stage {OP}, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32",
     title=f"CachedGIST loss stage, {OP}",
+    headers=((MNRL, f"Loss stage {OP}, CachedMultipleNegativesRankingLoss (scale=20, cos_sim, query_to_doc, "
+                    f"no guide), mini_batch_size={MINI_BATCH_SIZE}, float32",
+              f"CachedMultipleNegativesRankingLoss loss stage, {OP}"),),
 )
 
 
@@ -183,32 +218,43 @@ def on_concatenated(loss_of: Callable[[list, list], object]) -> Callable[[list[l
     return step
 
 
-def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[list]], object]:
+def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[list], list[list] | None], object]:
     """A callable ``step(reps, reps_guided)`` running one loss stage of ``impl`` with backward.
 
     The ``mat-*`` providers wrap their loss in ``MatryoshkaLoss`` over ``matryoshka_dims`` and step with
-    the inner loss's decorated ``calculate_loss``, which is what the trainer calls.
+    the inner loss's decorated ``calculate_loss``, which is what the trainer calls. The ``mnrl-*`` providers
+    take None for ``reps_guided``: their ``calculate_loss(reps, labels)`` reads no labels.
     """
     from unittest import mock
 
     from sentence_transformers import util
-    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss, MatryoshkaLoss,
+    )
     from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
 
     import cgist
-    from cgist import FusedCachedGISTLoss
+    from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
     from cgist.loss import FusedMatryoshka
     from cgist.options import GistOptions
     from cgist.reference import gist_loss_reference
 
     options = dict(margin=MARGIN, mini_batch_size=MINI_BATCH_SIZE)
-    if impl in ST_PROVIDERS:
+    if impl == "mnrl-st":
+        loss = CachedMultipleNegativesRankingLoss(constructor_model(), mini_batch_size=MINI_BATCH_SIZE)
+    elif impl == "mnrl-cgist-torch":
+        loss = FusedCachedMultipleNegativesRankingLoss(constructor_model(), mini_batch_size=MINI_BATCH_SIZE,
+                                                       backend="torch")
+    elif impl in ST_PROVIDERS:
         loss = CachedGISTEmbedLoss(constructor_model(), constructor_model(), **options)
         if impl != "st":
             loss.sim_matrix = util.cos_sim
     elif impl in ("cgist-torch", "cgist-triton", "mat-fused", "mat-loop"):
         backend = impl.removeprefix("cgist-") if impl.startswith("cgist-") else "torch"
         loss = FusedCachedGISTLoss(constructor_model(), constructor_model(), backend=backend, **options)
+    elif impl == "dir-cgist-torch":
+        loss = FusedCachedGISTLoss(constructor_model(), constructor_model(), backend="torch", contrast_anchors=False,
+                                   contrast_positives=False, directions=DIRECTIONS, partition_mode="joint", **options)
     elif impl == NOSTATS:
         return on_concatenated(functools.partial(cgist.gist_loss, margin=MARGIN, backend="torch"))
     elif impl == "dense":
@@ -216,7 +262,7 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
     else:
         stages = tuple(p for p in ALL_PROVIDERS if p not in WHOLE_COLUMNS)
         raise ValueError(f"impl must be a loss stage, one of {stages}, got {impl!r} "
-                         f"({LIMIT}: gemm_step, {CORE}: core_step)")
+                         f"({', '.join(GEMMS)}: gemm_step, {CORE}: core_step)")
     if impl in MATRYOSHKA:
         if not matryoshka_dims:
             raise ValueError(f"{impl} needs matryoshka_dims")
@@ -241,39 +287,68 @@ def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
     return functools.partial(streaming.gist_loss_and_grads, student, guide, options, need_grads=True, need_stats=True)
 
 
-def gemm_step(student: Sequence, guide: Sequence, *, seed: int = 0, rows: int = GEMM_ROWS) -> Callable[[], None]:
+def score_blocks(n_columns: int, directions: Sequence[str] | None = None) -> list[tuple[str, int]]:
+    """The score blocks of a loss stage on ``n_columns`` columns (anchor, positive, negatives), as
+    ``(queries, keys)`` pairs: queries ``"a"`` (the B anchors) or ``"p"`` (positives 0..B-1, the anchors'
+    own), keys a column index (0 the anchors, 1 the positives, 2.. the negatives).
+
+    ``directions`` None: GIST's blocks with both contrast flags on, AP, AA, PP, AN_1..AN_k. Otherwise
+    sentence-transformers' ``MultipleNegativesRankingLoss`` blocks of those directions, in this order:
+    query-to-document (AP, AN_1..AN_k), query-to-query (AA), document-to-query (PA) and document-to-document
+    (PP, PN_1..PN_k). Every block counts whole, as ST computes it: AA is not halved for its symmetry, nor PA
+    taken from AP's transpose.
+    """
+    negatives = range(2, n_columns)
+    if directions is None:
+        return [("a", 1), ("a", 0), ("p", 1), *(("a", c) for c in negatives)]
+    blocks = []
+    if "query_to_doc" in directions:
+        blocks += [("a", 1), *(("a", c) for c in negatives)]
+    if "query_to_query" in directions:
+        blocks.append(("a", 0))
+    if "doc_to_query" in directions:
+        blocks.append(("p", 0))
+    if "doc_to_doc" in directions:
+        blocks += [("p", 1), *(("p", c) for c in negatives)]
+    return blocks
+
+
+def gemm_step(student: Sequence, guide: Sequence | None, *, directions: Sequence[str] | None = None, seed: int = 0,
+              rows: int = GEMM_ROWS) -> Callable[[], None]:
     """A callable running only the GEMMs that a loss stage on these columns cannot avoid.
 
     ``student`` and ``guide`` are ``common.make_embeddings``' columns (anchor B x D, positive N x D,
-    k negatives N x D; the guide's in Dg). With both contrast flags on, the score blocks are AP, AA, PP
-    and AN_1..AN_k: queries Q (the anchors; positives 0..B-1 for PP) against keys K (the positives,
-    anchors, positives, each negative column), C = N + B + N + k*N key columns in all. For every block
-    the call computes the student scores Q @ K^T, the guide scores Qg @ Kg^T and, from a score gradient
-    dS, dQ += dS @ K and dK += dS^T @ Q into gradients shaped like the student columns: 2*B*C*(D + Dg)
-    flops forward and 4*B*C*D backward, no recomputation.
+    k negatives N x D; the guide's in Dg). The score blocks are ``score_blocks(len(student), directions)``:
+    with ``directions`` None GIST's with both contrast flags on, AP, AA, PP and AN_1..AN_k, queries Q (the
+    anchors; positives 0..B-1 for PP) against keys K (the positives, anchors, positives, each negative column),
+    C = N + B + N + k*N key columns in all; with all four directions, AP, AN_1..AN_k, AA, PA, PP and
+    PN_1..PN_k, C = 2*(1 + k)*N + 2*B. For every block the call computes the student scores Q @ K^T, the
+    guide scores Qg @ Kg^T (unless ``guide`` is None: a loss without a guide) and, from a score gradient dS,
+    dQ += dS @ K and dK += dS^T @ Q into gradients shaped like the student columns: 2*B*C*(D + Dg) flops
+    forward (2*B*C*D without a guide) and 4*B*C*D backward, no recomputation.
 
     Queries go in row blocks of ``rows`` rows (dK accumulates over them), which keeps the work
     buffers small and the flop count that of the whole-block products. Each row block of each score
-    block is four calls, ``torch.mm(..., out=)`` twice and ``torch.addmm(g, ..., out=g)`` twice, in the
-    inputs' dtype at torch's default matmul precision; nothing else runs (no masking, no exp, no
-    zeroing: the gradients accumulate over calls). dS is one random ``rows`` x cols tile, shared by all
-    row blocks. The tiles, the gradients and every view the call uses are made (and the buffers
+    block is four calls (three without a guide), ``torch.mm(..., out=)`` and ``torch.addmm(g, ..., out=g)``
+    twice each, in the inputs' dtype at torch's default matmul precision; nothing else runs (no masking, no
+    exp, no zeroing: the gradients accumulate over calls). dS is one random ``rows`` x cols tile, shared by
+    all row blocks. The tiles, the gradients and every view the call uses are made (and the buffers
     written) here, before any measurement, so a measured peak counts only what the products allocate.
     """
     import torch
 
-    anchor, positive, *negatives = student
-    anchor_g, positive_g, *negatives_g = guide
+    anchor = student[0]
     batch = anchor.shape[0]
-    grad_anchor, grad_positive, *grad_negatives = (torch.zeros_like(c) for c in student)
-    # (Q, K, Qg, Kg, dQ target, dK target) per score block
-    blocks = [
-        (anchor, positive, anchor_g, positive_g, grad_anchor, grad_positive),
-        (anchor, anchor, anchor_g, anchor_g, grad_anchor, grad_anchor),
-        (positive[:batch], positive, positive_g[:batch], positive_g, grad_positive[:batch], grad_positive),
-        *((anchor, n, anchor_g, n_g, grad_anchor, grad_n)
-          for n, n_g, grad_n in zip(negatives, negatives_g, grad_negatives)),
-    ]
+    grads = [torch.zeros_like(c) for c in student]
+
+    def queries(columns: Sequence, name: str):
+        return columns[0] if name == "a" else columns[1][:batch]
+
+    # (Q, K, Qg, Kg, dQ target, dK target) per score block; Qg and Kg None without a guide
+    blocks = []
+    for q, c in score_blocks(len(student), directions):
+        guided = (queries(guide, q), guide[c]) if guide is not None else (None, None)
+        blocks.append((queries(student, q), student[c], *guided, queries(grads, q), grads[c]))
     size = min(rows, batch) * max(k.shape[0] for _, k, *_ in blocks)
     gen = torch.Generator(device=anchor.device).manual_seed(seed)
     d_scores = torch.randn(size, generator=gen, device=anchor.device, dtype=anchor.dtype)
@@ -284,12 +359,14 @@ def gemm_step(student: Sequence, guide: Sequence, *, seed: int = 0, rows: int = 
             r1 = min(r0 + rows, batch)
             shape = (r1 - r0, k.shape[0])
             s, s_g, d_s = (t[: shape[0] * shape[1]].view(shape) for t in (scores, guide_scores, d_scores))
-            tiles.append((q[r0:r1], k.T, q_g[r0:r1], k_g.T, s, s_g, d_s, d_s.T, k, d_q[r0:r1], d_k))
+            guided = (q_g[r0:r1], k_g.T) if q_g is not None else (None, None)
+            tiles.append((q[r0:r1], k.T, *guided, s, s_g, d_s, d_s.T, k, d_q[r0:r1], d_k))
 
     def call() -> None:
         for q, k_t, q_g, k_g_t, s, s_g, d_s, d_s_t, k, d_q, d_k in tiles:
             torch.mm(q, k_t, out=s)
-            torch.mm(q_g, k_g_t, out=s_g)
+            if q_g is not None:
+                torch.mm(q_g, k_g_t, out=s_g)
             torch.addmm(d_q, d_s, k, out=d_q)
             torch.addmm(d_k, d_s_t, q, out=d_k)
 
@@ -307,13 +384,15 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     student, guide = common.make_embeddings(
         point.B, point.N, point.D, point.Dg, point.k, seed=settings.seed, device=device
     )
-    if point.impl == LIMIT:
-        call = gemm_step(student, guide, seed=settings.seed)
+    if not point.Dg:
+        guide = None  # a loss without a guide (the student's columns do not depend on Dg)
+    if point.impl in GEMMS:
+        call = gemm_step(student, guide, directions=GEMMS[point.impl], seed=settings.seed)
     elif point.impl == CORE:
         call = core_step(student, guide)
     else:
         reps = common.split_leaves(student, MINI_BATCH_SIZE)
-        reps_guided = common.split_detached(guide, MINI_BATCH_SIZE)
+        reps_guided = None if guide is None else common.split_detached(guide, MINI_BATCH_SIZE)
 
         def call() -> None:
             step(reps, reps_guided)
@@ -417,7 +496,7 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
 
 def family(impl: str) -> str:
     """The key of ``impl``'s version string in :func:`versions`."""
-    return "st" if impl in ST_PROVIDERS else "torch" if impl == LIMIT else "cgist"
+    return "st" if impl in ST_PROVIDERS else "torch" if impl in GEMMS else "cgist"
 
 
 def versions() -> dict[str, str]:
@@ -493,15 +572,19 @@ def build_points(args: argparse.Namespace) -> list[Point]:
         return tuple(sorted(args.matryoshka_dims, reverse=True))  # largest first, as MatryoshkaLoss orders them
 
     return [
-        Point(impl, b, d, k, args.device, matryoshka_dims=dims_of(impl, d))
+        Point(impl, b, d, k, args.device, Dg=0 if impl in UNGUIDED else GUIDE_DIM, matryoshka_dims=dims_of(impl, d))
         for d in args.dims for k in args.negatives for impl in args.providers for b in sorted(args.sizes)
     ]
 
 
+#: The options that select a comparison: its providers and the end of the file names.
+COMPARISONS = {"matryoshka": (*MATRYOSHKA, LIMIT), "directions": DIRECTIONS_RUN, "mnrl": MNRL}
+
+
 def output_stem(args: argparse.Namespace) -> str:
-    """``loss_stage_<device>``, then ``_quick`` and ``_matryoshka`` for those options."""
+    """``loss_stage_<device>``, then ``_quick`` and the comparison's name (``_matryoshka``, ...) for those options."""
     return "_".join(["loss_stage", args.device, *(["quick"] if args.quick else []),
-                     *(["matryoshka"] if args.matryoshka else [])])
+                     *(name for name in COMPARISONS if getattr(args, name))])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -516,8 +599,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--providers", type=lambda s: s.split(","), default=list(PROVIDERS),
                         help=f"comma-separated subset of {','.join(ALL_PROVIDERS)} (default: {','.join(PROVIDERS)})")
-    chosen.add_argument("--matryoshka", action="store_true",
-                        help=f"the providers {','.join((*MATRYOSHKA, LIMIT))}; file names end in _matryoshka")
+    for name, providers in COMPARISONS.items():
+        chosen.add_argument(f"--{name}", action="store_true",
+                            help=f"the providers {','.join(providers)}; file names end in _{name}")
     parser.add_argument("--matryoshka-dims", type=parse_ints,
                         help="comma-separated dims of the mat-* providers, at most every D (default: D,D/2,D/4,D/8)")
     parser.add_argument("--budget", type=float, help="skip a point whose estimated seconds per call exceed this")
@@ -540,8 +624,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.matryoshka:
-        args.providers = [*MATRYOSHKA, LIMIT]
+    for name, providers in COMPARISONS.items():
+        if getattr(args, name):
+            args.providers = list(providers)
     unknown = sorted(set(args.providers) - set(ALL_PROVIDERS))
     if unknown:
         parser.error(f"--providers: unknown {unknown}; expected a subset of {list(ALL_PROVIDERS)}")

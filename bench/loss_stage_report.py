@@ -4,10 +4,12 @@ Nothing here measures. :func:`publish` writes the rows of a sweep (``<stem>.csv`
 :func:`redraw` reports the rows of such a CSV again (``loss_stage.py --from-csv``). Reporting writes
 ``<stem>.png`` (log-log time and peak memory against B) and ``<stem>.md`` next to the CSV and prints
 the table last. The table has one ratio column per baseline (its time over the row's: how many times
-faster the row is) and one against the limit (the row's time over the limit's: how many times the
-bare GEMM time the row takes), each at the same (B, D, k). Under the table, at each (B, D, k), come the
-legend's comparisons (:func:`comparisons`): one provider's speed-ups over others that do its work, and
-the overhead of one provider over another that leaves part of its work out.
+faster the row is) and one against the limit (the row's time over its limit's: how many times the
+bare GEMM time the row takes; a row measured against another limit than the column's names it in the
+cell), each at the same (B, D, k). Under the table, at each (B, D, k), come the legend's comparisons
+(:func:`comparisons`): one provider's speed-ups over others that do its work, providers' times over
+their own limits side by side, and the overhead of one provider over another that leaves part of its
+work out.
 
 A row is timed when it has a ``median_ms``; its ``note`` then records what the schema has no column
 for (the Matryoshka dimensions). An untimed row's note says why it has no time.
@@ -52,6 +54,11 @@ class Legend:
             each of ``others`` (which do the same work).
         overheads: ``(what, provider, without)`` triples: a line under the table with ``provider``'s time
             over ``without``'s, ``without`` being ``provider`` less ``what``.
+        limits: ``(provider, its limit)`` pairs for the providers whose bare GEMMs are another provider than
+            ``limit`` (a loss stage with other score blocks); a limit named here is its own limit.
+        beside: ``(what, providers)`` pairs: a line under the table with each provider's time over its limit.
+        headers: ``(providers, header, title)`` triples: the header and title of a report whose rows all come
+            from ``providers`` (the first that holds them all), instead of ``header`` and ``title``.
     """
 
     order: tuple[str, ...]
@@ -63,6 +70,20 @@ class Legend:
     separate: tuple[str, ...] = ()
     speedups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     overheads: tuple[tuple[str, str, str], ...] = ()
+    limits: tuple[tuple[str, str], ...] = ()
+    beside: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    headers: tuple[tuple[tuple[str, ...], str, str], ...] = ()
+
+    def limit_of(self, impl: str) -> str:
+        """The provider whose time ``impl``'s is measured against: its own limit, or ``limit``."""
+        own = dict(self.limits)
+        return impl if impl in own.values() else own.get(impl, self.limit)
+
+    def heading(self, impls: Sequence[str]) -> tuple[str, str]:
+        """The header and title of a report of rows from ``impls``."""
+        seen = set(impls)
+        return next(((header, title) for providers, header, title in self.headers if seen and seen <= set(providers)),
+                    (self.header, self.title))
 
 
 def _times(value: float) -> str:
@@ -100,13 +121,15 @@ def markdown_table(rows: Sequence[_Row], legend: Legend) -> str:
     for r in sorted(rows, key=lambda r: (r["D"], r["k"], r["B"], legend.order.index(r["impl"]))):
         at = (r["B"], r["D"], r["k"])
         done = timed(r)
+        limit = legend.limit_of(r["impl"])
+        over_limit = times_limit(by_size.get((*at, limit)), r)
         cells = [
             *at, r["impl"],
             f"{r['median_ms']:.1f}" if done else "",
             f"{r['p20_ms']:.1f}-{r['p80_ms']:.1f}" if done else "",
             f"{r['peak_mb']:.1f}" if done else "",
             *("" if r["impl"] in legend.separate else ratio(by_size.get((*at, b)), r) for b in legend.baselines),
-            times_limit(by_size.get((*at, legend.limit)), r),
+            f"{over_limit} {limit}" if over_limit and limit != legend.limit else over_limit,
             r["note"],
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -114,9 +137,10 @@ def markdown_table(rows: Sequence[_Row], legend: Legend) -> str:
 
 
 def comparisons(rows: Sequence[_Row], legend: Legend) -> list[str]:
-    """The legend's speed-up and overhead lines, at each (B, D, k) where their rows are timed.
+    """The legend's speed-up, beside-the-limit and overhead lines, at each (B, D, k) where their rows are timed.
 
-    A speed-up line names the provider's note (its Matryoshka dimensions) when it has one.
+    A speed-up line names the provider's note (its Matryoshka dimensions) when it has one; a beside line
+    needs every provider it names and their limits.
     """
     by_size = {(r["B"], r["D"], r["k"], r["impl"]): r for r in rows if timed(r)}
     lines = []
@@ -128,6 +152,11 @@ def comparisons(rows: Sequence[_Row], legend: Legend) -> list[str]:
             if r is not None and faster:
                 note = f" ({r['note']})" if r.get("note") else ""
                 lines.append(f"{impl} at {where}{note}: {', '.join(faster)}")
+        for what, impls in legend.beside:
+            pairs = [(by_size.get((*at, impl)), legend.limit_of(impl)) for impl in impls]
+            if all(r is not None and (*at, limit) in by_size for r, limit in pairs):
+                cells = [f"{r['impl']} {times_limit(by_size[(*at, limit)], r)} {limit}" for r, limit in pairs]
+                lines.append(f"{what} at {where}: {', '.join(cells)}")
         for what, impl, without in legend.overheads:
             r, base = by_size.get((*at, impl)), by_size.get((*at, without))
             if r is not None and base is not None:
@@ -138,13 +167,14 @@ def comparisons(rows: Sequence[_Row], legend: Legend) -> list[str]:
 
 
 def plot(rows: Sequence[_Row], path: Path, title: str, legend: Legend) -> Path:
-    """Log-log time and peak memory against B, one line per provider (the limit dashed), a row of panels per (D, k)."""
+    """Log-log time and peak memory against B, one line per provider (the limits dashed), a row of panels per (D, k)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["D"], r["k"]) for r in rows})
+    limits = {legend.limit, *(limit for _, limit in legend.limits)}
     fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 3.6 * len(shapes)), squeeze=False)
     for (dim, k), (ax_t, ax_m) in zip(shapes, axes):
         for impl in legend.order:
@@ -153,7 +183,7 @@ def plot(rows: Sequence[_Row], path: Path, title: str, legend: Legend) -> Path:
             if not done:
                 continue
             bs, ms, mb = zip(*done)
-            style = dict(marker="o", label=impl, linestyle="--" if impl == legend.limit else "-")
+            style = dict(marker="o", label=impl, linestyle="--" if impl in limits else "-")
             ax_t.plot(bs, ms, **style)
             ax_m.plot(bs, [max(m, 1e-2) for m in mb], **style)
         for ax, ylabel in ((ax_t, "median time per call (ms)"), (ax_m, "peak memory above inputs (MB)")):
@@ -216,9 +246,10 @@ def load_rows(path: Path) -> list[dict[str, object]]:
 def report(rows: Sequence[_Row], out: Path, stem: str, device: str, legend: Legend) -> None:
     """Write ``<stem>.png`` and ``<stem>.md`` (header line, table, comparisons) under ``out``; print the latter last."""
     where = machine(device)
-    png_path = plot(rows, out / f"{stem}.png", f"{legend.title}, {device}: {where}", legend)
+    header, title = legend.heading([r["impl"] for r in rows])
+    png_path = plot(rows, out / f"{stem}.png", f"{title}, {device}: {where}", legend)
     under = "\n".join(comparisons(rows, legend))
-    text = "\n\n".join(part for part in (f"{legend.header} on {where}", markdown_table(rows, legend), under) if part)
+    text = "\n\n".join(part for part in (f"{header} on {where}", markdown_table(rows, legend), under) if part)
     (out / f"{stem}.md").write_text(f"{text}\n")
     print(f"wrote {png_path}")
     for line in acceptance(rows, legend):

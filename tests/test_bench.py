@@ -2,12 +2,14 @@
 and bench/phases.py.
 
 The smoke tests run tiny sweeps through the real command line (the default providers, then the
-Matryoshka and statistics providers), then ``--from-csv`` on a CSV, and check the outputs' shape,
-never the timings: the CSV schema and one row per (provider, size), measured rows with positive times
-and ordered quantiles, skip rows with a reason, the Matryoshka dimensions in the notes, the PNG, and
-the markdown table printed last with its ratio columns and the comparison lines under it. The other
-tests check that compared providers do the same work (equal losses and gradients), the ``gemm``
-provider's work (its operators and flop count), the options, and the table's ratios on made-up rows.
+Matryoshka and statistics providers, then ``--directions`` and ``--mnrl``), then ``--from-csv`` on a CSV,
+and check the outputs' shape, never the timings: the CSV schema and one row per (provider, size),
+measured rows with positive times and ordered quantiles, skip rows with a reason, the Matryoshka
+dimensions in the notes, the PNG, and the markdown table printed last with its ratio columns (each
+against its own limit) and the comparison lines under it. The other tests check that compared
+providers do the same work (equal losses and gradients, against the float64 oracle for the four
+directions), the bare-GEMM providers' work (their operators and flop counts), the options, and the
+table's ratios on made-up rows.
 """
 
 import csv
@@ -31,11 +33,20 @@ PROVIDERS = ["st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm"]
 #: The providers of the second smoke test, in table order.
 EXTRA = ["cgist-torch", "cgist-torch-nostats", "cgist-torch-core", "mat-st-cos_sim", "mat-loop", "mat-fused", "gemm"]
 MATRYOSHKA = ["mat-st-cos_sim", "mat-loop", "mat-fused"]
+DIRECTIONS = ["cgist-torch", "gemm", "dir-cgist-torch", "dir-gemm"]
+MNRL = ["mnrl-st", "mnrl-cgist-torch", "mnrl-gemm"]
+#: Providers without "vs st" ratios (other work than the baselines').
+SEPARATE = [*MATRYOSHKA, "dir-cgist-torch", "dir-gemm", *MNRL]
+#: Each provider's limit, where it is not gemm.
+LIMITS = {"dir-cgist-torch": "dir-gemm", "dir-gemm": "dir-gemm", **dict.fromkeys(MNRL, "mnrl-gemm")}
+GIST_HEADER = "Loss stage fwd+bwd, Dg=384"
+MNRL_HEADER = "Loss stage fwd+bwd, CachedMultipleNegativesRankingLoss (scale=20, cos_sim, query_to_doc, no guide)"
 SIZES = [24, 40]
 #: Table columns after the leading "|": B, D, k, impl, median, p20-p80, peak, then these.
 VS_ST, VS_COS, X_GEMM, NOTE = 8, 9, 10, 11
 VERSION_PREFIX = {"st": "sentence-transformers ", "st-cos_sim": "sentence-transformers ",
-                  "mat-st-cos_sim": "sentence-transformers ", "gemm": "torch "}
+                  "mat-st-cos_sim": "sentence-transformers ", "mnrl-st": "sentence-transformers ", "gemm": "torch ",
+                  "dir-gemm": "torch ", "mnrl-gemm": "torch "}
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
 ENV.pop("TRITON_INTERPRET", None)
 
@@ -57,12 +68,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def _report(stdout: str) -> tuple[str, list[str], list[list[str]], list[str]]:
-    """The report printed last: its text from the header line on, the table's header cells, its body
-    rows' cells and the lines under the table."""
+def _report(stdout: str, heading: str = GIST_HEADER) -> tuple[str, list[str], list[list[str]], list[str]]:
+    """The report printed last, whose header line starts with ``heading``: its text from that line on, the
+    table's header cells, its body rows' cells and the lines under the table."""
     paragraphs = stdout.rstrip().split("\n\n")
     at = max(i for i, p in enumerate(paragraphs) if p.startswith("| "))
-    assert at >= len(paragraphs) - 2 and paragraphs[at - 1].startswith("Loss stage fwd+bwd, Dg=384")
+    assert at >= len(paragraphs) - 2 and paragraphs[at - 1].startswith(heading), paragraphs[at - 1]
     header, rule, *body = paragraphs[at].splitlines()
     assert set(rule) <= set("|-:")
     under = paragraphs[at + 1].splitlines() if at + 1 < len(paragraphs) else []
@@ -75,7 +86,7 @@ def _cells(line: str) -> list[str]:
 
 
 def _check(out: Path, stdout: str, *, dim: int, negatives: int, providers=PROVIDERS, stem="loss_stage_cpu",
-           dims_note="") -> tuple[list[list[str]], list[str]]:
+           dims_note="", heading=GIST_HEADER) -> tuple[list[list[str]], list[str]]:
     """Check a sweep's CSV, PNG and report; return the table's body cells and the lines under it.
 
     ``dims_note`` is the note of the Matryoshka providers' measured rows (and the end of their skip notes).
@@ -89,8 +100,9 @@ def _check(out: Path, stdout: str, *, dim: int, negatives: int, providers=PROVID
     timed = set()
     for r in rows:
         where = f"{r['impl']} B={r['B']}"
+        guide_dim = "0" if r["impl"] in MNRL else "384"  # the mnrl-* providers have no guide
         assert (r["op"], r["N"], r["D"], r["Dg"], r["k"], r["dtype"], r["device"]) == (
-            "fwd+bwd", r["B"], str(dim), "384", str(negatives), "float32", "cpu"), where
+            "fwd+bwd", r["B"], str(dim), guide_dim, str(negatives), "float32", "cpu"), where
         assert r["version"].startswith(VERSION_PREFIX.get(r["impl"], "cgist ")), where
         note = r["note"].removesuffix(f"; {dims_note}") if r["impl"] in MATRYOSHKA else r["note"]
         if note != (dims_note if r["impl"] in MATRYOSHKA else ""):
@@ -102,12 +114,13 @@ def _check(out: Path, stdout: str, *, dim: int, negatives: int, providers=PROVID
         assert 0 < p20 <= median <= p80 and math.isfinite(p80), where
         assert peak >= 0 and math.isfinite(peak), where
     assert {impl for impl, _ in timed} >= set(providers) - {"cgist-triton"}
-    assert {("gemm", b) for b in SIZES} <= timed
+    limits = {LIMITS.get(p, "gemm") for p in providers}
+    assert {(limit, b) for limit in limits for b in SIZES} <= timed
 
     png = (out / f"{stem}.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
-    text, header, body, under = _report(stdout)
+    text, header, body, under = _report(stdout, heading)
     assert header[VS_ST:NOTE + 1] == ["vs st", "vs st-cos_sim", "x gemm", "note"]
     assert len(body) == len(rows)
     assert [(int(c[1]), c[4]) for c in body] == [(b, p) for b in SIZES for p in providers]  # size, then provider
@@ -116,12 +129,17 @@ def _check(out: Path, stdout: str, *, dim: int, negatives: int, providers=PROVID
             assert c[NOTE].startswith("skipped") and c[VS_ST] == c[VS_COS] == c[X_GEMM] == "", c
             continue
         assert c[NOTE] == (dims_note if c[4] in MATRYOSHKA else ""), c
-        assert c[X_GEMM].endswith("x") and float(c[X_GEMM][:-1]) > 0, c  # gemm is timed at every size
-        if c[4] in MATRYOSHKA:
+        # every limit is timed at every size; a cell against another limit than gemm names it
+        limit = LIMITS.get(c[4])
+        times = re.fullmatch(r"([0-9.]+)x" + (f" {limit}" if limit else ""), c[X_GEMM])
+        assert times and float(times.group(1)) > 0, c
+        if c[4] in SEPARATE:
             assert c[VS_ST] == c[VS_COS] == "", c  # other work than the baselines'
         for column, impl in ((VS_ST, "st"), (VS_COS, "st-cos_sim"), (X_GEMM, "gemm")):
             if c[4] == impl:
                 assert c[column] == "1x", c  # a provider against itself
+        if c[4] == limit:
+            assert c[X_GEMM] == f"1x {limit}", c
     assert (out / f"{stem}.md").read_text() == text  # header line, table, the lines under it
     return body, under
 
@@ -164,30 +182,80 @@ def test_loss_stage_matryoshka_and_statistics_smoke(tmp_path):
         assert re.fullmatch(pattern, line), (line, pattern)
 
 
+@pytest.mark.parametrize("comparison", ["directions", "mnrl"])
+def test_loss_stage_directions_and_mnrl_smoke(tmp_path, comparison):
+    """--directions: both loss stages, each over its own bare GEMMs, side by side under the table;
+    --mnrl: the drop-in's speed-up over sentence-transformers under it."""
+    proc = _run("--device", "cpu", "--out", str(tmp_path), "--threads", "1", f"--{comparison}",
+                "--sizes", ",".join(map(str, SIZES)), "--dims", "16", "--negatives", "1",
+                "--repeats", "3", "--point-seconds", "0.01", "--budget", "600")
+    providers, heading = (DIRECTIONS, GIST_HEADER) if comparison == "directions" else (MNRL, MNRL_HEADER)
+    _, under = _check(tmp_path, proc.stdout, dim=16, negatives=1, providers=providers,
+                      stem=f"loss_stage_cpu_{comparison}", heading=heading)
+    if comparison == "directions":
+        pattern = r"loss stage over its bare GEMMs at B={}, D=16, k=1: cgist-torch [0-9.]+x gemm, " \
+                  r"dir-cgist-torch [0-9.]+x dir-gemm"
+    else:
+        pattern = r"mnrl-cgist-torch at B={}, D=16, k=1: [0-9.]+x faster than mnrl-st"
+    assert len(under) == len(SIZES), under
+    for line, b in zip(under, SIZES):
+        assert re.fullmatch(pattern.format(b), line), (line, pattern)
+
+
 @pytest.mark.parametrize("negatives", [0, 1], ids=["k0", "k1"])
 def test_compared_providers_do_the_same_work(bench, negatives):
     """mat-fused, mat-loop and mat-st-cos_sim: the same Matryoshka loss and gradients; cgist-torch,
-    cgist-torch-nostats and cgist-torch-core (on the whole columns): the same loss and gradients."""
+    cgist-torch-nostats and cgist-torch-core (on the whole columns): the same loss and gradients; mnrl-st and
+    mnrl-cgist-torch (no guide): the same loss and gradients."""
     loss_stage, _ = bench
     student, guide = loss_stage.common.make_embeddings(40, 56, 24, 12, negatives, seed=3)
-    groups = {("mat-fused", "mat-loop", "mat-st-cos_sim"): (24, 12, 5), ("cgist-torch", "cgist-torch-nostats"): ()}
+    groups = {("mat-fused", "mat-loop", "mat-st-cos_sim"): (24, 12, 5), ("cgist-torch", "cgist-torch-nostats"): (),
+              ("mnrl-st", "mnrl-cgist-torch"): ()}
     for impls, dims in groups.items():
         results = []
         for impl in impls:
             reps = loss_stage.common.split_leaves(student, loss_stage.MINI_BATCH_SIZE)
-            reps_guided = loss_stage.common.split_detached(guide, loss_stage.MINI_BATCH_SIZE)
+            reps_guided = (None if impl in loss_stage.UNGUIDED
+                           else loss_stage.common.split_detached(guide, loss_stage.MINI_BATCH_SIZE))
             loss = loss_stage.make_step(impl, dims)(reps, reps_guided)
             results.append((impl, loss, [torch.cat([leaf.grad for leaf in col]) for col in reps]))
-        if not dims:
+        if impls[0] == "cgist-torch":
             loss, grads, _ = loss_stage.core_step(student, guide)()
             results.append((loss_stage.CORE, loss, grads))
         (first, loss0, grads0), *rest = results
         for impl, loss, grads in rest:
             torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6, msg=f"{impl} vs {first}: loss")
             for col, (g, g0) in enumerate(zip(grads, grads0)):
-                # float32 with temperature 0.01: gradients of order 1/0.01, compared on that scale
+                # float32 with temperature 0.01 (0.05 for mnrl-*): gradients of order 1/temperature, compared on
+                # that scale
                 torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5 * float(g0.abs().max()),
                                            msg=f"{impl} vs {first}: column {col}")
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 2], ids=["k0", "k1", "k2"])
+def test_four_directions_provider_is_the_oracle_loss(bench, negatives):
+    """dir-cgist-torch: the float64 oracle's loss and gradients over all four directions in one softmax, with the
+    guide's mask, and not the one-direction loss."""
+    from cgist.options import GistOptions
+    from cgist.reference import gist_loss_reference
+
+    loss_stage, _ = bench
+    student, guide = loss_stage.common.make_embeddings(40, 56, 24, 12, negatives, seed=3)
+    reps = loss_stage.common.split_leaves(student, loss_stage.MINI_BATCH_SIZE)
+    reps_guided = loss_stage.common.split_detached(guide, loss_stage.MINI_BATCH_SIZE)
+    loss = loss_stage.make_step("dir-cgist-torch")(reps, reps_guided)
+    options = GistOptions(margin=loss_stage.MARGIN, contrast_anchors=False, contrast_positives=False,
+                          directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"))
+    exact = [c.double().requires_grad_() for c in student]
+    expected = gist_loss_reference(exact, [g.double() for g in guide], options)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for col, (leaves, x) in enumerate(zip(reps, exact)):
+        g, g0 = torch.cat([leaf.grad for leaf in leaves]).double(), x.grad
+        torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5 * float(g0.abs().max()), msg=f"column {col}")
+    one = gist_loss_reference([c.double() for c in student], [g.double() for g in guide],
+                              options.replace(directions=("query_to_doc",)))
+    assert abs(float(one) - float(expected.detach())) > 1e-3
 
 
 def test_options(bench):
@@ -202,19 +270,40 @@ def test_options(bench):
         ("mat-loop", (24, 8)), ("cgist-torch", ())}  # largest first
     assert loss_stage.output_stem(args) == "loss_stage_cpu"
     assert loss_stage.parse_args([]).providers == PROVIDERS
+    for name, providers in (("directions", DIRECTIONS), ("mnrl", MNRL)):
+        args = loss_stage.parse_args([f"--{name}", "--quick", "--sizes", "1024,4096"])
+        assert args.providers == providers and loss_stage.output_stem(args) == f"loss_stage_cpu_quick_{name}"
+        assert {(p.impl, p.Dg) for p in loss_stage.build_points(args)} == {
+            (impl, 0 if impl in MNRL else 384) for impl in providers}
     for argv in (["--matryoshka", "--providers", "gemm"], ["--providers", "st", "--matryoshka-dims", "8"],
+                 ["--directions", "--mnrl"], ["--matryoshka", "--directions"], ["--mnrl", "--providers", "mnrl-st"],
                  ["--matryoshka", "--dims", "24,8", "--matryoshka-dims", "16"],
                  ["--matryoshka", "--matryoshka-dims", "8,8"], ["--providers", "mat-loops"]):
         with pytest.raises(SystemExit):
             loss_stage.parse_args(argv)
 
 
+#: ``gemm_step``'s score blocks per limit provider: (queries, keys) with "a" the anchors, "p" the positives 0..B-1,
+#: keys 0 the anchors, 1 the positives, 2.. the negatives (two negative columns here).
+BLOCKS = {
+    "gemm": [("a", 1), ("a", 0), ("p", 1), ("a", 2), ("a", 3)],  # AP, AA, PP, AN_1, AN_2
+    "dir-gemm": [("a", 1), ("a", 2), ("a", 3), ("a", 0), ("p", 0), ("p", 1), ("p", 2), ("p", 3)],  # QD, QQ, DQ, DD
+    "mnrl-gemm": [("a", 1), ("a", 2), ("a", 3)],  # query-to-document
+}
+
+
+@pytest.mark.parametrize("impl", ["gemm", "dir-gemm", "mnrl-gemm"])
 @pytest.mark.parametrize("batch,n_cand,negatives,rows", [(40, 72, 2, 16), (24, 24, 0, 256)])
-def test_gemm_step_runs_the_loss_stage_gemms_only(bench, batch, n_cand, negatives, rows):
+def test_gemm_step_runs_the_loss_stage_gemms_only(bench, impl, batch, n_cand, negatives, rows):
+    """Each limit: the student's and (but for mnrl-gemm) the guide's score products and the two gradient products
+    of every score block of its loss stage, and nothing else."""
     loss_stage, _ = bench
     dim, guide_dim = 8, 12
+    blocks = [b for b in BLOCKS[impl] if b[1] < 2 + negatives]
+    assert loss_stage.score_blocks(2 + negatives, loss_stage.GEMMS[impl]) == blocks
     student, guide = loss_stage.common.make_embeddings(batch, n_cand, dim, guide_dim, negatives)
-    call = loss_stage.gemm_step(student, guide, rows=rows)
+    guided = impl not in loss_stage.UNGUIDED
+    call = loss_stage.gemm_step(student, guide if guided else None, directions=loss_stage.GEMMS[impl], rows=rows)
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -228,9 +317,14 @@ def test_gemm_step_runs_the_loss_stage_gemms_only(bench, batch, n_cand, negative
     with Ops() as ops, FlopCounterMode(display=False) as flops:
         call()
     assert ops.seen == {"aten.mm.out", "aten.addmm.out"}
-    columns = n_cand + batch + n_cand + negatives * n_cand  # AP, AA, PP, AN_1..AN_k
+    columns = sum(batch if key == 0 else n_cand for _, key in blocks)
     counts = {str(op): n for op, n in flops.get_flop_counts()["Global"].items()}
-    assert counts == {"aten.mm": 2 * batch * columns * (dim + guide_dim), "aten.addmm": 4 * batch * columns * dim}
+    assert counts == {"aten.mm": 2 * batch * columns * (dim + guide_dim * guided),
+                      "aten.addmm": 4 * batch * columns * dim}
+    if impl == "gemm":
+        assert columns == n_cand + batch + n_cand + negatives * n_cand  # AP, AA, PP, AN_1..AN_k
+    elif impl == "dir-gemm":
+        assert columns == 2 * (1 + negatives) * n_cand + 2 * batch  # QD and DD over every document, QQ and DQ
 
 
 def test_table_ratios(bench):
@@ -289,6 +383,39 @@ def test_table_comparisons(bench):
         "statistics overhead at B=64, D=8, k=1: +5.0% (cgist-torch 10.5 ms, nostats 10.0 ms)",
         f"mat-fused at B=128, D=8, k=1 ({dims}): 40x faster than mat-st",
     ]
+
+
+def test_table_own_limits_and_headers(bench):
+    """A provider against its own limit (named in the cell), the beside line, and the header of an MNRL-only table."""
+    _, report = bench
+    legend = report.Legend(order=("st", "cgist-torch", "gemm", "dir", "dir-gemm", "mnrl-st", "mnrl", "mnrl-gemm"),
+                           baselines=("st",), limit="gemm", featured=(), header="gist", title="gist plot",
+                           separate=("dir", "dir-gemm", "mnrl-st", "mnrl", "mnrl-gemm"),
+                           speedups=(("mnrl", ("mnrl-st",)),),
+                           limits=(("dir", "dir-gemm"), ("mnrl-st", "mnrl-gemm"), ("mnrl", "mnrl-gemm")),
+                           beside=(("over its GEMMs", ("cgist-torch", "dir")),),
+                           headers=((("mnrl-st", "mnrl", "mnrl-gemm"), "mnrl table", "mnrl plot"),))
+
+    def row(impl, b, ms):
+        return dict(impl=impl, B=b, D=8, k=1, note="", median_ms=ms, p20_ms=ms, p80_ms=ms, peak_mb=1.0)
+
+    rows = [row("st", 64, 100.0), row("cgist-torch", 64, 25.0), row("gemm", 64, 20.0), row("dir", 64, 39.0),
+            row("dir-gemm", 64, 30.0), row("cgist-torch", 128, 80.0), row("gemm", 128, 64.0), row("dir", 128, 120.0)]
+    cells = {(int(c[1]), c[4]): c for c in map(_cells, report.markdown_table(rows, legend).splitlines()[2:])}
+    assert cells[64, "cgist-torch"][VS_ST:VS_ST + 2] == ["4x", "1.25x"]
+    assert cells[64, "dir"][VS_ST:VS_ST + 2] == ["", "1.3x dir-gemm"]
+    assert cells[64, "dir-gemm"][VS_ST:VS_ST + 2] == ["", "1x dir-gemm"]
+    assert cells[128, "dir"][VS_ST:VS_ST + 2] == ["", ""]  # no dir-gemm row at B=128
+    assert report.comparisons(rows, legend) == [
+        "over its GEMMs at B=64, D=8, k=1: cgist-torch 1.25x gemm, dir 1.3x dir-gemm"]  # none at 128: no dir-gemm
+    assert legend.heading([r["impl"] for r in rows]) == ("gist", "gist plot")
+    mnrl = [row("mnrl-st", 64, 500.0), row("mnrl", 64, 20.0), row("mnrl-gemm", 64, 16.0)]
+    cells = {c[4]: c for c in map(_cells, report.markdown_table(mnrl, legend).splitlines()[2:])}
+    assert [cells[impl][VS_ST + 1] for impl in ("mnrl-st", "mnrl", "mnrl-gemm")] == [
+        "31.2x mnrl-gemm", "1.25x mnrl-gemm", "1x mnrl-gemm"]
+    assert report.comparisons(mnrl, legend) == ["mnrl at B=64, D=8, k=1: 25x faster than mnrl-st"]
+    assert legend.heading([r["impl"] for r in mnrl]) == ("mnrl table", "mnrl plot")
+    assert legend.heading([r["impl"] for r in mnrl + rows]) == ("gist", "gist plot")
 
 
 def test_stats_overhead_smoke():

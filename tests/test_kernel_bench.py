@@ -71,6 +71,33 @@ def test_paper_estimates_give_the_matryoshka_ratio(bench):
                                                   for k in ("fwd", "score_grad", "gemms")))
 
 
+def test_four_direction_estimate_is_the_per_entry_cost_times_its_entries(bench):
+    """The four directions in one softmax (B = N = 64k, k = 1, bf16, GEMM backward): six B x B blocks, the ones the
+    loss runs, each entry costing what a query-to-document entry costs in each kernel."""
+    from cgist.options import GistOptions
+
+    batch, k = 65536, 1
+    rows = {(r["impl"], r["op"]): r for r in bench.paper_estimates(batch, 768, 384, k, "bf16",
+                                                                    directions=bench.DIRECTIONS)}
+    groups, _, _ = GistOptions(contrast_anchors=False, contrast_positives=False,
+                               directions=bench.DIRECTIONS).column_groups(2 + k)
+    assert [g.name for g in groups] == ["ap", "an", "qq", "dq", "dd", "dd"]  # the blocks block_columns counts
+    assert bench.block_columns(batch, k, bench.DIRECTIONS) == [batch] * len(groups)
+    entries = batch * batch * len(groups)
+    total = 0.0
+    for kernel in ("fwd", "score_grad", "gemms"):
+        row = rows["estimate/gemm-dir4", kernel]
+        tiles = dict(zip(("BLOCK_M", "BLOCK_N"), map(int, row["note"].split("tiles=")[1].split("x")[:2])))
+        chunk_rows = int(row["note"].split("chunk_rows=")[1])
+        per_entry, _ = bench.estimate(kernel, 1.0, 768, 384, torch.bfloat16, torch.bfloat16, tiles, chunk_rows,
+                                      bench.SPEC)
+        assert row["median_ms"] == pytest.approx(per_entry * entries)
+        assert row["median_ms"] == pytest.approx(rows["estimate/gemm", kernel]["median_ms"] * 6 / 4)  # AP, AA, PP, AN
+        total += row["median_ms"]
+    four = rows["estimate/gemm-dir4", "fwd+bwd"]
+    assert four["median_ms"] == pytest.approx(total) and "vs_gist=1.50" in four["note"]
+
+
 def test_check_smoke(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
@@ -97,6 +124,11 @@ def test_check_smoke(tmp_path):
                 ("triton/gemm-mat5", f"bwd {kind} gemms")} <= ops
     assert ("triton/gemm-mat5", "fwd+bwd") in ops and ("triton/fused-mat5", "fwd+bwd") not in ops
     assert "target: 5 Matryoshka dims <= 1.6x one dimension (fp32, B=24)" in proc.stdout
+    # the four directions by count, beside one, at the CPU measurement's shape
+    estimates = {r["impl"]: r for r in rows if r["op"] == "fwd+bwd" and r["impl"].startswith("estimate/")}
+    assert set(estimates) == {"estimate/gemm", "estimate/gemm-dir4"}
+    assert all((r["B"], r["D"], r["Dg"]) == ("4096", "384", "384") for r in estimates.values())
+    assert "vs_gist=" in estimates["estimate/gemm-dir4"]["note"]
     assert {("streaming", "fwd+bwd"), ("sentence-transformers", "fwd+bwd")} <= ops
     assert all("measured/est=" in r["note"] for r in rows if r["impl"].startswith("triton/") and " " in r["op"])
     assert "target: bf16" not in proc.stdout and "loss stage fwd+bwd (D=16, Dg=8, k=1)" in proc.stdout
