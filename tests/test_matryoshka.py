@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 from helpers import TOL, make_inputs, one_thread, precision  # noqa: F401  (one_thread: autouse)
-from helpers_models import guide_model, tiny_model
+from helpers_models import guide_model, run_loss, tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
-from test_loss import MINI_BATCH, _run, _texts
+from test_loss import MINI_BATCH, _texts
 
 import cgist
 from cgist import FusedCachedGISTLoss, GistOptions
@@ -54,7 +54,7 @@ def _compare(student, guide, columns, *, dims, weights=None, n_dims_per_step=-1,
         for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):
             inner = cls(student, guide, mini_batch_size=MINI_BATCH, **options)
             loss = MatryoshkaLoss(student, inner, dims, matryoshka_weights=weights, n_dims_per_step=n_dims_per_step)
-            results.append((inner, *_run(loss, student, columns, seed=99)))
+            results.append((inner, *run_loss(loss, student, columns, seed=99)))
     finally:
         student.eval()
     (_, want, want_grads), (fused, got, grads) = results
@@ -87,7 +87,7 @@ def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
     counting = _Counting(monkeypatch)
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, [32, 16, 8, 4])
-    _run(loss, student, _texts(1, seed=6), seed=0)
+    run_loss(loss, student, _texts(1, seed=6), seed=0)
     assert counting.calls == 1
 
 
@@ -98,11 +98,11 @@ def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, g
     want = []
     for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):
         inner = cls(student, guide, mini_batch_size=MINI_BATCH, margin=0.1)
-        want.append(_run(MatryoshkaLoss(student, inner, dims), student, columns, seed=3))
+        want.append(run_loss(MatryoshkaLoss(student, inner, dims), student, columns, seed=3))
         if cls is FusedCachedGISTLoss:
             assert not isinstance(inner.calculate_loss, FusedMatryoshka)
     counting = _Counting(monkeypatch)
-    _run(MatryoshkaLoss(student, FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
+    run_loss(MatryoshkaLoss(student, FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
          student, columns, seed=3)
     assert counting.calls == len(dims)
     (st_loss, st_grads), (loss, grads) = want
