@@ -4,8 +4,11 @@
   anything imports them, so it is set here, at collection time.
 * Every tensor the package allocates uninitialised is filled with NaN, so an output that a code path
   forgets to write fails the comparison instead of passing on leftover memory.
+* Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
+  (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
 """
 
+import importlib.util
 import os
 
 import torch
@@ -38,3 +41,15 @@ def nan_poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_empty)
     monkeypatch.setattr(torch, "empty_like", _nan_empty_like)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def exact_bf16_interpreter_dot():
+    """The interpreter's ``tl.dot`` with bf16 operands multiplied by value (``interpreter_dot``), for the whole run."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from interpreter_dot import patch_interpreter_dot
+
+    with patch_interpreter_dot():
+        yield
