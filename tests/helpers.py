@@ -10,6 +10,9 @@ API:
     oracle_stats(...)             the GistStats counts read off the dense oracle's masked scores.
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
+    tf32(x, mode)                 fp32 rounded to tf32, to nearest or toward zero.
+    tf32_addmm(mode)              the launcher's ``_addmm_`` on emulated tf32 tensor cores.
+    TF32X3_BOUND                  a tf32x3 product's error bound per unit of sum_k |a_k b_k|.
 
 It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
 ``helpers_models``.
@@ -48,6 +51,8 @@ def precision(dtype: torch.dtype) -> str:
 
 
 _EPS = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+#: A tf32x3 product's error bound per unit of sum_k |a_k b_k|, (5 + 4u) u^2 with u = 2^-11 (test_kernels_precision).
+TF32X3_BOUND = (5 + 4 * 2.0**-11) * 2.0**-22
 
 #: Every tolerance, by kind of comparison; the kinds measure different things, so their values differ.
 TOL = {
@@ -58,6 +63,23 @@ TOL = {
         "tf32": (3e-2, 3e-2),
         "bf16": (3e-2, 3e-2),
         "fp16": (1e-2, 1e-2),
+    },
+    # The launcher in each dtype pair of test_kernels_dtypes against the float64 oracle on the same rounded inputs:
+    # (loss, gradients). The loss's tolerance is in units of the logits' scale 1 + 1/tau: half products are exact in
+    # float32 and summed in float32 (on the tensor cores, and under the interpreter with its bf16 dot fixed), so the
+    # loss is as accurate as fp32's, 16 float32 roundings per unit. The gradients' is a fraction of their largest
+    # entry: u, the student dtype's unit roundoff, for the final rounding to that dtype, plus the score gradient's
+    # rounding to it (up to 2u per entry: the interpreter truncates fp32 to bf16, a GPU rounds to nearest) carried
+    # through F @ K and the normalisation backward, taken as 3u: 4u in all. A pair's guide dtype moves only the
+    # guide's mask, which the counters check exactly. tf32x3 adds its products' bound (twice: a row's log-sum-exp and
+    # its positive) to the loss's unit, and its gradients meet fp32's tolerance.
+    "pairs": {
+        "bf16": (16 * _EPS["fp32"] / 2, 4 * _EPS["bf16"] / 2),
+        "fp16": (16 * _EPS["fp32"] / 2, 4 * _EPS["fp16"] / 2),
+        "bf16-fp32guide": (16 * _EPS["fp32"] / 2, 4 * _EPS["bf16"] / 2),
+        "fp16-fp32guide": (16 * _EPS["fp32"] / 2, 4 * _EPS["fp16"] / 2),
+        "tf32x3": (16 * _EPS["fp32"] / 2 + 2 * TF32X3_BOUND, 1e-5),
+        "tf32x3-bf16guide": (16 * _EPS["fp32"] / 2 + 2 * TF32X3_BOUND, 1e-5),
     },
     # PyTorch streaming path against the float64 oracle: (loss tolerance, gradient tolerance after dividing by
     # the gradient's largest entry). Half inputs are upcast and accumulated in float32, so the loss meets the
@@ -192,3 +214,21 @@ def oracle_stats(embeddings: list[torch.Tensor], guide_embeddings: list[torch.Te
         theta_mean=float(theta.mean()),
         threshold_mean=float(threshold(theta, options.margin, options.relative).mean()),
     )
+
+
+def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """fp32 ``x`` rounded to tf32 (10 mantissa bits): "rn" to nearest (ties to even), "rz" toward zero (truncation)."""
+    if mode == "rn":
+        from cgist.kernels.launch import split_tf32
+
+        return split_tf32(x)[0]
+    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def tf32_addmm(mode: str):
+    """A stand-in for ``cgist.kernels.launch._addmm_`` on tf32 tensor cores: ``out += tf32(a) @ tf32(b)``, the
+    products and their sums exact (float64), the operands rounded as ``tf32(x, mode)``. Neither a CPU nor the
+    Triton interpreter has tf32, so this is how the tests see the launcher's tf32x3 GEMMs round."""
+    def addmm_(out, a, b):
+        out.add_(tf32(a, mode).double() @ tf32(b, mode).double())
+    return addmm_

@@ -1,8 +1,10 @@
 """cgist.kernels: the Triton launcher against the dense float64 oracle, with both backwards.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
-TRITON_INTERPRET=1), in float32 and float64. bf16/fp16/tf32 only run on a GPU: the interpreter's
-bf16 ``tl.dot`` is broken and it has no tf32 (nor tf32x3: see test_kernels_precision for its rounding).
+TRITON_INTERPRET=1), here in float32 and float64; every dtype pair the launcher picks (bf16, fp16, a
+half student with an fp32 guide, fp32 as tf32x3 with an fp32 or a bf16 guide) runs at small sizes in
+test_kernels_dtypes, with the interpreter's bf16 ``tl.dot`` fixed by the tests (interpreter_dot). The GPU-sized cases at the end need
+a GPU, as tf32 does (the interpreter has none; see test_kernels_precision for its rounding).
 The GEMM backward (the default) runs every case; the fused one a handful, and chunked budgets force
 the GEMM backward through several row and column chunks.
 """
@@ -22,7 +24,7 @@ from cgist.reference import gist_loss_reference, gist_scores
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-needs_cuda = pytest.mark.skipif(not CUDA, reason="bf16/fp16/tf32 tl.dot only run on a GPU")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="GPU-sized problems, and tf32, which the interpreter lacks")
 
 
 def _exact_norm_row(dim_g, seed):

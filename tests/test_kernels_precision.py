@@ -3,7 +3,7 @@
 At torch's default matmul precision ("highest") every product of the Triton backend's loss stage runs
 as tf32x3: operands split into a tf32 high part and the fp32 rest, three tf32 tensor-core products
 (``hi*hi + hi*lo + lo*hi``). Neither the Triton interpreter nor a CPU has tf32, so the rounding is
-emulated here: tf32 values and their exact products in float64, with the tensor core's rounding of
+emulated (``helpers.tf32_addmm``): tf32 values and their exact products in float64, with the tensor core's rounding of
 the low parts taken as truncation (the worst case) or round-to-nearest. The bound, per entry of a
 product over K terms with u = 2^-11 (the unit roundoff of tf32's 11-bit significand):
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import DEVICE, one_thread  # noqa: F401  (one_thread: autouse)
+from helpers import DEVICE, TF32X3_BOUND, one_thread, tf32_addmm  # noqa: F401  (one_thread: autouse)
 
 from cgist.kernels import launch
 from cgist.devices import KNOWN_ARCHS, arch_for
@@ -26,14 +26,7 @@ from cgist.kernels.gist import TILE_SETS, _round_tf32, operand_kind, shared_memo
 from cgist.kernels.launch import input_precision, split_tf32
 
 U = 2.0**-11
-BOUND = (5 + 4 * U) * U**2
-
-
-def _tf32(x: torch.Tensor, mode: str) -> torch.Tensor:
-    """fp32 ``x`` rounded to tf32: "rn" to nearest (ties to even), "rz" toward zero (truncation)."""
-    if mode == "rn":
-        return split_tf32(x)[0]
-    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+BOUND = TF32X3_BOUND
 
 
 def _values(n: int, seed: int = 0) -> torch.Tensor:
@@ -69,13 +62,6 @@ def test_kernel_rounding_equals_the_launcher_split():
     assert torch.equal(out.view(torch.int32), split_tf32(x)[0].view(torch.int32))
 
 
-def _emulated_addmm(mode: str):
-    """``out += tf32(a) @ tf32(b)``: tf32 operands, exact products and sums (float64)."""
-    def addmm_(out, a, b):
-        out.add_(_tf32(a, mode).double() @ _tf32(b, mode).double())
-    return addmm_
-
-
 @pytest.mark.parametrize("mode", ["rz", "rn"])
 def test_tf32x3_products_meet_the_bound(monkeypatch, mode):
     """The launcher's three-product composition (``_gemm_acc``), with every product on emulated tf32 cores."""
@@ -84,7 +70,7 @@ def test_tf32x3_products_meet_the_bound(monkeypatch, mode):
     b = torch.randn(300, 48, generator=gen)
     exact = a.double() @ b.double()
     scale = a.double().abs() @ b.double().abs()
-    monkeypatch.setattr(launch, "_addmm_", _emulated_addmm(mode))
+    monkeypatch.setattr(launch, "_addmm_", tf32_addmm(mode))
 
     split = torch.zeros(64, 48, dtype=torch.float64)
     launch._gemm_acc(split, split_tf32(a), split_tf32(b))
