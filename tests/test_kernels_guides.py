@@ -27,7 +27,7 @@ def _texts(seed: int) -> list[torch.Tensor]:
     texts += [torch.randperm(1000, generator=gen)[:N] + 2000 + 1000 * k for k in range(K)]
     texts[2][5] = texts[0][2]
     texts[0][9] = texts[0][2]
-    texts[1][20] = texts[1][B + 7]
+    texts[1][2] = texts[1][B + 7]  # positive row 2 has the text of anchor 7's positive (row B + 7)
     texts[2][11] = texts[1][B + 7]
     texts[1][3] = texts[0][4]  # a positive with the text of anchor 4
     return texts
