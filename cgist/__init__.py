@@ -16,17 +16,20 @@ from .stats import GistStats
 
 if TYPE_CHECKING:
     from .callbacks import GuideStatsCallback
-    from .loss import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
+    from .loss import FusedCachedGISTLoss
+    from .ranking import FusedCachedMultipleNegativesRankingLoss, FusedCachedMultipleNegativesSymmetricRankingLoss
     from .precompute import add_guide_embeddings
 
 __version__ = "0.1.0"
 __all__ = [
-    "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "GistOptions", "GistStats", "GuideStatsCallback",
+    "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
+    "GistOptions", "GistStats", "GuideStatsCallback",
     "add_guide_embeddings", "gist_loss", "__version__",
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
-_LAZY = {"FusedCachedGISTLoss": "loss", "FusedCachedMultipleNegativesRankingLoss": "loss", "GuideStatsCallback": "callbacks",
+_LAZY = {"FusedCachedGISTLoss": "loss", "FusedCachedMultipleNegativesRankingLoss": "ranking",
+         "FusedCachedMultipleNegativesSymmetricRankingLoss": "ranking", "GuideStatsCallback": "callbacks",
          "add_guide_embeddings": "precompute"}
 
 

@@ -1,4 +1,6 @@
-"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with a fused loss stage."""
+"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with a fused loss stage; and what every
+drop-in shares: the loss stage of a GradCache step, its options read off the loss's attributes at each call
+(``FusedDropIn``), and the takeover of ``MatryoshkaLoss``'s decoration (``FusedMatryoshka``)."""
 
 from __future__ import annotations
 
@@ -6,22 +8,24 @@ import logging
 import math
 import numbers
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss
-from sentence_transformers.util import all_gather, all_gather_with_grad, cos_sim, get_rank
+from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num_tokens
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .function import BACKENDS, default_masks, gist_loss_with_options
+from .function import default_masks, gist_loss_with_options, requested_backend
 from .numerics import token_fingerprints
-from .options import GistOptions, _check_real
+from .options import MARGIN_STRATEGIES, GistOptions, _check_real
 from .stats import GistStats
 
-__all__ = ["FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedMatryoshka"]
+__all__ = ["FusedCachedGISTLoss", "FusedDropIn", "FusedMatryoshka"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +128,9 @@ def fused_loss_stage(
             text_ids = [text_ids[0], *(all_gather(t) for t in text_ids[1:]), *([all_gather(text_ids[0])] if everyone else [])]
         options = options.replace(offset=get_rank() * batch, all_anchors=everyone)
     if dims is not None:
-        options = options.replace(matryoshka_dims=tuple(d for d, _ in dims), matryoshka_weights=tuple(w for _, w in dims))
+        # MatryoshkaLoss scores normalised prefixes (its ``shrink``), so even a dot-product loss scores cosines.
+        options = options.replace(matryoshka_dims=tuple(d for d, _ in dims), matryoshka_weights=tuple(w for _, w in dims),
+                                  similarity="cos")
     loss, stats = gist_loss_with_options([anchors, *candidates], guide, options, backend=backend, return_stats=True,
                                          text_ids=text_ids)
     if with_backward:
@@ -133,8 +139,9 @@ def fused_loss_stage(
     return loss, stats
 
 
-def _check_mini_batches(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
-    """The embedding stage's arguments of both losses, checked."""
+def check_embedding_stage(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
+    """The embedding stage's attributes of every drop-in, checked; sentence-transformers' own check of
+    ``mini_batch_num_tokens`` keeps its message."""
     for name, value, expected in (
         ("mini_batch_size", mini_batch_size, "an int"),
         ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
@@ -143,10 +150,79 @@ def _check_mini_batches(mini_batch_size: object, mini_batch_num_tokens: object, 
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+    if mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
+    try:
+        _validate_mini_batch_num_tokens(mini_batch_num_tokens)
+    except ValueError as error:
+        raise ValueError(f"{error} Got {mini_batch_num_tokens!r}.") from None
     if not isinstance(gather_across_devices, bool):
         raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+
+
+def attribute_key(obj: object, names: Iterable[str]) -> tuple:
+    """The values of the attributes ``names`` of ``obj`` (None where one is missing), each with its type, so that
+    ``1`` and ``True`` or ``0`` and ``0.0`` differ: what a drop-in's options are rebuilt on."""
+    return tuple((type(value), value) for value in (getattr(obj, name, None) for name in names))
+
+
+class FusedDropIn:
+    """What the fused drop-ins share: sentence-transformers' attributes are the options.
+
+    The subclass (a sentence-transformers loss) keeps every hyperparameter as the attribute that
+    sentence-transformers defines, and cgist's own (``backend``, ``block_bytes``, ...) beside them, with class-level
+    defaults so that a loss built by ``__new__`` with its attributes set by hand has them too. At each call,
+    ``resolve`` reads them: the ``GistOptions`` of the fused loss stage, validated and cached, rebuilt only when one
+    of the attributes in ``options_key`` changed; or None when the fused stage does not compute what they ask for,
+    and sentence-transformers' own loss computation runs instead (with one warning per loss object).
+    """
+
+    backend: str = "auto"
+    block_bytes: int | None = None
+    last_stats: GistStats | None = None
+    #: cgist's own constructor arguments and their defaults: ``get_config_dict`` lists those that differ.
+    OWN_DEFAULTS: dict[str, object] = {"backend": "auto", "block_bytes": None}
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
+        # dimensions; take that decoration over and compute the dimensions in one pass instead.
+        if name == "calculate_loss":
+            value = FusedMatryoshka.take_over(self, value)
+        super().__setattr__(name, value)
+
+    def options_key(self) -> tuple:
+        """The attribute values the options are built from (``attribute_key``)."""
+        raise NotImplementedError
+
+    def build_options(self) -> tuple[GistOptions | None, str | None]:
+        """The attributes checked: the fused stage's options, or None and the reason it does not compute them."""
+        raise NotImplementedError
+
+    def resolve(self) -> GistOptions | None:
+        """The options of the next loss stage, from the attributes as they are now; None when sentence-transformers'
+        own loss computation runs instead. A bad attribute raises here, with the constructor's error."""
+        key = self.options_key()
+        cached = self.__dict__.get("_resolved")
+        if cached is None or cached[0] != key:
+            cached = (key, self.build_options())
+            self.__dict__["_resolved"] = cached  # past nn.Module.__setattr__: the cache is no attribute
+        options, reason = cached[1]
+        if options is None and not self.__dict__.get("_warned_unfused"):
+            self.__dict__["_warned_unfused"] = True
+            logger.warning("%s runs sentence-transformers' own loss computation instead of the fused loss stage "
+                           "(the same loss and gradients, with its time and memory): %s. This warning is shown once.",
+                           type(self).__name__, reason)
+        return options
+
+    @property
+    def options(self) -> GistOptions | None:
+        """The fused loss stage's options for the attributes as they are now (None when it does not run)."""
+        return self.resolve()
+
+    def own_config(self) -> dict[str, object]:
+        """cgist's own arguments that differ from their defaults, for ``get_config_dict``."""
+        return {name: getattr(self, name) for name, default in self.OWN_DEFAULTS.items()
+                if getattr(self, name) != default}
 
 
 def check_equal_batches(batch_size: int, device: torch.device) -> None:
@@ -167,7 +243,50 @@ def check_equal_batches(batch_size: int, device: torch.device) -> None:
         )
 
 
-class FusedCachedGISTLoss(CachedGISTEmbedLoss):
+#: The attributes ``FusedCachedGISTLoss`` reads at each call, sentence-transformers' and cgist's own (besides the guide,
+#: the similarity function and the cross-entropy, which ``options_key`` adds with their settings).
+_GIST_ATTRIBUTES = (
+    "temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives", "mini_batch_size",
+    "mini_batch_num_tokens", "gather_across_devices", "backend", "block_bytes", "mask_self", "mask_duplicates",
+    "directions", "partition_mode", "hardness_mode", "hardness_strength",
+)
+
+
+def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
+    """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
+    sentence-transformers' loss NaN (its masked similarities are -inf before the division), and a NaN margin
+    silently masks nothing, so both are errors; ``margin_strategy`` keeps sentence-transformers' message."""
+    if margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be 'absolute' or 'relative'. Got {margin_strategy!r}.")
+    _check_real("temperature", temperature)
+    _check_real("margin", margin)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}: the loss would be NaN")
+    if math.isnan(margin):
+        raise ValueError(f"margin must be a number, got {margin!r}: every guide comparison with it is false")
+
+
+def _unfused_cosine(similarity_fct: object) -> str | None:
+    """Why the fused stage does not compute ``similarity_fct`` as GIST's cosine (None: it does, or none is set)."""
+    if similarity_fct is None or (type(similarity_fct) is torch.nn.CosineSimilarity and similarity_fct.dim in (-1, 2)
+                                  and similarity_fct.eps == 1e-8):
+        return None
+    return (f"similarity_fct={similarity_fct!r} (the fused stage computes sentence-transformers' "
+            "nn.CosineSimilarity(dim=-1))")
+
+
+def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
+    """Why the fused stage does not compute ``cross_entropy_loss`` (None: it is the plain mean cross-entropy, whose
+    ``ignore_index`` no label reaches, or none is set)."""
+    if cross_entropy_loss is None or (
+            type(cross_entropy_loss) is torch.nn.CrossEntropyLoss and cross_entropy_loss.weight is None
+            and cross_entropy_loss.reduction == "mean" and cross_entropy_loss.label_smoothing == 0.0
+            and cross_entropy_loss.ignore_index < 0):
+        return None
+    return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
+
+
+class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
     """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage."""
 
     def __init__(
@@ -300,35 +419,16 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        self.guide_mode = guide_mode(guide)
-        source = "embeddings" if self.guide_mode in ("model", "labels") else "self" if self.guide_mode == "self" else None
-        for name, value in (("mask_self", mask_self), ("mask_duplicates", mask_duplicates)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-        mask_self, mask_duplicates = default_masks(source, mask_self, mask_duplicates, have_text_ids=True)
-        self.options = GistOptions(
-            temperature=temperature,
-            margin=margin,
-            margin_strategy=margin_strategy,
-            contrast_anchors=contrast_anchors,
-            contrast_positives=contrast_positives,
-            mask_self=mask_self,
-            mask_duplicates=mask_duplicates,
-            directions=directions,
-            partition_mode=partition_mode,
-            hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-            block_bytes=block_bytes,
-        )
-        _check_mini_batches(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        # Without a guide model sentence-transformers' checks see the student as the guide; the guide is set after.
+        mode = guide_mode(guide)
+        check_embedding_stage(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
+        check_scalars(temperature, margin, margin_strategy)
+        # sentence-transformers' constructor checks its own arguments, with its messages, and keeps them as attributes.
+        # Without a guide model its checks see the student as the guide; the guide is set after.
         super().__init__(
             model,
-            guide if self.guide_mode == "model" else model,
+            guide if mode == "model" else model,
             temperature=temperature,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
@@ -339,35 +439,97 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             contrast_positives=contrast_positives,
             gather_across_devices=gather_across_devices,
         )
-        if self.guide_mode != "model":
-            del self.guide  # the student, registered by sentence-transformers' constructor as the guide module
         self.guide = guide
         self.backend = backend
-        self._batch: dict[str, object] = {}  # this forward's label guide and text ids, for calculate_loss
-        self.last_stats: GistStats | None = None
+        self.block_bytes = block_bytes
+        self.mask_self = mask_self
+        self.mask_duplicates = mask_duplicates
+        self.directions = directions
+        self.partition_mode = partition_mode
+        self.hardness_mode = hardness_mode
+        self.hardness_strength = hardness_strength
         self._training_stats: list[GistStats] = []
-        self._warned_positive_only = False
+        self.resolve()  # every argument checked now, as the attributes are again at each call once one changes
+
+    # cgist's own attributes, read at each call like sentence-transformers' (class-level defaults: see FusedDropIn),
+    # and sentence-transformers' one that its constructor sets but its own calculate_loss never reads.
+    mini_batch_num_tokens: int | None = None
+    mask_self: bool | None = None
+    mask_duplicates: bool | None = None
+    directions: tuple[str, ...] = ("query_to_doc",)
+    partition_mode: str = "joint"
+    hardness_mode: str | None = None
+    hardness_strength: float = 0.0
+    OWN_DEFAULTS = {**FusedDropIn.OWN_DEFAULTS, "mask_self": None, "mask_duplicates": None,
+                    "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
+                    "hardness_strength": 0.0}
+    _batch: Mapping[str, object] = MappingProxyType({})  # this forward's label guide and text ids, for calculate_loss
+    _warned_positive_only = False
 
     def __setattr__(self, name: str, value: object) -> None:
-        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
-        # dimensions; take that decoration over and compute the dimensions in one pass instead.
-        if name == "calculate_loss":
-            value = FusedMatryoshka.take_over(self, value)
+        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
+            del self._modules["guide"]  # a guide model (or the student, see __init__) gives way to another source
         super().__setattr__(name, value)
 
+    @property
+    def guide_mode(self) -> str:
+        """The ``GUIDE_MODES`` name of ``guide``; a loss built without one (by ``__new__``) takes the guide's
+        embeddings from ``reps_guided``, as sentence-transformers does."""
+        return guide_mode(getattr(self, "guide")) if hasattr(self, "guide") else "model"
+
+    def options_key(self) -> tuple:
+        similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)
+        return (self.guide_mode, *attribute_key(self, _GIST_ATTRIBUTES),
+                *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
+                *attribute_key(cross_entropy, ("weight", "ignore_index", "reduction", "label_smoothing")),
+                (type(cross_entropy), cross_entropy))
+
+    def build_options(self) -> tuple[GistOptions | None, str | None]:
+        check_embedding_stage(self.mini_batch_size, self.mini_batch_num_tokens, self.gather_across_devices)
+        check_scalars(self.temperature, self.margin, self.margin_strategy)
+        requested_backend(self.backend)
+        for name in ("mask_self", "mask_duplicates"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        mode = self.guide_mode
+        source = {"model": "embeddings", "labels": "embeddings", "self": "self"}.get(mode)
+        mask_self, mask_duplicates = default_masks(source, self.mask_self, self.mask_duplicates, have_text_ids=True)
+        options = GistOptions(
+            margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
+            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength, block_bytes=self.block_bytes,
+        )
+        reason = (_unfused_cosine(getattr(self, "similarity_fct", None))
+                  or _unfused_cross_entropy(getattr(self, "cross_entropy_loss", None))
+                  or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
+        if reason is None:
+            return options.replace(temperature=self.temperature, margin=self.margin), None
+        beyond = [f"guide={self.guide!r}"] if mode == "none" else []
+        beyond += [f"{name}=True" for name in ("mask_self", "mask_duplicates") if getattr(options, name)]
+        beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
+                   if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
+        if beyond:
+            raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers' "
+                             f"CachedGISTEmbedLoss, which would, has no {', '.join(beyond)}")
+        return None, reason
+
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
-        """sentence-transformers' GradCache step; the label guide and the texts' ids are read off the batch first."""
+        """sentence-transformers' GradCache step; the attributes are checked and the label guide and the texts' ids
+        read off the batch first."""
         sentence_features = list(sentence_features)
+        options = self.resolve()
         batch = {}
         if self.guide_mode == "labels":
             batch["guide"] = label_guide(labels, len(sentence_features), batch_rows(sentence_features[0]))
-        if self.options.mask_duplicates:
+        if options is not None and options.mask_duplicates:
             batch["text_ids"] = [text_fingerprints(feature) for feature in sentence_features]
         self._batch = batch
         try:
             return super().forward(sentence_features, labels)
         finally:
-            self._batch = {}
+            self._batch = MappingProxyType({})
 
     def embed_minibatch(self, sentence_feature: dict[str, Tensor], begin: int, end: int, with_grad: bool,
                         copy_random_state: bool, random_state=None):
@@ -377,12 +539,13 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         hands back as the guide's embeddings the student's own (``"self"``) or an empty placeholder (``"labels"``,
         None), which ``calculate_loss`` replaces.
         """
-        if self.guide_mode == "model" or with_grad:
+        mode = self.guide_mode
+        if mode == "model" or with_grad:
             return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
         with torch.no_grad():
             reps, _, state = super().embed_minibatch(sentence_feature, begin, end, True, copy_random_state,
                                                      random_state)
-        return reps, (reps if self.guide_mode == "self" else reps.new_empty(reps.shape[0], 0)), state
+        return reps, (reps if mode == "self" else reps.new_empty(reps.shape[0], 0)), state
 
     def calculate_loss(
         self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
@@ -405,30 +568,38 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
         """``calculate_loss``, over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given."""
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
-        guide, text_ids = self._guide_columns(reps_guided), self._batch.get("text_ids")
-        if self.options.mask_duplicates and text_ids is None:
+        options = self.resolve()
+        guide = self._guide_columns(reps_guided)
+        if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
+            self.last_stats = None
+            if self.guide_mode == "labels":
+                reps_guided = [[column] for column in guide]
+            return CachedGISTEmbedLoss.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
+        text_ids = self._batch.get("text_ids")
+        if options.mask_duplicates and text_ids is None:
             raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
                              "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        loss, stats = fused_loss_stage(reps, guide, text_ids, self.options, backend=self.backend,
+        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
                                        gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
         self.last_stats = stats
         if with_backward and torch.is_grad_enabled():
-            self._training_stats.append(stats)
-            self._check_positive_only(stats)
+            self.__dict__.setdefault("_training_stats", []).append(stats)
+            self._check_positive_only(stats, options)
         return loss
 
     def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
         """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
-        if self.guide_mode == "model":
+        mode = self.guide_mode
+        if mode == "model":
             return [list(r) for r in reps_guided]
-        if self.guide_mode == "labels":
+        if mode == "labels":
             if "guide" not in self._batch:
                 raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
                                  "on a batch (calculate_loss alone does not see the labels)")
             return list(self._batch["guide"])
-        return "self" if self.guide_mode == "self" else None
+        return "self" if mode == "self" else None
 
-    def _check_positive_only(self, stats: GistStats) -> None:
+    def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
         """Warn once when more than half of a step's anchors are left with only their positive."""
         if self._warned_positive_only or stats.positive_only_fraction <= 0.5:
             return
@@ -437,31 +608,27 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
             "%.0f%% of this step's anchors have every candidate but their positive masked by the guide "
             "(margin=%s, margin_strategy=%r): their loss carries no contrast. The margin masks too much for this "
             "guide; lower it (this warning is shown once).",
-            100 * stats.positive_only_fraction, self.options.margin, self.options.margin_strategy,
+            100 * stats.positive_only_fraction, options.margin, options.margin_strategy,
         )
 
     def pop_training_stats(self) -> list[GistStats]:
         """The statistics of the training calls since the last call of this method (for logging)."""
-        stats, self._training_stats = self._training_stats, []
+        stats, self._training_stats = self.__dict__.get("_training_stats", []), []
         return stats
 
     def get_config_dict(self) -> dict:
-        """sentence-transformers' configuration (``guide`` is the model, "labels", "self" or None), with the guide
-        mode named, the explicit masks and cgist's own options."""
-        options = self.options
-        config = {**super().get_config_dict(), "guide_mode": self.guide_mode, "mask_self": options.mask_self,
-                  "mask_duplicates": options.mask_duplicates, "directions": options.directions,
-                  "partition_mode": options.partition_mode, "hardness_mode": options.hardness_mode,
-                  "hardness_strength": options.hardness_strength, "backend": self.backend}
-        if self.options.block_bytes is not None:
-            config["block_bytes"] = self.options.block_bytes
-        return config
+        """sentence-transformers' configuration, key for key (``guide`` is the model, "labels", "self" or None), then
+        cgist's own arguments where they differ from their defaults (and the guide mode where it is not a model)."""
+        own = self.own_config()
+        if self.guide_mode != "model":
+            own = {"guide_mode": self.guide_mode, **own}
+        return {**super().get_config_dict(), **own}
 
     @property
     def citation(self) -> str:
         """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
         paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
-        return _direction_citation(self.options, self.guide_mode == "self") + """
+        return _direction_citation(self, self.guide_mode == "self") + """
 @misc{solatorio2024gistembed,
     title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
     author={Aivin V. Solatorio},
@@ -482,9 +649,9 @@ class FusedCachedGISTLoss(CachedGISTEmbedLoss):
 """
 
 
-def _direction_citation(options: GistOptions, self_guided: bool) -> str:
-    """The papers whose loss these directions (or a self-guide) make, as BibTeX entries ("" for none)."""
-    directions, joint = set(options.directions), options.partition_mode == "joint"
+def _direction_citation(loss: object, self_guided: bool) -> str:
+    """The papers whose loss the directions of ``loss`` (or a self-guide) make, as BibTeX entries ("" for none)."""
+    directions, joint = set(loss.directions), loss.partition_mode == "joint"
     qwen3 = self_guided or (joint and directions == {"query_to_doc", "query_to_query", "doc_to_doc"})
     gte = joint and directions == {"query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"}
     jina = not joint and directions == {"query_to_doc", "doc_to_query"}
@@ -528,23 +695,27 @@ _QWEN3_CITATION = """
 
 
 class FusedMatryoshka:
-    """``calculate_loss`` of a ``FusedCachedGISTLoss`` under ``MatryoshkaLoss``: every dimension in one pass.
+    """``calculate_loss`` of a fused drop-in under ``MatryoshkaLoss``: every dimension in one pass.
 
-    It stands in for sentence-transformers' ``CachedLossDecorator`` and keeps its attributes (``fn``,
-    ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``). Each call picks the dimensions with the
-    same random call as that decorator (``random.sample`` over the dimension indices when ``n_dims_per_step``
-    is below their number), then computes ``sum_d w_d * L_d`` and its gradients in one loss-stage call.
+    It stands in for sentence-transformers' ``CachedLossDecorator`` and reads its attributes (``fn``,
+    ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``) at each call. Each call picks the dimensions
+    with the same random call as that decorator (``random.sample`` over the dimension indices when
+    ``n_dims_per_step`` is below their number), then computes ``sum_d w_d * L_d`` and its gradients in one loss-stage
+    call. When the loss's attributes ask for what the fused stage does not compute, the decorator itself runs, a
+    loss per dimension, as in sentence-transformers.
     """
 
-    def __init__(self, loss: FusedCachedGISTLoss, decorator: object) -> None:
+    def __init__(self, loss: FusedDropIn, decorator: object) -> None:
         self.loss = loss
-        self.fn = decorator.fn
-        self.matryoshka_dims = tuple(decorator.matryoshka_dims)
-        self.matryoshka_weights = tuple(decorator.matryoshka_weights)
-        self.n_dims_per_step = decorator.n_dims_per_step
+        self.decorator = decorator
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("fn", "matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
+            return getattr(self.decorator, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
-    def take_over(loss: FusedCachedGISTLoss | FusedCachedMultipleNegativesRankingLoss, value: object) -> object:
+    def take_over(loss: FusedDropIn, value: object) -> object:
         """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
 
         Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then
@@ -556,8 +727,7 @@ class FusedMatryoshka:
             return value
         fn = getattr(value, "fn", None)
         if not (isinstance(value, CachedLossDecorator) and getattr(fn, "__self__", None) is loss
-                and getattr(fn, "__func__", None) in (FusedCachedGISTLoss.calculate_loss,
-                                                      FusedCachedMultipleNegativesRankingLoss.calculate_loss)
+                and getattr(fn, "__func__", None) is getattr(type(loss), "calculate_loss", None)
                 and all(hasattr(value, a) for a in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"))):
             return value
         return FusedMatryoshka(loss, value)
@@ -565,116 +735,12 @@ class FusedMatryoshka:
     def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]] | Tensor | None = None, *,
                  with_backward: bool = False) -> Tensor:
         """``calculate_loss`` over the sampled dimensions; ``reps_guided`` is the GIST loss's guide embeddings, or the
-        labels of the ranking loss (unused)."""
-        indices: range | list[int] = range(len(self.matryoshka_dims))
-        if 0 < self.n_dims_per_step < len(indices):
-            indices = random.sample(indices, self.n_dims_per_step)
-        dims = tuple((self.matryoshka_dims[i], float(self.matryoshka_weights[i])) for i in indices)
-        return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=dims)
-
-
-def similarity_name(similarity_fct: object) -> str:
-    """``"cos"`` for sentence-transformers' ``cos_sim`` and ``"dot"`` for ``dot_score``; any other function is an
-    error naming the two the fused loss stage computes."""
-    from sentence_transformers.util import cos_sim, dot_score
-
-    if similarity_fct is cos_sim:
-        return "cos"
-    if similarity_fct is dot_score:
-        return "dot"
-    name = getattr(similarity_fct, "__name__", type(similarity_fct).__name__)
-    raise ValueError(f"similarity_fct must be sentence_transformers.util.cos_sim or dot_score (the two the fused loss "
-                     f"stage computes), got {name}")
-
-
-class FusedCachedMultipleNegativesRankingLoss(CachedMultipleNegativesRankingLoss):
-    """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` with a fused, streaming loss stage."""
-
-    def __init__(
-        self,
-        model: SentenceTransformer,
-        scale: float = 20.0,
-        similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
-        gather_across_devices: bool = False,
-        directions: tuple[str, ...] = ("query_to_doc",),
-        partition_mode: Literal["joint", "per_direction"] = "joint",
-        show_progress_bar: bool = False,
-        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
-        hardness_strength: float = 0.0,
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        block_bytes: int | None = None,
-    ) -> None:
-        """
-        A drop-in for :class:`CachedMultipleNegativesRankingLoss`: the same arguments, defaults, loss and gradients,
-        with a loss stage that never forms the B x N similarity matrix. It is ``FusedCachedGISTLoss``'s loss stage
-        without a guide: every direction, both partition modes, the hardness penalty and ``gather_across_devices``
-        run as matrix products over blocks of anchors with a streaming log-sum-exp (Triton kernels on CUDA, a
-        blockwise PyTorch computation elsewhere).
-
-        Args:
-            model: the SentenceTransformer being trained.
-            scale: multiplies the similarities before the softmax (1 / temperature).
-            similarity_fct: ``sentence_transformers.util.cos_sim`` or ``dot_score``; any other is an error.
-            mini_batch_size, mini_batch_num_tokens, show_progress_bar: the embedding stage's, as in
-                sentence-transformers.
-            gather_across_devices: score this rank's rows against every rank's candidates (and anchors, for the
-                directions that read them).
-            directions, partition_mode, hardness_mode, hardness_strength: sentence-transformers' meaning (see
-                ``cgist.GistOptions``).
-            backend: ``"auto"``, ``"torch"`` or ``"triton"``, as for ``FusedCachedGISTLoss``.
-            block_bytes: bytes of score buffers the loss stage may hold at once (None: a default for the device).
-
-        Raises:
-            TypeError, ValueError: for a bad argument, naming it, before anything is computed.
-        """
-        if not isinstance(model, SentenceTransformer):
-            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        _check_real("scale", scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.options = GistOptions(
-            temperature=1.0 / scale, contrast_anchors=False, contrast_positives=False, directions=directions,
-            partition_mode=partition_mode, hardness_mode=hardness_mode, hardness_strength=hardness_strength,
-            similarity=similarity_name(similarity_fct), block_bytes=block_bytes,
-        )
-        _check_mini_batches(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
-        super().__init__(
-            model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
-            directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
-            hardness_mode=hardness_mode, hardness_strength=hardness_strength,
-        )
-        self.backend = backend
-        self.last_stats: GistStats | None = None
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # As for FusedCachedGISTLoss: compute MatryoshkaLoss's dimensions in one pass.
-        if name == "calculate_loss":
-            value = FusedMatryoshka.take_over(self, value)
-        super().__setattr__(name, value)
-
-    def calculate_loss(self, reps: list[list[Tensor]], labels: Tensor | None = None, *,
-                       with_backward: bool = False) -> Tensor:
-        """Loss over the cached mini-batch embeddings (the labels are unused: the positive pair is the diagonal).
-
-        With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in ``reps`` and
-        a detached scalar is returned; under ``torch.no_grad`` only the loss is computed.
-        """
-        return self._loss_stage(reps, labels, with_backward=with_backward)
-
-    def _loss_stage(self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool,
-                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
-        loss, self.last_stats = fused_loss_stage(reps, None, None, self.options, backend=self.backend,
-                                                 gather=self.gather_across_devices, with_backward=with_backward,
-                                                 dims=dims)
-        return loss
-
-    def get_config_dict(self) -> dict:
-        config = {**super().get_config_dict(), "backend": self.backend}
-        if self.options.block_bytes is not None:
-            config["block_bytes"] = self.options.block_bytes
-        return config
+        labels of the ranking losses (unused)."""
+        if self.loss.resolve() is None:
+            return self.decorator(reps, reps_guided, with_backward=with_backward)
+        dims, weights = self.decorator.matryoshka_dims, self.decorator.matryoshka_weights
+        indices: range | list[int] = range(len(dims))
+        if 0 < self.decorator.n_dims_per_step < len(indices):
+            indices = random.sample(indices, self.decorator.n_dims_per_step)
+        chosen = tuple((dims[i], float(weights[i])) for i in indices)
+        return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=chosen)

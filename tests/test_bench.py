@@ -430,6 +430,18 @@ def test_stats_overhead_smoke():
 
 
 
+def test_options_cost_smoke():
+    """bench/options_cost.py times each drop-in's options, unchanged and after an assignment, and one loss stage."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "options_cost.py"), "--calls", "20", "--batch", "32",
+                           "--dim", "32"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:4]]
+    assert [r[0] for r in rows] == ["FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss",
+                                    "FusedCachedMultipleNegativesSymmetricRankingLoss"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
+    assert re.fullmatch(r"one loss-stage call, B = N = 32, D = 32, k = 1: [\d.]+ ms", proc.stdout.splitlines()[4])
+
+
 def test_phases_smoke():
     """bench/phases.py times every phase of the streaming call (each wrapper is reached) beside the GEMMs."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "phases.py"), "--batch", "48", "--dim", "16",

@@ -288,27 +288,14 @@ def test_fused_cached_mnrl_dot_score_and_matryoshka(student):
 
 
 def test_fused_cached_mnrl_arguments(student):
-    """sentence-transformers' parameters and defaults, in its order, then the backend and the budget; a similarity
-    other than cos_sim or dot_score is one clear error; the configuration is sentence-transformers' plus the
-    backend."""
+    """sentence-transformers' parameters and defaults, in its order, then the backend and the budget (the rest of the
+    drop-in contract, for every drop-in: tests/test_dropin.py)."""
     import inspect
 
     theirs = [(n, p.default) for n, p in inspect.signature(CachedMultipleNegativesRankingLoss.__init__).parameters.items()]
     ours = [(n, p.default) for n, p in inspect.signature(cgist.FusedCachedMultipleNegativesRankingLoss.__init__)
             .parameters.items()]
     assert ours == theirs + [("backend", "auto"), ("block_bytes", None)]
-    with pytest.raises(ValueError, match=r"similarity_fct must be sentence_transformers.util.cos_sim or dot_score .*got "
-                                         r"_manhattan"):
-        cgist.FusedCachedMultipleNegativesRankingLoss(student, similarity_fct=_manhattan)
-    with pytest.raises(ValueError, match="scale must be a positive finite number"):
-        cgist.FusedCachedMultipleNegativesRankingLoss(student, scale=0.0)
-    kw = dict(directions=("query_to_doc", "doc_to_query"))
-    config = cgist.FusedCachedMultipleNegativesRankingLoss(student, **kw).get_config_dict()
-    assert config == {**CachedMultipleNegativesRankingLoss(student, **kw).get_config_dict(), "backend": "auto"}
-
-
-def _manhattan(a, b):
-    return -torch.cdist(a, b, p=1)
 
 
 # FusedCachedGISTLoss with directions, on real models: against the oracle -------------------------------------

@@ -11,6 +11,7 @@ gradients the ranks receive, put together, are those of the sum of the ranks' lo
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -98,7 +99,11 @@ def _worker(rank: int, port: int, workdir: Path) -> None:
 
     torch.empty, torch.empty_like = conftest._nan_empty, conftest._nan_empty_like
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        CachedMultipleNegativesSymmetricRankingLoss,
+        MatryoshkaLoss,
+    )
 
     import cgist
 
@@ -121,6 +126,17 @@ def _worker(rank: int, port: int, workdir: Path) -> None:
         emb_loss = gist.calculate_loss(reps, reps_guided, with_backward=True)
         results[case.id] = {"st": st, "cgist": fused, "emb_loss": emb_loss.detach(),
                             "emb_grads": [torch.cat([x.grad for x in column]) for column in reps]}
+    # The symmetric drop-in (query-to-document and document-to-query, per direction), plain and under MatryoshkaLoss.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for matryoshka in (False, True):
+            pair = [cls(student, mini_batch_size=MINI, gather_across_devices=True, **backend)
+                    for cls, backend in ((CachedMultipleNegativesSymmetricRankingLoss, {}),
+                                         (cgist.FusedCachedMultipleNegativesSymmetricRankingLoss, {"backend": "torch"}))]
+            if matryoshka:
+                pair = [MatryoshkaLoss(student, loss, matryoshka_dims=[32, 16]) for loss in pair]
+            results[f"symmetric-{'matryoshka' if matryoshka else 'plain'}"] = {
+                "st": _model_step(pair[0], student, rank), "cgist": _model_step(pair[1], student, rank)}
     torch.save(results, workdir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -147,10 +163,10 @@ def runs(tmp_path_factory) -> list[dict]:
 TIGHT = dict(rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_fused_cached_mnrl_equals_sentence_transformers_on_every_rank(runs, case):
+@pytest.mark.parametrize("key", [case.id for case in CASES] + ["symmetric-plain", "symmetric-matryoshka"])
+def test_fused_ranking_losses_equal_sentence_transformers_on_every_rank(runs, key):
     for rank in range(WORLD):
-        st, fused = runs[rank][case.id]["st"], runs[rank][case.id]["cgist"]
+        st, fused = runs[rank][key]["st"], runs[rank][key]["cgist"]
         torch.testing.assert_close(fused["loss"], st["loss"], **TIGHT)
         assert sorted(fused["grads"]) == sorted(st["grads"])
         for name in st["grads"]:

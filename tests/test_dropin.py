@@ -1,0 +1,356 @@
+"""The drop-in contract: each fused loss behaves as sentence-transformers' class it replaces, attribute for attribute.
+
+- A hyperparameter assigned after construction takes effect on the next call (loss and every parameter gradient equal
+  to sentence-transformers' loss object after the same assignment), with and without ``MatryoshkaLoss``.
+- A bad assigned value gets the constructor's error at the next call.
+- What the fused stage does not compute (another similarity function, a custom cross-entropy, a negative
+  temperature) runs sentence-transformers' own loss computation, with its loss and gradients and one warning.
+- sentence-transformers' own argument checks keep its exception types and messages.
+- ``get_config_dict`` is sentence-transformers' at the defaults; cgist's keys appear only when changed.
+- A loss built as sentence-transformers' regression tests build one (``__new__``, attributes by hand) works.
+
+Every model runs in float64 (a tiny BERT student, all-MiniLM-L6-v2 as the guide), so the loss stage is the only
+difference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+
+import pytest
+import torch
+from helpers import TOL, one_thread  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers_models import guide_model, run_loss, tiny_model
+from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
+    CachedMultipleNegativesRankingLoss,
+    CachedMultipleNegativesSymmetricRankingLoss,
+    MatryoshkaLoss,
+)
+from sentence_transformers.util import cos_sim, dot_score, euclidean_sim, manhattan_sim
+
+import cgist
+from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
+from cgist.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
+
+WORDS = "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy".split()
+MATRYOSHKA = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _texts(columns: int, batch: int = 9, seed: int = 0) -> list[list[str]]:
+    rng = random.Random(seed)
+    return [[" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(batch)] for _ in range(columns)]
+
+
+@pytest.fixture(scope="module")
+def guide():
+    return guide_model(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.0)
+
+
+#: Each drop-in beside sentence-transformers' class: (name, theirs, ours, needs a guide).
+PAIRS = {
+    "gist": (CachedGISTEmbedLoss, FusedCachedGISTLoss, True),
+    "cmnrl": (CachedMultipleNegativesRankingLoss, FusedCachedMultipleNegativesRankingLoss, False),
+    "symmetric": (CachedMultipleNegativesSymmetricRankingLoss, FusedCachedMultipleNegativesSymmetricRankingLoss, False),
+}
+
+
+def _build(pair: str, fused: bool, student, guide, matryoshka: bool = False, **kw):
+    theirs, ours, guided = PAIRS[pair]
+    cls = ours if fused else theirs
+    loss = cls(student, guide, **kw) if guided else cls(student, **kw)
+    return MatryoshkaLoss(student, loss, **MATRYOSHKA) if matryoshka else loss
+
+
+def _inner(loss):
+    return loss.loss if isinstance(loss, MatryoshkaLoss) else loss
+
+
+def _assert_same(got, want) -> None:
+    """Loss and every parameter gradient of two ``run_loss`` results, at the float64 model tolerance."""
+    tol = TOL["models"]["fp64"]
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert set(got[1]) == set(want[1]) and want[1]
+    for name in sorted(want[1]):
+        torch.testing.assert_close(got[1][name], want[1][name], **tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def _run(loss, student, columns):
+    return run_loss(loss, student, columns, seed=7)
+
+
+# Assigned hyperparameters take effect ---------------------------------------------------------------------------
+
+#: (drop-in, attribute, value assigned after construction, constructor keywords, columns).
+ASSIGNMENTS = [
+    ("gist", "temperature", 0.05, {}, 2),
+    ("gist", "margin", 0.3, {}, 3),
+    ("gist", "margin_strategy", "relative", dict(margin=0.1), 2),
+    ("gist", "contrast_anchors", False, {}, 2),
+    ("gist", "contrast_positives", False, {}, 3),
+    ("gist", "mini_batch_size", 2, {}, 2),
+    ("gist", "mini_batch_num_tokens", 24, {}, 2),
+    ("gist", "gather_across_devices", True, dict(margin=0.1), 2),
+    ("cmnrl", "scale", 5.0, {}, 3),
+    ("cmnrl", "similarity_fct", dot_score, dict(scale=1.0), 2),
+    ("cmnrl", "directions", ("query_to_doc", "query_to_query", "doc_to_doc"), {}, 3),
+    ("cmnrl", "partition_mode", "per_direction", dict(directions=("query_to_doc", "doc_to_query")), 2),
+    ("cmnrl", "hardness_mode", "all_negatives", dict(hardness_strength=5.0), 3),
+    ("cmnrl", "hardness_strength", 9.0, dict(hardness_mode="hard_negatives"), 3),
+    ("cmnrl", "mini_batch_size", 2, {}, 2),
+    ("cmnrl", "mini_batch_num_tokens", 24, {}, 2),
+    ("cmnrl", "gather_across_devices", True, dict(directions=("query_to_doc", "doc_to_query")), 2),
+    ("symmetric", "scale", 5.0, {}, 2),
+    ("symmetric", "similarity_fct", dot_score, dict(scale=1.0), 3),
+    ("symmetric", "mini_batch_size", 2, {}, 2),
+]
+
+
+def _assignment_id(case) -> str:
+    pair, name, value, _, columns = case
+    shown = getattr(value, "__name__", value if not isinstance(value, tuple) else "+".join(v[:5] for v in value))
+    return f"{pair}-{name}={shown}-k{columns - 2}"
+
+
+@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
+@pytest.mark.parametrize("case", ASSIGNMENTS, ids=_assignment_id)
+def test_an_assigned_hyperparameter_takes_effect(case, matryoshka, student, guide):
+    pair, name, value, kw, columns = case
+    texts = _texts(columns)
+    theirs = _build(pair, False, student, guide, matryoshka, mini_batch_size=4, **kw)
+    ours = _build(pair, True, student, guide, matryoshka, mini_batch_size=4, backend="torch", **kw)
+    before = _run(ours, student, texts)
+    setattr(_inner(theirs), name, value)
+    setattr(_inner(ours), name, value)
+    assert getattr(_inner(ours), name) == value
+    after = _run(ours, student, texts)
+    _assert_same(after, _run(theirs, student, texts))
+    # The embedding stage's settings keep the loss, and so does dot_score under MatryoshkaLoss, which normalises
+    # each truncated embedding (dot products of unit vectors are cosines); the rest must change it.
+    keeps = name in ("mini_batch_size", "mini_batch_num_tokens", "gather_across_devices")
+    if not (keeps or (matryoshka and name == "similarity_fct")):
+        assert not torch.isclose(after[0], before[0]), "the assignment should change the loss"
+
+
+def test_cgist_own_attributes_take_effect(student, monkeypatch):
+    """``backend``, ``block_bytes``, ``mask_self`` and ``mask_duplicates`` assigned equal them passed to the
+    constructor, and reach the loss stage."""
+    texts = _texts(2)
+    texts[0][5] = texts[0][1]  # a duplicate anchor: mask_duplicates has something to mask
+    # A margin below -1 masks nothing by the guide, so only the masks drop the self-pairs and the duplicate.
+    fresh = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", mask_self=False,
+                                mask_duplicates=False, block_bytes=4096, margin=-1.5)
+    assigned = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5)
+    default = _run(assigned, student, texts)
+    assigned.mask_self, assigned.mask_duplicates, assigned.block_bytes = False, False, 4096
+    _assert_same(_run(assigned, student, texts), _run(fresh, student, texts))
+    assert not torch.isclose(default[0], _run(assigned, student, texts)[0])
+
+    seen = []
+    real = cgist.loss.gist_loss_with_options
+    monkeypatch.setattr(cgist.loss, "gist_loss_with_options",
+                        lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
+    assigned.backend, assigned.block_bytes = "auto", 1 << 20
+    _run(assigned, student, texts)
+    assert seen == [("auto", 1 << 20)]
+
+
+# Bad assigned values get the constructor's error ---------------------------------------------------------------
+
+BAD = [
+    ("gist", "temperature", 0.0), ("gist", "temperature", -0.05), ("gist", "temperature", "0.01"), ("gist", "margin", float("nan")),
+    ("gist", "margin_strategy", "percent"), ("gist", "contrast_anchors", None), ("gist", "mini_batch_size", 0),
+    ("gist", "mini_batch_num_tokens", -5), ("gist", "gather_across_devices", "yes"), ("gist", "backend", "gpu"),
+    ("gist", "block_bytes", 0), ("gist", "mask_self", "yes"), ("gist", "directions", ("doc_to_query",)),
+    ("gist", "hardness_strength", -1.0),
+    ("cmnrl", "scale", 0.0), ("cmnrl", "scale", float("inf")), ("cmnrl", "directions", ()),
+    ("cmnrl", "directions", ("query_to_doc", "sideways")), ("cmnrl", "partition_mode", "split"),
+    ("cmnrl", "hardness_mode", "hardest"), ("cmnrl", "hardness_strength", -1.0), ("cmnrl", "mini_batch_size", 1.5),
+    ("cmnrl", "backend", "gpu"), ("symmetric", "scale", -1.0), ("symmetric", "block_bytes", -1),
+]
+
+
+@pytest.mark.parametrize("pair, name, value", BAD, ids=[f"{p}-{n}={v!r}" for p, n, v in BAD])
+def test_a_bad_assigned_value_gets_the_constructors_error(pair, name, value, student, guide):
+    guided = PAIRS[pair][2]
+    with pytest.raises((TypeError, ValueError)) as built:
+        _build(pair, True, student, guide, **{name: value})
+    loss = _build(pair, True, student, guide, backend="torch")
+    setattr(loss, name, value)
+    features = [student.preprocess(t) for t in _texts(2)]
+    with pytest.raises(built.type) as called:
+        loss(features, None)
+    assert str(called.value) == str(built.value)
+    if not guided:  # calculate_loss alone checks them too
+        with pytest.raises(built.type, match="."):
+            loss.calculate_loss([[torch.randn(3, 32, dtype=torch.float64)]] * 2)
+
+
+# What the fused stage does not compute runs sentence-transformers' own code ------------------------------------------
+
+def _negative_euclidean(a, b):
+    return -(a - b).norm(dim=-1)
+
+
+def _capturing_cross_entropy(scores, labels):
+    return torch.nn.functional.cross_entropy(scores, labels)
+
+
+#: (drop-in, attribute, value): each runs unfused, as sentence-transformers computes it.
+UNFUSED = [
+    ("cmnrl", "similarity_fct", euclidean_sim), ("cmnrl", "similarity_fct", manhattan_sim),
+    ("cmnrl", "similarity_fct", lambda a, b: cos_sim(a, b) ** 3),
+    ("symmetric", "similarity_fct", euclidean_sim),
+    ("gist", "similarity_fct", _negative_euclidean), ("gist", "cross_entropy_loss", _capturing_cross_entropy),
+    ("gist", "margin", float("inf")), ("gist", "margin", -float("inf")),
+]
+
+
+@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
+@pytest.mark.parametrize("pair, name, value", UNFUSED,
+                         ids=[f"{p}-{n}={getattr(v, '__name__', v)}" for p, n, v in UNFUSED])
+def test_what_is_not_fused_runs_sentence_transformers_own_loss(pair, name, value, matryoshka, student, guide, caplog):
+    texts = _texts(3)
+    theirs = _build(pair, False, student, guide, matryoshka, mini_batch_size=4)
+    ours = _build(pair, True, student, guide, matryoshka, mini_batch_size=4, backend="torch")
+    for loss in (_inner(theirs), _inner(ours)):
+        if name in loss._modules:  # a module attribute gives way to a function, as in sentence-transformers
+            del loss._modules[name]
+        setattr(loss, name, value)
+    with caplog.at_level(logging.WARNING, logger="cgist"):
+        got = _run(ours, student, texts)
+        _run(ours, student, texts)
+    _assert_same(got, _run(theirs, student, texts))
+    warnings = [r for r in caplog.records if "sentence-transformers' own loss computation" in r.getMessage()]
+    assert len(warnings) == 1 and name in warnings[0].getMessage()
+    assert _inner(ours).options is None and _inner(ours).last_stats is None
+
+
+@pytest.mark.parametrize("similarity_fct", [functools.partial(cos_sim), functools.partial(dot_score)],
+                         ids=["partial-cos_sim", "partial-dot_score"])
+def test_a_partial_of_cos_sim_or_dot_score_is_fused(similarity_fct, student, caplog):
+    texts = _texts(2)
+    ours = FusedCachedMultipleNegativesRankingLoss(student, similarity_fct=similarity_fct, mini_batch_size=4,
+                                                   backend="torch")
+    theirs = CachedMultipleNegativesRankingLoss(student, similarity_fct=similarity_fct, mini_batch_size=4)
+    with caplog.at_level(logging.WARNING, logger="cgist"):
+        _assert_same(_run(ours, student, texts), _run(theirs, student, texts))
+    assert ours.options is not None and ours.last_stats is not None and not caplog.records
+
+
+def test_an_unfused_setting_beyond_sentence_transformers_is_an_error(student):
+    """Without a guide there is no sentence-transformers loss to run instead: one error names both."""
+    loss = FusedCachedGISTLoss(student, None, backend="torch")
+    del loss._modules["similarity_fct"]
+    loss.similarity_fct = _negative_euclidean
+    with pytest.raises(ValueError, match=r"similarity_fct=.*_negative_euclidean.*CachedGISTEmbedLoss, which would, "
+                                         r"has no guide=None, mask_self=True"):
+        loss([student.preprocess(t) for t in _texts(2)], None)
+
+
+# sentence-transformers' own checks, its types and messages --------------------------------------------------------
+
+ST_CHECKS = [
+    ("gist", dict(margin_strategy="percent")), ("gist", dict(mini_batch_num_tokens=0)),
+    ("cmnrl", dict(scale=0.0)), ("cmnrl", dict(scale=-2.0)), ("cmnrl", dict(directions=())),
+    ("cmnrl", dict(directions=("query_to_doc", "sideways"))), ("cmnrl", dict(directions=("doc_to_query",))),
+    ("cmnrl", dict(partition_mode="split")),
+    ("cmnrl", dict(directions=("query_to_doc", "query_to_query"), partition_mode="per_direction")),
+    ("cmnrl", dict(hardness_mode="hardest")), ("cmnrl", dict(hardness_strength=-1.0)),
+    ("cmnrl", dict(mini_batch_num_tokens=-3)), ("symmetric", dict(scale=0.0)),
+]
+
+
+@pytest.mark.parametrize("pair, kw", ST_CHECKS, ids=[f"{p}-{k}" for p, k in ST_CHECKS])
+def test_sentence_transformers_checks_keep_their_type_and_message(pair, kw, student, guide):
+    with pytest.raises(Exception) as theirs:
+        _build(pair, False, student, guide, **kw)
+    with pytest.raises(theirs.type) as ours:
+        _build(pair, True, student, guide, **kw)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value).startswith(str(theirs.value))
+
+
+# Configuration ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_config_is_sentence_transformers_and_only_changed_own_keys(pair, student, guide):
+    theirs = _build(pair, False, student, guide).get_config_dict()
+    assert _build(pair, True, student, guide).get_config_dict() == theirs
+    changed = _build(pair, True, student, guide, backend="torch", block_bytes=1 << 20).get_config_dict()
+    assert changed == {**theirs, "backend": "torch", "block_bytes": 1 << 20}
+
+
+def test_gist_config_names_a_changed_guide_mode_and_masks(student):
+    config = FusedCachedGISTLoss(student, "self", mask_duplicates=False, directions=("query_to_doc", "doc_to_query"),
+                                 contrast_anchors=False).get_config_dict()
+    assert config["guide"] == "self" and config["guide_mode"] == "self" and config["mask_duplicates"] is False
+    assert config["directions"] == ("query_to_doc", "doc_to_query") and "mask_self" not in config
+    assert "backend" not in config and "hardness_mode" not in config
+
+
+# A loss built by __new__ with its attributes set by hand -------------------------------------------------------------
+
+def _by_hand(cls, margin: float, mini_batch_size: int):
+    loss = cls.__new__(cls)
+    torch.nn.Module.__init__(loss)
+    loss.temperature, loss.similarity_fct = 0.01, torch.nn.CosineSimilarity(dim=-1)
+    loss.mini_batch_size, loss.show_progress_bar = mini_batch_size, False
+    loss.margin_strategy, loss.margin = "absolute", margin
+    loss.contrast_anchors = loss.contrast_positives = True
+    loss.gather_across_devices = False
+    loss.cross_entropy_loss = torch.nn.CrossEntropyLoss()
+    return loss
+
+
+@pytest.mark.parametrize("mini_batch_size", [2, 32])
+def test_a_loss_built_by_hand_works_as_sentence_transformers(mini_batch_size):
+    g = torch.Generator().manual_seed(3)
+    anchors, positives = (torch.randn(5, 16, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def run(cls):
+        reps = [[anchors.clone().requires_grad_()], [positives.clone().requires_grad_()]]
+        loss = _by_hand(cls, 0.1, mini_batch_size).calculate_loss(reps, [[anchors], [positives]], with_backward=True)
+        return loss, [r[0].grad for r in reps]
+
+    (ours, our_grads), (theirs, their_grads) = run(FusedCachedGISTLoss), run(CachedGISTEmbedLoss)
+    torch.testing.assert_close(ours, theirs, **TOL["models"]["fp64"])
+    for a, b in zip(our_grads, their_grads):
+        torch.testing.assert_close(a, b, **TOL["models"]["fp64"])
+
+
+# The symmetric drop-in --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
+@pytest.mark.parametrize("similarity", ["cos", "dot"])
+@pytest.mark.parametrize("columns", [2, 3], ids=["k0", "k1"])
+def test_symmetric_equals_sentence_transformers(columns, similarity, matryoshka, student):
+    kw = dict(mini_batch_size=4, **(dict(similarity_fct=dot_score, scale=1.0) if similarity == "dot" else {}))
+    texts = _texts(columns, batch=11)
+    ours = _build("symmetric", True, student, None, matryoshka, backend="torch", **kw)
+    assert type(_inner(ours).calculate_loss).__name__ == ("FusedMatryoshka" if matryoshka else "method")
+    _assert_same(_run(ours, student, texts), _run(_build("symmetric", False, student, None, matryoshka, **kw),
+                                                  student, texts))
+    assert _inner(ours).last_stats is not None
+
+
+def test_symmetric_has_the_arguments_and_deprecation_of_sentence_transformers(student):
+    import inspect
+
+    theirs = [(n, p.default) for n, p in inspect.signature(CachedMultipleNegativesSymmetricRankingLoss.__init__)
+              .parameters.items()]
+    ours = [(n, p.default) for n, p in inspect.signature(FusedCachedMultipleNegativesSymmetricRankingLoss.__init__)
+            .parameters.items()]
+    assert ours == theirs + [("backend", "auto"), ("block_bytes", None)]
+    with pytest.warns(DeprecationWarning, match="directions=\\('query_to_doc', 'doc_to_query'\\)"):
+        loss = cgist.FusedCachedMultipleNegativesSymmetricRankingLoss(student)
+    assert loss.directions == ("query_to_doc", "doc_to_query") and loss.partition_mode == "per_direction"
