@@ -141,26 +141,40 @@ def test_an_assigned_hyperparameter_takes_effect(case, matryoshka, student, guid
         assert not torch.isclose(after[0], before[0]), "the assignment should change the loss"
 
 
-def test_cgist_own_attributes_take_effect(student, monkeypatch):
-    """``backend``, ``block_bytes``, ``mask_self`` and ``mask_duplicates`` assigned equal them passed to the
-    constructor, and reach the loss stage."""
-    texts = _texts(2)
+#: cgist's own attributes of FusedCachedGISTLoss (guide "self"), each assigned against a loss constructed with it.
+OWN = [
+    dict(mask_self=False, mask_duplicates=False), dict(block_bytes=4096),
+    dict(directions=("query_to_doc", "doc_to_query"), contrast_anchors=False),
+    dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", contrast_anchors=False,
+         contrast_positives=False),
+    dict(hardness_mode="all_negatives", hardness_strength=5.0),
+]
+
+
+@pytest.mark.parametrize("own", OWN, ids=lambda own: "-".join(f"{k}={v}" for k, v in own.items()))
+def test_cgist_own_attributes_take_effect(own, student):
+    """Each of cgist's own attributes assigned equals it passed to the constructor."""
+    texts = _texts(3)
     texts[0][5] = texts[0][1]  # a duplicate anchor: mask_duplicates has something to mask
     # A margin below -1 masks nothing by the guide, so only the masks drop the self-pairs and the duplicate.
-    fresh = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", mask_self=False,
-                                mask_duplicates=False, block_bytes=4096, margin=-1.5)
+    fresh = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5, **own)
     assigned = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5)
     default = _run(assigned, student, texts)
-    assigned.mask_self, assigned.mask_duplicates, assigned.block_bytes = False, False, 4096
+    for name, value in own.items():
+        setattr(assigned, name, value)
     _assert_same(_run(assigned, student, texts), _run(fresh, student, texts))
-    assert not torch.isclose(default[0], _run(assigned, student, texts)[0])
+    if "block_bytes" not in own:  # the budget keeps the loss
+        assert not torch.isclose(default[0], _run(assigned, student, texts)[0])
 
+
+def test_the_backend_and_budget_assigned_reach_the_loss_stage(student, monkeypatch):
     seen = []
     real = cgist.loss.gist_loss_with_options
     monkeypatch.setattr(cgist.loss, "gist_loss_with_options",
                         lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
-    assigned.backend, assigned.block_bytes = "auto", 1 << 20
-    _run(assigned, student, texts)
+    loss = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch")
+    loss.backend, loss.block_bytes = "auto", 1 << 20
+    _run(loss, student, _texts(2))
     assert seen == [("auto", 1 << 20)]
 
 

@@ -325,26 +325,25 @@ LABEL_CASES = [
 ]
 
 
-def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wrap=None, **options):
+def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wrap=None, adjust=None, **options):
     """``FusedCachedGISTLoss(model, "labels")`` with labels from ``add_guide_embeddings``, against the same loss
-    with the guide model and against ``CachedGISTEmbedLoss(model, guide)``.
+    with the guide model and against ``CachedGISTEmbedLoss(model, guide)``; ``adjust`` changes each loss object
+    after construction.
 
     Duplicate texts only with a margin: at margin 0 a duplicate ties with theta, and the live guide embeds the two
     copies in mini-batches of different padding widths, so rounding would decide the tie.
     """
     columns = _texts(negatives, seed=11, duplicates=options.get("margin", 0.0) != 0)
     labels = _labels(model, guide, columns, dtype)
-    wrap = wrap or (lambda loss: loss)
+    adjust = adjust or (lambda loss: loss)
+    wrap = (lambda loss: loss) if wrap is None else wrap
+    make = {"labels": lambda: FusedCachedGISTLoss(model, "labels", mini_batch_size=MINI_BATCH, **options),
+            "live": lambda: FusedCachedGISTLoss(model, guide, mini_batch_size=MINI_BATCH, **options),
+            "st": lambda: CachedGISTEmbedLoss(model, guide, mini_batch_size=MINI_BATCH, **options)}
     model.train(train)
     try:
-        runs = {
-            "labels": _run(wrap(FusedCachedGISTLoss(model, "labels", mini_batch_size=MINI_BATCH, **options)), model,
-                           columns, labels),
-            "live": _run(wrap(FusedCachedGISTLoss(model, guide, mini_batch_size=MINI_BATCH, **options)), model,
-                         columns, None),
-            "st": _run(wrap(CachedGISTEmbedLoss(model, guide, mini_batch_size=MINI_BATCH, **options)), model,
-                       columns, None),
-        }
+        runs = {name: _run(wrap(adjust(build())), model, columns, labels if name == "labels" else None)
+                for name, build in make.items()}
     finally:
         model.eval()
     _assert_same(runs["labels"], runs["live"], EXACT, "labels against the live guide:")
@@ -360,6 +359,21 @@ def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wra
 @pytest.mark.parametrize("case", LABEL_CASES)
 def test_labels_match_the_live_guide(case, dtype, guides, students):
     _compare_with_live_guide(students[dtype], guides[dtype], dtype, **case)
+
+
+def _plain_cross_entropy(loss):
+    """``loss`` with its cross-entropy a function: what the fused stage does not compute, so sentence-transformers'
+    own ``calculate_loss`` runs (on the label column's guide embeddings, for ``guide="labels"``)."""
+    del loss.cross_entropy_loss
+    loss.cross_entropy_loss = lambda scores, targets: torch.nn.functional.cross_entropy(scores, targets)
+    return loss
+
+
+@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
+def test_labels_unfused_run_sentence_transformers_own_loss(matryoshka, guides, students):
+    model = students[FP64]
+    wrap = (lambda loss: MatryoshkaLoss(model, loss, [32, 16, 8])) if matryoshka else None
+    _compare_with_live_guide(model, guides[FP64], FP64, negatives=1, margin=0.1, wrap=wrap, adjust=_plain_cross_entropy)
 
 
 @pytest.mark.parametrize("dtype", [FP64, FP32], ids=precision)
