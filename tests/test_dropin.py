@@ -294,6 +294,22 @@ def test_sentence_transformers_checks_keep_their_type_and_message(pair, kw, stud
     assert str(ours.value).startswith(str(theirs.value))
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_a_static_embedding_model_gets_sentence_transformers_error(pair, guide):
+    """Its inputs cannot be cut into mini-batches: sentence-transformers' constructor check, its message."""
+    from helpers_models import guide_tokenizer
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+    static = SentenceTransformer(modules=[StaticEmbedding(guide_tokenizer().backend_tokenizer, embedding_dim=16)],
+                                 device="cpu")
+    with pytest.raises(ValueError) as theirs:
+        _build(pair, False, static, guide)
+    with pytest.raises(ValueError) as ours:
+        _build(pair, True, static, guide)
+    assert "StaticEmbedding" in str(theirs.value) and str(ours.value) == str(theirs.value)
+
+
 # Configuration ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pair", list(PAIRS))
