@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import streaming
+from . import selfcheck, streaming
 from .devices import device_kind, gpu_arch
 from .numerics import compute_dtype, rank_ids
 from .options import GistOptions
@@ -265,17 +265,46 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     return route
 
 
-def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> Backend:
-    """``run`` (the Triton launcher), falling back to the streaming path when a kernel fails to build or launch.
+#: The first-use check of each kernel variant (``cgist.selfcheck.Variant``) in this process: a variant whose check
+#: failed takes the PyTorch streaming path under "auto" from then on; one that passed is not checked again.
+_SELF_CHECKS: dict[selfcheck.Variant, selfcheck.Check] = {}
 
-    The failure is logged once, naming the device, the dtype pair and the error, and remembered, so that later
-    calls with this pair on this device go straight to the streaming path. Running out of GPU memory is not a
-    kernel failure and is raised as it is.
+
+def _first_use_check(run: Backend, device: torch.device, embeddings, guide_embeddings, options: GistOptions) -> bool:
+    """Whether "auto" may use the kernels ``run`` for this call's variant: checked on its first call
+    (``cgist.selfcheck``), the result remembered; a disagreement is logged once. Reads no value on the host
+    once the variant is known."""
+    variant = selfcheck.variant_of(_device_key(device), embeddings, guide_embeddings, options)
+    check = _SELF_CHECKS.get(variant)
+    if check is None:
+        check = selfcheck.check_call(run, streaming.gist_loss_and_grads, variant, options, len(embeddings), device,
+                                     selfcheck.ROWS)
+        _SELF_CHECKS[variant] = check
+        if not check.ok:
+            logger.warning(
+                "cgist: the Triton kernels disagree with the PyTorch path on %s for %s (first-use check, %d rows): "
+                "%s; this and later calls of this variant use the PyTorch streaming path; run `cgist doctor` on "
+                "this machine and report its output",
+                _describe(device), variant.describe(), check.rows, check.numbers(),
+            )
+    return check.ok
+
+
+def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> Backend:
+    """``run`` (the Triton launcher), falling back to the streaming path when a kernel fails to build or launch, or
+    disagrees with the streaming path on the first use of its variant (``_first_use_check``, unless
+    ``CGIST_SELF_CHECK=0``).
+
+    A build or launch failure is logged once, naming the device, the dtype pair and the error, and remembered, so
+    that later calls with this pair on this device go straight to the streaming path; a disagreement likewise, for
+    its variant. Running out of GPU memory is not a kernel failure and is raised as it is.
     """
 
     def run_or_fall_back(embeddings, guide_embeddings, options, **kwargs):
+        check = selfcheck.enabled()  # a bad value is the caller's error, raised here
         try:
-            return run(embeddings, guide_embeddings, options, **kwargs)
+            if not check or _first_use_check(run, device, embeddings, guide_embeddings, options):
+                return run(embeddings, guide_embeddings, options, **kwargs)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 - any build or launch error: keep training on the PyTorch path
@@ -317,8 +346,9 @@ def select_backend(backend: object, device: torch.device, dtype: torch.dtype = t
                    guide_dtype: torch.dtype | None = None) -> Backend:
     """The backend function for ``backend`` on ``device`` with this dtype pair (see ``auto_route`` for "auto").
 
-    ``"triton"`` raises when the launcher cannot run here; ``"auto"`` never does, and falls back to the
-    streaming path if a kernel fails (``_with_fallback``).
+    ``"triton"`` raises when the launcher cannot run here, and is never checked; ``"auto"`` never raises, checks
+    each kernel variant against the streaming path on its first use, and falls back to the streaming path if a
+    kernel fails or disagrees (``_with_fallback``).
     """
     backend = requested_backend(backend)
     guide_dtype = dtype if guide_dtype is None else guide_dtype
