@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from test_selfcheck import _wrong_count
 
 import cgist.kernels.launch  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
 from cgist.cli import main
@@ -54,3 +57,21 @@ def test_doctor_refuses_a_missing_device(capsys, device):
         pytest.skip("CUDA is present")
     assert main(["doctor", "--device", device]) == 2
     assert "CUDA is not available on this machine" in capsys.readouterr().err
+
+
+def test_doctor_prints_the_first_use_check(capsys, monkeypatch):
+    """The doctor runs the check "auto" runs (``cgist.selfcheck``): a kernel that miscounts one masked entry is
+    named with both counts, its loss and gradients agreeing."""
+    _wrong_count(monkeypatch)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status, lines = _doctor(capsys)
+    assert status == 1
+    (header,) = [line for line in lines if line.startswith("first-use check, ")]
+    assert header.startswith("first-use check, kernels against the PyTorch path under the Triton interpreter (B=N=13, ")
+    checked = [line for line in lines if "DISAGREE: loss " in line]
+    assert [line.split()[0] for line in checked] == ["fp64", "fp32"]
+    for line in checked:
+        loss, grads = (float(line.split(word)[1].split(",")[0].split()[0]) for word in ("loss ", "gradients "))
+        assert loss <= 1e-4 and grads <= 1e-4
+        kernels, torch_path = map(int, re.search(r"mask counts masked_an (\d+) vs (\d+) \(", line).groups())
+        assert kernels == torch_path + 1

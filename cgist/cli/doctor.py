@@ -1,9 +1,10 @@
 """``cgist doctor``: what cgist does on this machine, checked in under a minute.
 
 It prints the device and its capability, the backend and the tiles that ``backend="auto"`` takes for each dtype
-pair, a small run of the Triton kernels against the PyTorch streaming path on the device (loss, gradients and
-the guide's mask counts), a loss-stage timing beside the PyTorch path, and a verdict line. The exit status is 1
-when the kernels disagree with the PyTorch path, else 0.
+pair, the first-use check that ``backend="auto"`` runs before it uses a kernel variant (``cgist.selfcheck``: a
+small problem through the Triton kernels and the PyTorch streaming path on the device, comparing the loss, the
+gradients and the guide's mask counts) for each dtype pair, a loss-stage timing beside the PyTorch path, and a
+verdict line. The exit status is 1 when the kernels disagree with the PyTorch path, else 0.
 
 Without a CUDA device the kernels run only under the Triton interpreter (``TRITON_INTERPRET=1 cgist doctor``);
 otherwise the doctor says that they were not checked.
@@ -12,14 +13,16 @@ otherwise the doctor says that they were not checked.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..selfcheck import Check
 
 __all__ = ["PAIRS", "add_parser", "run_doctor"]
 
@@ -30,11 +33,6 @@ PAIRS = (
     ("fp16", torch.float16, torch.float16),
     ("bf16 + fp32 guide", torch.bfloat16, torch.float32),
 )
-#: Largest relative difference of the loss and of the gradients (to their largest entry) between the kernels and
-#: the PyTorch path, by student dtype; and the share of the mask's entries allowed to differ (a score within
-#: rounding of its threshold), which is 0 in float64.
-TOLERANCE = {torch.float64: (1e-9, 0.0), torch.float32: (1e-3, 1e-4), torch.bfloat16: (5e-2, 1e-3),
-             torch.float16: (2e-2, 1e-3)}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -43,28 +41,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "),
     )
     doctor.add_argument("--device", help="torch device to check (default: cuda if available, else cpu)")
-
-
-@dataclass
-class Comparison:
-    """The kernels against the PyTorch path for one dtype pair."""
-
-    name: str
-    loss_diff: float
-    grad_diff: float
-    count_diff: int
-    entries: int
-    tolerance: tuple[float, float]
-
-    @property
-    def ok(self) -> bool:
-        return (max(self.loss_diff, self.grad_diff) <= self.tolerance[0]
-                and self.count_diff <= self.tolerance[1] * self.entries)
-
-    def line(self) -> str:
-        verdict = "agree" if self.ok else "DISAGREE"
-        return (f"  {self.name:<18} {verdict}: loss {self.loss_diff:.1e}, gradients {self.grad_diff:.1e} (relative; "
-                f"allowed {self.tolerance[0]:.0e}), mask counts {self.count_diff} of {self.entries} entries apart")
 
 
 def _describe_device(device: torch.device) -> str:
@@ -143,18 +119,18 @@ def _run(backend: str, student: list[torch.Tensor], guide: list[torch.Tensor]):
     return loss.detach().double(), [s.grad.double() for s in leaves], stats
 
 
-def compare(device: torch.device, name: str, dtype: torch.dtype, guide_dtype: torch.dtype, sizes: tuple) -> Comparison:
-    """Loss, gradients and mask counts of the kernels (``backend="triton"``) against the PyTorch path."""
-    student, guide = _inputs(*sizes, dtype, guide_dtype, device)
-    loss_t, grads_t, stats_t = _run("triton", student, guide)
-    loss_s, grads_s, stats_s = _run("torch", student, guide)
-    loss_diff = float((loss_t - loss_s).abs() / loss_s.abs().clamp_min(1e-30))
-    grad_diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(grads_t, grads_s))
-    if not (math.isfinite(loss_diff) and math.isfinite(grad_diff)):
-        loss_diff = grad_diff = math.inf
-    count_diff = sum(abs(stats_t.masked[k] - stats_s.masked[k]) for k in stats_s.masked)
-    count_diff += abs(stats_t.positive_only - stats_s.positive_only)
-    return Comparison(name, loss_diff, grad_diff, count_diff, sum(stats_s.candidates.values()), TOLERANCE[dtype])
+def check_pair(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, rows: int, dim: int, dim_g: int,
+               k: int) -> Check:
+    """``cgist.selfcheck``'s first-use check of the kernels for this pair on ``device``, with the default options."""
+    from .. import selfcheck, streaming
+    from ..function import _device_key
+    from ..kernels import gist_loss_and_grads
+    from ..options import GistOptions
+
+    options = GistOptions()
+    variant = selfcheck.make_variant(_device_key(device), dtype, guide_dtype, dim, dim_g, options)
+    return selfcheck.check_call(gist_loss_and_grads, streaming.gist_loss_and_grads, variant, options, 2 + k, device,
+                                rows)
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -224,18 +200,22 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     runs_kernels = auto_route(device, torch.float32, torch.float32)[0] == "triton" or interpreted
-    comparisons: list[Comparison] = []
+    checks: list[tuple[str, Check]] = []
     if runs_kernels:
+        from ..selfcheck import ROWS
+
         where = "under the Triton interpreter" if interpreted else f"on {device}"
-        sizes = (13, 26, 40, 24, 1) if interpreted else (384, 768, 96, 64, 1)
+        rows, dim, dim_g, k = (13, 40, 24, 1) if interpreted else (ROWS, 768, 384, 1)
         # bf16 and fp16 products are broken in the interpreter; on a GPU they are the point
         pairs = [("fp64", torch.float64, torch.float64), *PAIRS[:1]] if interpreted else \
             [("fp64", torch.float64, torch.float64), *PAIRS]
-        print(f"kernels against the PyTorch path {where} (B={sizes[0]}, N={sizes[1]}, D={sizes[2]}, "
-              f"Dg={sizes[3]}, k={sizes[4]}, margin 0.05):")
+        print(f"first-use check, kernels against the PyTorch path {where} (B=N={rows}, D={dim}, Dg={dim_g}, k={k}; "
+              'backend="auto" runs it before using each kernel variant):')
         for name, dtype, guide_dtype in pairs:
-            comparisons.append(compare(device, name, dtype, guide_dtype, sizes))
-            print(comparisons[-1].line())
+            check = check_pair(device, dtype, guide_dtype, rows, dim, dim_g, k)
+            checks.append((name, check))
+            print(f"  {name:<18} {'agree' if check.ok else 'DISAGREE'}: {check.numbers()} "
+                  f"({check.seconds * 1e3:.0f} ms, compiling included)")
     else:
         why = auto_route(device, torch.float32, torch.float32)[1]
         hint = "; TRITON_INTERPRET=1 cgist doctor runs them on the CPU under the Triton interpreter" \
@@ -243,14 +223,14 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"kernels: not run ({why}{hint})")
     print(timing(device, runs_kernels and not interpreted))
 
-    failed = [c.name for c in comparisons if not c.ok]
+    failed = [name for name, check in checks if not check.ok]
     elapsed = f"({time.perf_counter() - start:.0f} s)"
     if failed:
         print(f"verdict: FAIL: the kernels disagree with the PyTorch path on {device} for {', '.join(failed)}; "
               f"train with backend='torch' (or CGIST_BACKEND=torch) and report this output {elapsed}")
         return 1
-    if comparisons:
-        checked = ", ".join(c.name for c in comparisons)
+    if checks:
+        checked = ", ".join(name for name, _ in checks)
         where = "under the Triton interpreter" if interpreted else f"on {device}"
         print(f"verdict: ok: the kernels agree with the PyTorch path {where} ({checked}) {elapsed}")
     else:
