@@ -120,15 +120,15 @@ def variant_of(device: str, embeddings: Sequence, guide_embeddings: Sequence | N
 
 def _rows(gen: torch.Generator, n: int, dim: int) -> Tensor:
     """``n`` Gaussian rows of ``dim`` with norms spread over [0.5, 2]."""
-    x = torch.randn(n, dim, generator=gen, dtype=torch.float64)
-    return x / x.norm(dim=1, keepdim=True) * (0.5 + 1.5 * torch.rand(n, 1, generator=gen, dtype=torch.float64))
+    x = torch.randn(n, dim, generator=gen)
+    return x / x.norm(dim=1, keepdim=True) * (0.5 + 1.5 * torch.rand(n, 1, generator=gen))
 
 
 def _topic_rows(gen: torch.Generator, topics: Tensor, centers: Tensor, noise: float = 0.05) -> Tensor:
     """Row r: the unit vector ``centers[topics[r]]`` plus noise of norm ``noise``, scaled into [0.5, 2]."""
-    x = torch.randn(len(topics), centers.shape[1], generator=gen, dtype=torch.float64)
+    x = torch.randn(len(topics), centers.shape[1], generator=gen)
     x = centers[topics] + noise * x / x.norm(dim=1, keepdim=True)
-    return x * (0.5 + 1.5 * torch.rand(len(topics), 1, generator=gen, dtype=torch.float64))
+    return x * (0.5 + 1.5 * torch.rand(len(topics), 1, generator=gen))
 
 
 def check_problem(
@@ -139,13 +139,14 @@ def check_problem(
 
     ``n_columns`` counts the call's columns (anchor, positive, negatives, and every rank's anchors with
     ``options.all_anchors``, here the anchors themselves). The options are the call's with offset 0, no chunk
-    budget, ``MARGIN`` and at least ``MIN_TEMPERATURE``. The student rows are Gaussian. The guide rows are
-    ``min(Dg, 8)`` orthonormal topics with noise of norm 0.05 (an anchor's positive in its topic): two rows of
-    one topic score at least (1 - 0.1 - 0.0025) / 1.05^2 = 0.81, of two topics at most 0.1025 / 0.95^2 = 0.114,
-    and rounding the guide to bf16 moves a score by less than 0.01. Each threshold, theta_i - 0.35 or
-    theta_i * 0.65 with theta_i in [0.8, 1], then lies in [0.45, 0.65]: no score within 0.15 of it, so the two
-    paths' masks agree entry by entry, and about one entry in 8 of every block is masked. Text ids are drawn
-    from ``rows`` values, so some texts repeat.
+    budget, ``MARGIN`` and at least ``MIN_TEMPERATURE``. The rows are drawn in float32 on the CPU, the same on every
+    device. The student rows are Gaussian. The guide rows are ``min(Dg, 8)`` topics (distinct signed axes) plus
+    noise of norm 0.05 (an anchor's positive in its topic): two rows of one topic score at least
+    (1 - 0.1 - 0.0025) / 1.05^2 = 0.81, of two topics at most 0.1025 / 0.95^2 = 0.114, and rounding the guide to
+    bf16 moves a score by less than 0.01. Each threshold, theta_i - 0.35 or theta_i * 0.65 with theta_i in
+    [0.8, 1], then lies in [0.45, 0.65]: no score within 0.15 of it, so the two paths' masks agree entry by entry,
+    and about one entry in 8 of every block is masked. Text ids are drawn from ``rows`` values, so some texts
+    repeat.
     """
     gen = torch.Generator().manual_seed(seed)
     n_negatives = n_columns - 2 - options.all_anchors
@@ -153,7 +154,9 @@ def check_problem(
     guide = None
     if variant.guide_dtype is not None:
         n_topics = min(variant.dim_g, 8)
-        centers = torch.linalg.qr(torch.randn(variant.dim_g, n_topics, generator=gen, dtype=torch.float64))[0].T
+        axes = torch.randperm(variant.dim_g, generator=gen)[:n_topics]  # orthonormal: distinct signed axes
+        signs = torch.randint(2, (n_topics,), generator=gen) * 2.0 - 1.0
+        centers = torch.zeros(n_topics, variant.dim_g).index_put_((torch.arange(n_topics), axes), signs)
         topics = [torch.randint(n_topics, (rows,), generator=gen) for _ in range(2 + n_negatives)]
         topics[1] = topics[0]  # positive i shares anchor i's topic: theta_i >= 0.81
         guide = [_topic_rows(gen, t, centers).to(device, variant.guide_dtype) for t in topics]
