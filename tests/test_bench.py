@@ -430,6 +430,22 @@ def test_stats_overhead_smoke():
 
 
 
+def test_loss_stage_without_matplotlib_names_the_command_that_installs_it(tmp_path):
+    """Before measuring anything: one line naming ``pip install "cgist[bench]"``, exit 2, no traceback."""
+    from test_install import SITECUSTOMIZE
+
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**ENV, "CGIST_HIDDEN_MODULES": "matplotlib",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), ENV.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "loss_stage.py"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.strip().splitlines() == [
+        "loss_stage: error: bench/loss_stage.py's plot needs the matplotlib package, which is not installed; install "
+        'it with: pip install "cgist[bench]"']
+    assert not (tmp_path / "out").exists()
+
+
 def test_options_cost_smoke():
     """bench/options_cost.py times each drop-in's options, unchanged and after an assignment, and one loss stage."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "options_cost.py"), "--calls", "20", "--batch", "32",
