@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 from . import selfcheck, streaming
 from .devices import device_kind, gpu_arch
 from .numerics import compute_dtype, rank_ids
-from .options import GistOptions
+from .options import ANCHOR_DIRECTIONS, GistOptions
 from .stats import GistStats
 
 __all__ = [
@@ -400,10 +400,6 @@ class GistLossFunction(torch.autograd.Function):
         return (None,) * 6 + (*grads, *([None] * ctx.n_guide_chunks))
 
 
-#: What ``guide_embeddings`` may be: the guide's columns, the student's own (``"self"``), or no guide (None).
-GUIDE_SOURCES = ("embeddings", "self", None)
-
-
 def guide_source(guide_embeddings: object) -> str | None:
     """``"embeddings"``, ``"self"`` or None for a ``guide_embeddings`` argument; anything else is an error."""
     if guide_embeddings is None:
@@ -536,8 +532,8 @@ def gist_loss(
     source = guide_source(guide_embeddings)
     mask_self, mask_duplicates = default_masks(source, mask_self, mask_duplicates, text_ids is not None)
     if all_anchors is not None:
-        if not set(directions) & {"query_to_query", "doc_to_query"}:
-            raise ValueError("all_anchors is only read by the directions 'query_to_query' and 'doc_to_query'")
+        if not any(direction in ANCHOR_DIRECTIONS for direction in directions):
+            raise ValueError(f"all_anchors is only read by the directions {ANCHOR_DIRECTIONS}")
         if source == "embeddings" and all_anchors_guide is None:
             raise ValueError("all_anchors needs all_anchors_guide: the guide's embeddings of the same anchors")
         if mask_duplicates and all_anchors_text_ids is None:

@@ -116,7 +116,7 @@ def fused_loss_stage(
     if gather:
         batch = sum(r.shape[0] for r in anchors)
         check_equal_batches(batch, anchors[0].device)
-        everyone = bool({"query_to_query", "doc_to_query"} & set(options.directions))
+        everyone = options.reads_anchors
         candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
         if everyone:  # every rank's anchors, as one more column
             candidates.append(all_gather_with_grad(torch.cat(anchors)))

@@ -13,16 +13,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
+__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
 
+#: The statistics blocks, in the order of the loss: anchor-positive, anchor-anchor, positive-positive,
+#: anchor-negatives, and the directions' query-to-query, document-to-query and document-to-document (every document
+#: column). Each column group (``cgist.options.ColumnGroup.name``) counts in one of them.
+BLOCKS = ("ap", "aa", "pp", "an", "qq", "dq", "dd")
+
 #: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as an
 #: int64 vector: entries masked per block (AP without its label; AN over all negative columns; the directions'
 #: QQ, DQ and DD, DD with DN) and anchors whose candidates are all masked but the label. Exact at any size.
-COUNT_FIELDS = ("masked_ap", "masked_aa", "masked_pp", "masked_an", "masked_qq", "masked_dq", "masked_dd",
-                "positive_only")
+COUNT_FIELDS = (*(f"masked_{name}" for name in BLOCKS), "positive_only")
 #: The sums over anchors of theta_i and T_i, returned beside the counts as a vector in the compute dtype.
 SUM_FIELDS = ("theta_sum", "threshold_sum")
 STATS_FIELDS = COUNT_FIELDS + SUM_FIELDS

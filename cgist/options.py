@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES", "SIMILARITIES", "ColumnGroup", "GistOptions",
+    "ANCHOR_DIRECTIONS", "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES", "SIMILARITIES", "ColumnGroup", "GistOptions",
 ]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
 #: sentence-transformers' ``MultipleNegativesRankingLoss`` directions: each row's softmax over these columns.
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+#: The directions that score rows against the anchors: under gathering, every rank's anchors are one more column.
+ANCHOR_DIRECTIONS = ("query_to_query", "doc_to_query")
 PARTITION_MODES = ("joint", "per_direction")
 HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
 #: The student's score: the cosine (``cos_sim``) or the dot product (``dot_score``) of two embeddings.
@@ -239,6 +241,12 @@ class GistOptions:
         if "doc_to_doc" in self.directions:
             groups += [ColumnGroup("dd", 0, "p", c, exclude=self.offset) for c in (1, *negatives)]
         return tuple(groups), 1 + p_part, {"a": 0, "p": p_part}
+
+    @property
+    def reads_anchors(self) -> bool:
+        """Whether a direction scores against the anchors (``ANCHOR_DIRECTIONS``): with gathering, a call then takes
+        every rank's anchors as its last column (``all_anchors``)."""
+        return any(direction in ANCHOR_DIRECTIONS for direction in self.directions)
 
     @property
     def hardness(self) -> float:

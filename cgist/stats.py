@@ -11,14 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .numerics import COUNT_FIELDS, SUM_FIELDS
+from .numerics import BLOCKS, COUNT_FIELDS, SUM_FIELDS
 from .options import GistOptions
 
 __all__ = ["BLOCKS", "GistStats"]
-
-#: Block keys, in the order of the loss: anchor-positive, anchor-anchor, positive-positive, anchor-negatives, and
-#: the directions' query-to-query, document-to-query and document-to-document (every document column).
-BLOCKS = ("ap", "aa", "pp", "an", "qq", "dq", "dd")
 
 
 def _to_host(counts: Tensor, sums: Tensor) -> list[float]:

@@ -416,16 +416,15 @@ class _Problem:
         out = []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
-            if self.options.similarity == "dot":
-                pass
-            elif column.radial is None:
-                normalize_backward_(column.x, column.norm, grad)
-            else:
-                column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
-                suffix = (column.kappa * column.radial).flip(0).cumsum(0).flip(0)  # row s: sum over d >= d_s
-                for (lo, hi), coefficient in zip(self.dims.segments, suffix):
-                    grad[:, lo:hi].addcmul_(column.x[:, lo:hi], coefficient.unsqueeze(1), value=-1.0)
-                grad.div_(column.norm.clamp_min(EPS))
+            if self.options.similarity != "dot":  # dot products have no normalisation to pass through
+                if column.radial is None:
+                    normalize_backward_(column.x, column.norm, grad)
+                else:
+                    column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
+                    suffix = (column.kappa * column.radial).flip(0).cumsum(0).flip(0)  # row s: sum over d >= d_s
+                    for (lo, hi), coefficient in zip(self.dims.segments, suffix):
+                        grad[:, lo:hi].addcmul_(column.x[:, lo:hi], coefficient.unsqueeze(1), value=-1.0)
+                    grad.div_(column.norm.clamp_min(EPS))
             if e.shape[1] > self.dims.top:
                 grad = torch.cat([grad, grad.new_zeros(grad.shape[0], e.shape[1] - self.dims.top)], dim=1)
             out.append(grad.to(e.dtype))

@@ -51,7 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from cgist.devices import Arch, gpu_arch
-from cgist.numerics import EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
+from cgist.numerics import BLOCKS, EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
 
 from .gist import (
     RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_KEEP, RULE_LABEL, RULE_SELF, RULE_TEXTS, TILE_SETS,
@@ -72,7 +72,7 @@ BACKWARD_METHODS = ("gemm", "fused")
 #: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
 GEMM_ROW_FLOOR = 1024
 #: Counter rows of the forward: masked entries per block kind, then unmasked entries other than the label.
-_COUNTER_ROW = {"ap": 0, "aa": 1, "pp": 2, "an": 3, "qq": 4, "dq": 5, "dd": 6}
+_COUNTER_ROW = {name: row for row, name in enumerate(BLOCKS)}
 _KEPT_ROW = len(_COUNTER_ROW)
 
 
@@ -217,10 +217,6 @@ class _Block:
     @property
     def kind(self) -> str:
         return self.spec.name
-
-    @property
-    def has_label(self) -> bool:
-        return self.spec.label
 
     def kernel_args(self, state: ForwardState) -> dict:
         """The keyword arguments the kernels share, for this block (its partition's state)."""
@@ -628,16 +624,15 @@ class BackwardWork:
         state = self.state
         out = []
         for i, (x, side, norm, h) in enumerate(zip(state.embeddings, state.sides, state.norms, self.h)):
-            kappa = (side.rx**2).masked_fill_(norm < EPS, 0.0)
-            if state.options.similarity == "dot":  # no normalisation to pass through
-                pass
-            elif self.radial is None:
-                xa, ha = x[:, : state.top].to(h.dtype), h[:, : state.top]  # past top, h is 0 and stays 0
-                ha.addcmul_(xa, (kappa[0] * torch.linalg.vecdot(xa, ha)).unsqueeze(1), value=-1.0)
-            else:
-                suffix = (kappa * self.radial[i]).flip(0).cumsum(0).flip(0)  # row s: sum over u >= s
-                for (lo, hi), coefficient in zip(state.segments, suffix):
-                    h[:, lo:hi].addcmul_(x[:, lo:hi].to(h.dtype), coefficient.unsqueeze(1), value=-1.0)
+            if state.options.similarity != "dot":  # dot products have no normalisation to pass through
+                kappa = (side.rx**2).masked_fill_(norm < EPS, 0.0)
+                if self.radial is None:
+                    xa, ha = x[:, : state.top].to(h.dtype), h[:, : state.top]  # past top, h is 0 and stays 0
+                    ha.addcmul_(xa, (kappa[0] * torch.linalg.vecdot(xa, ha)).unsqueeze(1), value=-1.0)
+                else:
+                    suffix = (kappa * self.radial[i]).flip(0).cumsum(0).flip(0)  # row s: sum over u >= s
+                    for (lo, hi), coefficient in zip(state.segments, suffix):
+                        h[:, lo:hi].addcmul_(x[:, lo:hi].to(h.dtype), coefficient.unsqueeze(1), value=-1.0)
             out.append(h.to(x.dtype))
         return out
 
