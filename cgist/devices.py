@@ -4,17 +4,28 @@ The Triton kernels' tile configs depend on three properties of a GPU: the larges
 use, whether Triton emits tensor-core instructions for it (``mma``; Triton 3.x emits none below sm_80, where
 ``tl.dot`` becomes FMA loops: see the PTX in ``bench/aot_compile.py``), and which compile-checked tile table its
 architecture family uses. ``gpu_arch`` reads them off a CUDA device; ``arch_for`` builds them from a compute
-capability, for the compile check and for tests. This module imports only torch.
+capability, for the compile check and for tests. ``unchecked_triton`` tells whether the installed Triton is one the
+compile check covers. This module imports only torch (and Triton, only in ``unchecked_triton``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KNOWN_ARCHS", "Arch", "arch_for", "device_kind", "gpu_arch"]
+__all__ = ["KNOWN_ARCHS", "OLDEST_CHECKED_TRITON", "Arch", "arch_for", "device_kind", "gpu_arch", "triton_release",
+           "unchecked_triton"]
+
+logger = logging.getLogger(__name__)
+
+#: The oldest Triton release (major, minor) under which the compile check builds every kernel with the tile configs the
+#: launcher picks there, spill-free (bench/results/aot_compile_triton-*.txt, one per release; CI compiles a small
+#: table under it too). "auto" runs the kernels only under it and newer releases.
+OLDEST_CHECKED_TRITON = (3, 4)
 
 #: Compute capability -> (tile family, shared memory per block in KiB, opt-in), for the capabilities the tiles
 #: know. The family is the compile-checked architecture whose tile table a capability uses; the shared memory
@@ -110,3 +121,41 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return "rocm" if torch.version.hip is not None else "cuda"
     return device.type
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a Triton version string such as ``"3.6.0"`` or ``"3.5.0+git1a2b3c"``."""
+    found = re.match(r"\s*(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a Triton version: {version!r}")
+    return int(found[1]), int(found[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _notice(version: str, why: str) -> None:
+    """Log ``why`` once per process (and per Triton version)."""
+    logger.warning("cgist: %s", why)
+
+
+def unchecked_triton() -> str | None:
+    """Why "auto" keeps the Triton kernels off under the installed Triton, or None when the compile check covers it
+    (or Triton is absent, which the caller finds out itself).
+
+    A release older than ``OLDEST_CHECKED_TRITON`` gets a notice, once, naming the version found and the oldest
+    checked.
+    """
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = str(getattr(triton, "__version__", "unknown"))
+    try:
+        release = triton_release(version)
+    except ValueError:
+        release = None
+    if release is not None and release >= OLDEST_CHECKED_TRITON:
+        return None
+    why = (f"Triton {version} is older than every release the kernels' compile check covers (the oldest is "
+           f"{'.'.join(map(str, OLDEST_CHECKED_TRITON))}): backend='auto' uses the PyTorch streaming path")
+    _notice(version, why)
+    return why
