@@ -22,6 +22,14 @@ sm_80; "?" where the disassembler cannot read the architecture). Then one summar
 the architecture's limit (``cgist.devices.KNOWN_ARCHS``) and the largest ratio of shared memory to estimate.
 Exits non-zero on a compile error, any spill, shared memory over the limit, or shared memory over the estimate.
 
+The table's first line records the arguments, the Triton version and a hash of the sources the binaries are built
+from (``bench/compile_table.py``): bench/results/aot_compile.txt is the full default table under the newest Triton,
+bench/results/aot_compile_triton-X.Y.Z.txt the table of ``--arch 80 86 89 90 --dtypes bf16 fp32`` under each older
+release the launcher supports, and tests/test_triton_versions.py fails when one no longer matches the sources. It runs
+under Triton 3.4 and newer: for another release, install its wheel beside the environment
+(``pip install --no-deps --target DIR triton==X.Y.Z``) and run with ``PYTHONPATH=DIR``; the tile tables follow the
+release (``cgist.kernels.gist._OLDER_TRITON``).
+
     python bench/aot_compile.py [--arch 70 75 80 86 89 90 100 120] [--dtypes fp32 tf32 bf16 ...]
                                 [--dims 384 768 1024 4096] [--guide-dims 384 1024] [--no-matryoshka] [--jobs N]
 """
@@ -45,11 +53,32 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+#: The oldest Triton this tool runs under: 3.4 brought ``triton.knobs``, which it reads and sets.
+OLDEST_TRITON = (3, 4)
+if tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2]) < OLDEST_TRITON:
+    raise SystemExit(f"Triton {triton.__version__}: bench/aot_compile.py runs under Triton "
+                     f"{'.'.join(map(str, OLDEST_TRITON))} and newer")
+
+import triton.backends.nvidia.compiler as nvidia_compiler  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
+try:  # Triton 3.6 and newer: the JIT specialises its arguments in native code
+    from triton.runtime.jit import native_specialize_impl  # noqa: E402
+except ImportError:  # Triton 3.4 and 3.5: in Python, through the backend's ``get_arg_specialization``
+    from triton.runtime.jit import create_specialize_impl  # noqa: E402
+
+    _SPECIALIZE_IMPLS: dict[type, object] = {}
+
+    def native_specialize_impl(backend_type, arg, is_const, specialize_value, align):
+        impl = _SPECIALIZE_IMPLS.get(backend_type)
+        if impl is None:
+            impl = _SPECIALIZE_IMPLS[backend_type] = create_specialize_impl(backend_type.get_arg_specialization)
+        return impl(arg, is_const, specialize_value, align)
+
+import compile_table  # noqa: E402  (bench/, this script's folder)
 from cgist.devices import Arch, arch_for  # noqa: E402
 from cgist.kernels.gist import (  # noqa: E402
     gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, operand_kind,
@@ -185,13 +214,40 @@ def resource_usage(cubin: bytes) -> dict:
     return fields
 
 
+class _PtxasPrintingSubprocess:
+    """``subprocess`` as Triton's NVIDIA backend sees it under Triton 3.4, which has no ``dump_ptxas_log``: its
+    ``run`` also prints what ptxas writes to the log file it is given (``-v``: registers, stack, spills)."""
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def run(cmd, *args, check=False, stderr=None, **kwargs):
+        proc = subprocess.run(cmd, *args, stderr=subprocess.PIPE, **kwargs)
+        text = proc.stderr.decode(errors="replace") if isinstance(proc.stderr, bytes) else proc.stderr
+        if isinstance(getattr(stderr, "name", None), str):  # the log file, opened for reading: the backend's error
+            Path(stderr.name).write_text(text)
+        print(text)
+        if check and proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+
 @contextlib.contextmanager
 def ptxas_log():
-    """Collect what Triton's ptxas runs print with ``-v`` (``TRITON_DUMP_PTXAS_LOG``) into a StringIO."""
+    """Collect what Triton's ptxas runs print with ``-v`` into a StringIO: through ``TRITON_DUMP_PTXAS_LOG``
+    (Triton 3.5 and newer), else by giving the backend a ``subprocess`` that prints ptxas's log."""
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
-        knobs.nvidia.dump_ptxas_log = True
-        yield log
+        if hasattr(knobs.nvidia, "dump_ptxas_log"):
+            knobs.nvidia.dump_ptxas_log = True
+            yield log
+            return
+        nvidia_compiler.subprocess = _PtxasPrintingSubprocess()
+        try:
+            yield log
+        finally:
+            nvidia_compiler.subprocess = subprocess
 
 
 def spill_stores(log: str) -> int | None:
@@ -287,6 +343,17 @@ def summary(rows: list[dict], arch: Arch) -> str:
             f"dims={top['dims']}), largest smem/estimate {ratio:.2f}")
 
 
+def table_args(argv: list[str]) -> list[str]:
+    """The arguments that shape a table, for its header: ``argv`` without ``--jobs``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg == "--jobs" or arg.startswith("--jobs="):
+            skip = arg == "--jobs"
+            continue
+        kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=DEFAULT_ARCHS,
@@ -325,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = [f"{r['kernel']} {r['arch']} {r['dtype']} {r['tiles']} dims={r['dims']}: {r['failure']}"
                 for r in rows if "failure" in r]
     widths = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in COLUMNS}
+    print(compile_table.header(table_args(argv), triton.__version__))
     print("  ".join(h.ljust(widths[h]) for h in COLUMNS))
     for r in rows:
         print("  ".join(str(r[h]).ljust(widths[h]) for h in COLUMNS))

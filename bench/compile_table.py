@@ -1,0 +1,101 @@
+"""What a compile table (``bench/aot_compile.py``'s output, ``bench/results/aot_compile*.txt``) was built from.
+
+A table's first line records the Triton release it was compiled with and a hash of the sources that decide its
+binaries: the parsed code (comments, layout and docstrings aside) of
+
+- ``kernels/gist.py``, all of it: the kernels and their helpers, the tile tables, ``tile_configs``,
+  ``operand_kind`` and ``shared_memory_estimate``;
+- the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``kernels/launch.py``),
+  ``compute_dtype`` (``cgist/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
+  ``arch_for`` in ``cgist/devices.py``);
+- what ``bench/aot_compile.py`` builds from them: its dtype pairs, kernels, Matryoshka configuration and the
+  argument values it specialises the kernels with;
+
+and the Triton release. ``check_table`` recomputes it; a table whose hash differs is stale. This module reads
+files only (no torch, no Triton), so tests can import it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: File -> the top-level names whose definitions are hashed (None: the whole module).
+SOURCES: dict[str, tuple[str, ...] | None] = {
+    "kernels/gist.py": None,
+    "kernels/launch.py": ("TL_DTYPES", "input_precision"),
+    "cgist/numerics.py": ("compute_dtype",),
+    "cgist/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
+    "bench/aot_compile.py": ("PAIRS", "MATRYOSHKA_DIMS", "MATRYOSHKA_PAIRS", "KERNELS", "MATRYOSHKA_KERNELS",
+                             "RULES_ALL", "operands", "launch_values", "specialise"),
+}
+#: A table's first line: ``# python bench/aot_compile.py ARGS  (Triton 3.9.0, sources 1a2b...)``.
+HEADER = re.compile(
+    r"^# python bench/aot_compile\.py(?P<args>.*?)\s+\(Triton (?P<triton>\S+), sources (?P<hash>[0-9a-f]{64})\)")
+STALE = "kernels changed: rerun python bench/aot_compile.py and commit its output"
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _defines(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+
+
+def source_parts(root: Path = ROOT) -> dict[str, str]:
+    """``"file"`` or ``"file:name"`` -> the ``ast.dump`` of that module or definition, without docstrings."""
+    parts = {}
+    for file, names in SOURCES.items():
+        tree = _strip_docstrings(ast.parse((root / file).read_text(), filename=file))
+        if names is None:
+            parts[file] = ast.dump(tree)
+            continue
+        for name in names:
+            found = [ast.dump(node) for node in tree.body if name in _defines(node)]
+            if not found:
+                raise LookupError(f"{file} defines no {name}")
+            parts[f"{file}:{name}"] = "\n".join(found)
+    return parts
+
+
+def source_hash(triton_version: str, root: Path = ROOT) -> str:
+    """The sha256 of the sources (``source_parts``) and the Triton release that a table is built from."""
+    digest = hashlib.sha256(f"triton {triton_version}\n".encode())
+    for key, dump in sorted(source_parts(root).items()):
+        digest.update(f"{key}\n{dump}\n".encode())
+    return digest.hexdigest()
+
+
+def header(args: list[str], triton_version: str, root: Path = ROOT) -> str:
+    """A table's first line, for ``bench/aot_compile.py`` run with ``args`` under ``triton_version``."""
+    return f"# python bench/aot_compile.py{''.join(' ' + a for a in args)}  (Triton {triton_version}, sources " \
+           f"{source_hash(triton_version, root)})"
+
+
+def read_header(table: Path) -> dict[str, str]:
+    """``args`` (as typed, stripped), ``triton`` and ``hash`` from a table's first line."""
+    first = table.read_text().split("\n", 1)[0]
+    match = HEADER.match(first)
+    if match is None:
+        raise ValueError(f"{table}: its first line is not a bench/aot_compile.py header: {first!r}")
+    return {key: value.strip() for key, value in match.groupdict().items()}
+
+
+def check_table(table: Path, root: Path = ROOT) -> None:
+    """Raise ``AssertionError(STALE ...)`` when ``table`` was built from other sources than ``root``'s now."""
+    recorded = read_header(table)
+    if source_hash(recorded["triton"], root) != recorded["hash"]:
+        raise AssertionError(f"{STALE} ({table.name}, Triton {recorded['triton']})")
