@@ -36,6 +36,7 @@ flag ``theta_i > T_i`` that the AP forward launch stored.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cgist.devices import Arch, arch_for, gpu_arch
+from cgist.devices import Arch, arch_for, gpu_arch, triton_release
 
 __all__ = [
     "gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars",
@@ -62,6 +63,8 @@ LABEL, GUIDED, SELF, TEXTS, KEEP, HARD_OWN, HARD_OTHERS = (
                                   RULE_HARD_OTHERS))
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+#: The running Triton's release, ``(major, minor)``: the tile tables part by it (``_OLDER_TRITON``).
+TRITON = triton_release(triton.__version__)
 
 
 def _configs(tiles) -> list[triton.Config]:
@@ -137,13 +140,71 @@ _MATRYOSHKA_TILES = {
     (100, "mixed"): [(64, 64, 16, 8, 3)],  # at BLOCK_K = 32 the forward spills 80 B
     (100, "mixed3"): [(64, 32, 16, 4, 3)],  # 64 x 64 spills 52 B in the forward on 8 warps, 36 B in the other on 4
 }
+# The tables above are Triton 3.9's. Older releases spill with some of their configs: a release (major, minor) in
+# _OLDER_TRITON takes its entries over the tables' ("gemm": _TILES, "fused": _FUSED_TILES, "matryoshka":
+# _MATRYOSHKA_TILES): where a config spills under it, the first smaller one found that compiles spill-free with every
+# kernel using it (bench/aot_compile.py under each release: bench/results/aot_compile_triton-*.txt, sm_80 to sm_90
+# with bf16 and fp32). Spills below are ptxas's under the release named.
+#
+# With mma.sync, half operands at BLOCK_K = 64 spill under 3.4 to 3.7: the forward 4 to 48 B on sm_80 to sm_89, the
+# fused passes 8 to 64 B on sm_80; BLOCK_K = 32 fits.
+_HALF_K32 = {(family, "half"): [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)] for family in (80, 86, 89)}
+_OLDER_TRITON: dict[tuple[int, int], dict[str, dict[tuple[int, str], list[tuple[int, ...]]]]] = {
+    (3, 8): {
+        # the score-gradient kernel at 128 x 64 x 16 spills 4 B on sm_86 and sm_89
+        "gemm": {(family, "tf32x3"): [(128, 32, 16, 8, 3)] for family in (86, 89)},
+        # the row pass spills 32 B at 128 x 64 x 16 and at 64 x 64 x 16 on 4 warps (16 B on 8), the column pass 16 B
+        "fused": {(80, "tf32x3"): [(64, 32, 16, 8, 3)]},
+        # the score-gradient kernel spills 28 B at 32 x 32 x 32 on sm_80, 8 B at 64 x 64 x 32 on sm_90, where the
+        # forward's shared memory (56 KiB) also passes the estimate
+        "matryoshka": {(80, "tf32x3"): [(32, 32, 16, 4, 3)], (90, "tf32x3"): [(64, 64, 16, 8, 3)]},
+    },
+    (3, 7): {
+        "gemm": _HALF_K32,
+        "matryoshka": {(90, "tf32x3"): [(64, 64, 16, 8, 3)]},  # 64 x 64 x 32: the score-gradient kernel spills 4 B
+    },
+    (3, 6): {"gemm": _HALF_K32},
+    (3, 5): {
+        # sm_90's 128 x 128 x 64 forward spills 100 B; sm_80's 64 x 64 x 16 tf32x3 forward on 4 warps 20 B
+        "gemm": {**_HALF_K32, (90, "half"): _MMA_HALF, (80, "tf32x3"): [(128, 64, 16, 8, 3)]},
+        # the row pass spills 8 B at 128 x 64 x 16 and 24 B at 64 x 64 x 16 on 4 warps
+        "fused": {(80, "tf32x3"): [(64, 64, 16, 8, 3)]},
+        # the score-gradient kernel spills 40 B at 64 x 32 x 32 on sm_86 and sm_89, 52 B at 64 x 64 x 32 on sm_90
+        "matryoshka": {**{(family, "tf32x3"): [(64, 32, 16, 8, 3)] for family in (86, 89)},
+                       (90, "tf32x3"): [(64, 64, 16, 8, 3)]},
+    },
+    (3, 4): {
+        "gemm": {**_HALF_K32, (80, "tf32x3"): [(128, 64, 16, 8, 3)]},  # 64 x 64 x 16 on 4 warps: the forward spills 8 B
+        # Triton 3.4's tl.dot takes no dimension below 16, and the fused passes multiply over BLOCK_K / 2 columns; at
+        # BLOCK_K = 32 tf32x3 spills 76 to 244 B with 64 x 64 tiles, 12 to 64 B with 32 x 64 ones
+        "fused": {(family, "tf32x3"): [(32, 32, 32, 4, 3)] for family in (80, 86, 89, 90)},
+        # the score-gradient kernel spills 28 B at 32 x 32 x 32 on sm_80, 32 B at 64 x 32 x 32 on sm_86 and sm_89; on
+        # sm_90 64 x 64 x 32 takes 57 KiB of shared memory, over the estimate
+        "matryoshka": {(80, "tf32x3"): [(32, 32, 16, 4, 3)],
+                       **{(family, "tf32x3"): [(64, 32, 16, 8, 3)] for family in (86, 89)},
+                       (90, "tf32x3"): [(64, 64, 16, 8, 3)]},
+    },
+}
 #: fp64 dots (tests) run on the FMA units; their operands live in registers, so small tiles.
 _FP64_TILES = [(64, 32, 16, 4, 2)]
 FMA_CONFIGS = _configs(_FP64_TILES)
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
-#: Every config a table can return: the autotuner's list, fixed when the kernel is decorated.
+#: Every config a table can return under any release: the autotuner's list, fixed when the kernel is decorated.
 ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_FUSED_TILES.values(), *_MATRYOSHKA_TILES.values(),
+                                               *(tiles for older in _OLDER_TRITON.values()
+                                                 for table in older.values() for tiles in table.values()),
                                                _FP64_TILES) for t in group}))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(release: tuple[int, int]) -> dict[str, dict[tuple[int, str], list[tuple[int, ...]]]]:
+    """The tile tables ("gemm", "fused", "matryoshka") of a Triton release (``_OLDER_TRITON``)."""
+    tables = {"gemm": dict(_TILES), "fused": dict(_FUSED_TILES), "matryoshka": dict(_MATRYOSHKA_TILES)}
+    for name, entries in _OLDER_TRITON.get(release, {}).items():
+        tables[name].update(entries)
+    return tables
+
+
 #: ``tile_set`` values of the forward: any config, or the fused backward's.
 TILE_SETS = ("gemm", "fused")
 #: The largest tile (BLOCK_M * BLOCK_N values) of the fused passes, where a table has no _FUSED_TILES entry.
@@ -196,7 +257,8 @@ def shared_memory_estimate(config: triton.Config, kind: str) -> int:
 
 
 def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
-                 tile_set: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET) -> list[triton.Config]:
+                 tile_set: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET,
+                 release: tuple[int, int] | None = None) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
@@ -205,7 +267,8 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``tile_set="fused"`` keeps to the tiles
     the fused backward compiles without spills. On an architecture the tables do not know
     (``arch.known`` false) only the configs whose ``shared_memory_estimate`` fits its shared memory are
-    kept, or the smallest one if none does.
+    kept, or the smallest one if none does. The tables are those of Triton ``release`` (``(major, minor)``;
+    None: the running one, ``TRITON``).
     """
     if interpret:
         return INTERPRET_CONFIGS
@@ -214,12 +277,13 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     if kind == "fp64":
         return FMA_CONFIGS
     key = arch.family, kind
+    tables = _tables(release or TRITON)
     if n_dims > 1:
-        tiles = _MATRYOSHKA_TILES[key]
+        tiles = tables["matryoshka"][key]
     elif tile_set == "fused":
-        tiles = _FUSED_TILES.get(key) or [t for t in _TILES[key] if t[0] * t[1] <= FUSED_TILE_VALUES]
+        tiles = tables["fused"].get(key) or [t for t in tables["gemm"][key] if t[0] * t[1] <= FUSED_TILE_VALUES]
     else:
-        tiles = _TILES[key]
+        tiles = tables["gemm"][key]
     configs = _configs(tiles)
     if not arch.known:
         estimate = {str(c): shared_memory_estimate(c, kind) for c in configs}
