@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from . import selfcheck, streaming
 from .devices import device_kind, gpu_arch
 from .numerics import compute_dtype, rank_ids
+from .guide import kind_of, masks
 from .options import ANCHOR_DIRECTIONS, GistOptions
 from .stats import GistStats
 
@@ -250,7 +251,7 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     (its ``tl.dot`` becomes FMA loops), so the streaming path's cuBLAS products are at least as fast there;
     ROCm devices, where the kernels are untested, and every other device type take the streaming path too,
     as does a pair whose kernels failed on this device before (``_TRITON_FAILURES``), and every pair when
-    Triton cannot be imported or is older than the compile check covers (``cgist.devices.unchecked_triton``).
+    Triton cannot be imported.
     """
     route = _device_route(device)
     if route[0] == "torch":
@@ -258,10 +259,6 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     failure = _TRITON_FAILURES.get((_device_key(device), dtype, guide_dtype))
     if failure is not None:
         return "torch", f"the Triton kernels failed here earlier ({failure})"
-    from .devices import unchecked_triton  # a Triton older than the compile check covers: logged once
-
-    if (why := unchecked_triton()) is not None:
-        return "torch", why
     try:
         _triton_backend()
     except RuntimeError as err:
@@ -404,32 +401,6 @@ class GistLossFunction(torch.autograd.Function):
         return (None,) * 6 + (*grads, *([None] * ctx.n_guide_chunks))
 
 
-def guide_source(guide_embeddings: object) -> str | None:
-    """``"embeddings"``, ``"self"`` or None for a ``guide_embeddings`` argument; anything else is an error."""
-    if guide_embeddings is None:
-        return None
-    if isinstance(guide_embeddings, str):
-        if guide_embeddings != "self":
-            raise ValueError(f"guide_embeddings must be the guide's columns, 'self' or None, got {guide_embeddings!r}")
-        return "self"
-    return "embeddings"
-
-
-def default_masks(source: str | None, mask_self: bool | None, mask_duplicates: bool | None,
-                  have_text_ids: bool) -> tuple[bool, bool]:
-    """``mask_self`` and ``mask_duplicates`` with their defaults for a guide source (None: the default).
-
-    With the guide's own embeddings both are off, which is sentence-transformers' rule (self-pairs and duplicates
-    drop out only when the guide scores them above the threshold). With the student as its own guide, or no
-    guide, nothing masks them otherwise: ``mask_self`` defaults to on, and so does ``mask_duplicates`` when text
-    ids are given.
-    """
-    unguided = source != "embeddings"
-    mask_self = unguided if mask_self is None else mask_self
-    mask_duplicates = (unguided and have_text_ids) if mask_duplicates is None else mask_duplicates
-    return mask_self, mask_duplicates
-
-
 def gist_loss_with_options(
     embeddings: Sequence[Tensor | Sequence[Tensor]],
     guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | str | None,
@@ -440,7 +411,7 @@ def gist_loss_with_options(
     text_ids: Sequence[Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, GistStats]:
     """``gist_loss`` with its loss options given as one validated ``GistOptions`` (the masks already decided)."""
-    source = guide_source(guide_embeddings)
+    source = kind_of(guide_embeddings)
     student, guide = check_embeddings(embeddings, guide_embeddings if source == "embeddings" else None, options)
     if options.mask_duplicates and text_ids is None:
         raise ValueError("mask_duplicates=True needs text_ids: one id per row of each column, equal for equal texts")
@@ -533,8 +504,8 @@ def gist_loss(
         The mean loss over anchors as a 0-dim tensor (float64 for float64 inputs, else float32),
         differentiable with respect to ``embeddings``; with ``return_stats``, ``(loss, stats)``.
     """
-    source = guide_source(guide_embeddings)
-    mask_self, mask_duplicates = default_masks(source, mask_self, mask_duplicates, text_ids is not None)
+    source = kind_of(guide_embeddings)
+    mask_self, mask_duplicates = masks(source, mask_self, mask_duplicates, text_ids is not None)
     if all_anchors is not None:
         if not any(direction in ANCHOR_DIRECTIONS for direction in directions):
             raise ValueError(f"all_anchors is only read by the directions {ANCHOR_DIRECTIONS}")

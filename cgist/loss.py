@@ -20,7 +20,8 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .function import default_masks, gist_loss_with_options, requested_backend
+from .function import gist_loss_with_options, requested_backend
+from .guide import LABELS, MODEL, NONE, SELF, GuideSource
 from .numerics import token_fingerprints
 from .options import MARGIN_STRATEGIES, GistOptions, _check_real
 from .stats import GistStats
@@ -30,18 +31,14 @@ __all__ = ["FusedCachedGISTLoss", "FusedDropIn", "FusedMatryoshka"]
 logger = logging.getLogger(__name__)
 
 
-#: ``guide`` as a name: a guide model, precomputed embeddings in the label column, the student itself, or none.
-GUIDE_MODES = ("model", "labels", "self", "none")
-
-
-def guide_mode(guide: object) -> str:
-    """The ``GUIDE_MODES`` name of a ``guide`` argument of ``FusedCachedGISTLoss``; anything else is an error."""
+def guide_source(guide: object) -> GuideSource:
+    """The source of a ``guide`` argument of ``FusedCachedGISTLoss`` (``cgist.guide``); anything else is an error."""
     if guide is None:
-        return "none"
+        return NONE
     if isinstance(guide, SentenceTransformer):
-        return "model"
+        return MODEL
     if isinstance(guide, str) and guide in ("labels", "self"):
-        return guide
+        return LABELS if guide == "labels" else SELF
     message = "guide must be a SentenceTransformer, 'labels', 'self' or None, got "
     if isinstance(guide, str):
         raise ValueError(message + repr(guide))
@@ -421,14 +418,14 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         """
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        mode = guide_mode(guide)
+        source = guide_source(guide)
         check_embedding_stage(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
         check_scalars(temperature, margin, margin_strategy)
         # sentence-transformers' constructor checks its own arguments, with its messages, and keeps them as attributes.
         # Without a guide model its checks see the student as the guide; the guide is set after.
         super().__init__(
             model,
-            guide if mode == "model" else model,
+            guide if source.runs_model else model,
             temperature=temperature,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
@@ -472,14 +469,19 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         super().__setattr__(name, value)
 
     @property
+    def guide_source(self) -> GuideSource:
+        """Where ``guide`` takes the guide from (``cgist.guide``); a loss built without one (by ``__new__``) takes the
+        guide's embeddings from ``reps_guided``, as sentence-transformers does."""
+        return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
+
+    @property
     def guide_mode(self) -> str:
-        """The ``GUIDE_MODES`` name of ``guide``; a loss built without one (by ``__new__``) takes the guide's
-        embeddings from ``reps_guided``, as sentence-transformers does."""
-        return guide_mode(getattr(self, "guide")) if hasattr(self, "guide") else "model"
+        """The name of the guide's source: ``"model"``, ``"labels"``, ``"self"`` or ``"none"``."""
+        return self.guide_source.name
 
     def options_key(self) -> tuple:
         similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)
-        return (self.guide_mode, *attribute_key(self, _GIST_ATTRIBUTES),
+        return (self.guide_source, *attribute_key(self, _GIST_ATTRIBUTES),
                 *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
                 *attribute_key(cross_entropy, ("weight", "ignore_index", "reduction", "label_smoothing")),
                 (type(cross_entropy), cross_entropy))
@@ -492,9 +494,8 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-        mode = self.guide_mode
-        source = {"model": "embeddings", "labels": "embeddings", "self": "self"}.get(mode)
-        mask_self, mask_duplicates = default_masks(source, self.mask_self, self.mask_duplicates, have_text_ids=True)
+        source = self.guide_source
+        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True)
         options = GistOptions(
             margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
             contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
@@ -506,7 +507,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
                   or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
         if reason is None:
             return options.replace(temperature=self.temperature, margin=self.margin), None
-        beyond = [f"guide={self.guide!r}"] if mode == "none" else []
+        beyond = [f"guide={self.guide!r}"] if source is NONE else []
         beyond += [f"{name}=True" for name in ("mask_self", "mask_duplicates") if getattr(options, name)]
         beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
                    if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
@@ -521,7 +522,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         sentence_features = list(sentence_features)
         options = self.resolve()
         batch = {}
-        if self.guide_mode == "labels":
+        if self.guide_source.reads_labels:
             batch["guide"] = label_guide(labels, len(sentence_features), batch_rows(sentence_features[0]))
         if options is not None and options.mask_duplicates:
             batch["text_ids"] = [text_fingerprints(feature) for feature in sentence_features]
@@ -539,13 +540,13 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         hands back as the guide's embeddings the student's own (``"self"``) or an empty placeholder (``"labels"``,
         None), which ``calculate_loss`` replaces.
         """
-        mode = self.guide_mode
-        if mode == "model" or with_grad:
+        source = self.guide_source
+        if source.runs_model or with_grad:
             return super().embed_minibatch(sentence_feature, begin, end, with_grad, copy_random_state, random_state)
         with torch.no_grad():
             reps, _, state = super().embed_minibatch(sentence_feature, begin, end, True, copy_random_state,
                                                      random_state)
-        return reps, (reps if mode == "self" else reps.new_empty(reps.shape[0], 0)), state
+        return reps, (reps if source is SELF else reps.new_empty(reps.shape[0], 0)), state
 
     def calculate_loss(
         self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
@@ -572,7 +573,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         guide = self._guide_columns(reps_guided)
         if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
             self.last_stats = None
-            if self.guide_mode == "labels":
+            if self.guide_source.reads_labels:
                 reps_guided = [[column] for column in guide]
             return CachedGISTEmbedLoss.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
         text_ids = self._batch.get("text_ids")
@@ -589,15 +590,15 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
 
     def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
         """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
-        mode = self.guide_mode
-        if mode == "model":
+        source = self.guide_source
+        if source.runs_model:
             return [list(r) for r in reps_guided]
-        if mode == "labels":
+        if source.reads_labels:
             if "guide" not in self._batch:
                 raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
                                  "on a batch (calculate_loss alone does not see the labels)")
             return list(self._batch["guide"])
-        return "self" if mode == "self" else None
+        return source.kind
 
     def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
         """Warn once when more than half of a step's anchors are left with only their positive."""
@@ -620,7 +621,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         """sentence-transformers' configuration, key for key (``guide`` is the model, "labels", "self" or None), then
         cgist's own arguments where they differ from their defaults (and the guide mode where it is not a model)."""
         own = self.own_config()
-        if self.guide_mode != "model":
+        if not self.guide_source.runs_model:
             own = {"guide_mode": self.guide_mode, **own}
         return {**super().get_config_dict(), **own}
 
@@ -628,7 +629,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
     def citation(self) -> str:
         """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
         paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
-        return _direction_citation(self, self.guide_mode == "self") + """
+        return _direction_citation(self, self.guide_source is SELF) + """
 @misc{solatorio2024gistembed,
     title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
     author={Aivin V. Solatorio},
