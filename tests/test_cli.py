@@ -5,6 +5,7 @@ are in test_data.py."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 import subprocess
@@ -17,7 +18,8 @@ from helpers_models import tiny_model
 from safetensors.torch import load_file
 from test_data import pairs, write_csv, write_jsonl  # noqa: F401 (pairs is a fixture)
 
-from cgist.cli import arguments, guide_cache, main, report, run
+from cgist.cli import arguments, build_parser, guide_cache, main, report, run
+from cgist.cli.common import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +61,7 @@ def _check(argv: list[str], capsys, *, code: int, out_dir: Path, message: str = 
 
 
 def test_parser_defaults():
-    args = arguments.build_parser().parse_args(["train"])
+    args = build_parser().parse_args(["train"])
     assert (args.model, args.guide, args.data) == (None, None, None)
     assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (32, 16, 64)
     assert args.lr == 1e-4 and args.max_pairs is None
@@ -73,7 +75,7 @@ def test_parser_defaults():
 
 
 def test_parser_options():
-    args = arguments.build_parser().parse_args(
+    args = build_parser().parse_args(
         ["train", "--data", "x.jsonl", "--batch-size", "8", "--mini-batch-size", "3", "--epochs", "2", "--lr",
          "1e-4", "--temperature", "0.05", "--margin", "0.1", "--margin-strategy", "relative",
          "--no-contrast-anchors", "--no-contrast-positives", "--seed", "7", "--device", "cpu"]
@@ -82,11 +84,11 @@ def test_parser_options():
     assert (args.temperature, args.margin, args.margin_strategy, args.seed) == (0.05, 0.1, "relative", 7)
     assert not args.contrast_anchors and not args.contrast_positives
     assert arguments.max_steps(args) == -1  # a file trains for --epochs
-    assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--epochs", "1"])) == -1
-    assert arguments.max_steps(arguments.build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
+    assert arguments.max_steps(build_parser().parse_args(["train", "--epochs", "1"])) == -1
+    assert arguments.max_steps(build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
     assert arguments.save_steps(args) == arguments.DEFAULT_SAVE_STEPS
-    assert arguments.save_steps(arguments.build_parser().parse_args(["train", "--max-steps", "3"])) == 500
-    assert arguments.save_steps(arguments.build_parser().parse_args(["train", "--save-steps", "3"])) == 3
+    assert arguments.save_steps(build_parser().parse_args(["train", "--max-steps", "3"])) == 500
+    assert arguments.save_steps(build_parser().parse_args(["train", "--save-steps", "3"])) == 3
 
 
 @pytest.mark.parametrize(
@@ -103,8 +105,8 @@ def test_parser_options():
 )
 def test_resume_command(argv, expected):
     assert arguments.resume_command(argv) == expected
-    args = arguments.build_parser().parse_args(argv)
-    again = arguments.build_parser().parse_args(shlex.split(expected)[1:])
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(shlex.split(expected)[1:])
     assert again.resume and not again.overwrite
     assert {k: v for k, v in vars(again).items() if k not in ("resume", "overwrite")} == \
         {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite")}
@@ -215,7 +217,7 @@ def test_bad_options(argv, message, pairs, tmp_path, capsys):
 def test_direction_options_reach_the_loss_and_resume():
     """--directions and the other MultipleNegativesRankingLoss flags become the loss's options; a checkpoint that
     predates them (no record of them) resumes as one trained with their defaults, and a different value is named."""
-    parser = arguments.build_parser()
+    parser = build_parser()
     args = parser.parse_args(["train", "--no-contrast-anchors", "--no-contrast-positives", "--directions",
                               "query_to_doc", "query_to_query", "doc_to_doc", "--hardness-mode", "hard_negatives",
                               "--hardness-strength", "5"])
@@ -230,7 +232,7 @@ def test_direction_options_reach_the_loss_and_resume():
              if k not in ("--directions", "--partition-mode", "--hardness-mode", "--hardness-strength")}
     arguments.check_resume(json.loads(json.dumps(older)), default, Path("checkpoint-8"))
     changed = arguments.training_options(args, "sha256:x")
-    with pytest.raises(arguments.UsageError, match="--directions differs from the checkpoint's"):
+    with pytest.raises(UsageError, match="--directions differs from the checkpoint's"):
         arguments.check_resume(json.loads(json.dumps(older)), {**default, "--directions": changed["--directions"]},
                                Path("checkpoint-8"))
 
@@ -441,3 +443,44 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert guide_cache.default_cache_dir() == tmp_path / "home" / ".cache" / "cgist"
+
+
+# ---------------------------------------------------------------------------------------------- module structure
+
+TRAIN_MODULES = {"arguments", "run", "trainer", "output", "guide_cache", "report"}
+
+
+def cli_imports(source: str, modules: set[str]) -> set[str]:
+    """The modules of cgist/cli (``__init__`` for the package) that a module of it imports, anywhere in ``source``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            found |= {name.split(".")[0] if name.split(".")[0] in modules else "__init__" for name in names}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            absolute = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found |= {name.removeprefix("cgist.cli").lstrip(".").split(".")[0] or "__init__" for name in absolute
+                      if name == "cgist.cli" or name.startswith("cgist.cli.")}
+    return found
+
+
+def test_cli_modules_import_no_circle_and_neither_command_the_other():
+    """The package registers each command; each command imports what they share from ``common``, never the other
+    command nor the package; and no chain of imports leads back to where it started."""
+    cli = Path(arguments.__file__).parent
+    modules = {path.stem for path in cli.glob("*.py")}
+    assert {"__init__", "common", "doctor"} | TRAIN_MODULES <= modules
+    graph = {name: cli_imports((cli / f"{name}.py").read_text(encoding="utf-8"), modules) for name in modules}
+    assert cli_imports("from . import doctor, common\nfrom .run import x\ndef f():\n    from . import main\n"
+                       "    import cgist.cli.output", modules) == {"doctor", "common", "run", "__init__", "output"}
+    assert graph["__init__"] >= {"arguments", "doctor", "common"}
+    assert graph["common"] == set()
+    assert not graph["doctor"] & TRAIN_MODULES
+    assert not any("doctor" in graph[name] for name in TRAIN_MODULES)
+    assert [name for name in modules if "__init__" in graph[name] and name != "__init__"] == []
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(name == target or (name not in seen and reaches(name, target, seen | {name}))
+                   for name in graph[start])
+
+    assert [name for name in sorted(modules) if reaches(name, name, set())] == []

@@ -17,7 +17,7 @@ from test_imports import runtime_imports
 import cgist
 import cgist.kernels
 from cgist import compat
-from cgist.cli import arguments, run
+from cgist.cli import build_parser, run
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -79,7 +79,7 @@ def test_train_without_the_demo_extra_names_the_command_that_installs_it(tmp_pat
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    return arguments.build_parser().parse_args(["train", *argv])
+    return build_parser().parse_args(["train", *argv])
 
 
 def test_the_bundled_model_is_needed_only_where_no_option_replaces_it(monkeypatch):

@@ -1,6 +1,7 @@
-"""The ``cgist train`` command line: the parser, its value types and the checks that need no model or data.
+"""The ``cgist train`` command line: its parser (:func:`add_parser`), the value types and the checks that need no
+model or data.
 
-Every bad option ends in a :class:`UsageError`, which the entry point prints as one line (exit code 2)
+Every bad option ends in a :class:`~.common.UsageError`, which the entry point prints as one line (exit code 2)
 before anything is written.
 """
 
@@ -10,13 +11,10 @@ import argparse
 import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..options import GistOptions
+from .common import UsageError
 from .output import CHECKPOINTS_DIR, latest_checkpoint
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -24,14 +22,12 @@ __all__ = [
     "DEFAULT_STDLIB_SAVE_STEPS",
     "DEFAULT_STDLIB_STEPS",
     "GUIDE_MODES",
-    "UsageError",
-    "build_parser",
+    "add_parser",
     "check_args",
     "check_resume",
     "loss_options",
     "max_steps",
     "model_id",
-    "resolve_device",
     "resume_command",
     "save_steps",
     "training_options",
@@ -50,10 +46,6 @@ GUIDE_MODES = ("model", "precomputed", "self", "none")
 #: The value an option had before checkpoints recorded it, for resuming their runs.
 RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
                      "--hardness-mode": None, "--hardness-strength": 0.0}
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line on stderr with exit code 2, before anything is written."""
 
 
 def _positive_int(minimum: int) -> Callable[[str], int]:
@@ -108,10 +100,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``cgist`` parser with its ``train`` command."""
-    parser = argparse.ArgumentParser(prog="cgist", description="cgist: a fused, streaming CachedGISTEmbedLoss.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register the ``train`` command and its options with the ``cgist`` parser's ``commands``."""
     train = commands.add_parser(
         "train",
         help="fine-tune a SentenceTransformer with FusedCachedGISTLoss",
@@ -123,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=_HelpFormatter,
     )
+    for add_group in (_add_model_group, _add_data_group, _add_training_group, _add_loss_group, _add_output_group):
+        add_group(train)
+
+
+def _add_model_group(train: argparse.ArgumentParser) -> None:
     models = train.add_argument_group("models")
     models.add_argument("--model", help="student: a SentenceTransformer directory or Hub id (default: a fresh copy "
                         "of the guide)")
@@ -139,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="student's max tokens per text (longer source code is truncated)")
     models.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
 
+
+def _add_data_group(train: argparse.ArgumentParser) -> None:
     data = train.add_argument_group("data")
     data.add_argument("--data", help="JSONL or CSV file with columns anchor, positive[, negative, negative_2, ...], or "
                       "a directory saved with datasets' save_to_disk (default: pairs built from the standard library)")
@@ -146,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="use at most this many pairs (default: all)")
     data.add_argument("--eval-fraction", type=_fraction, default=0.1, help="share of the pairs held out for evaluation")
 
+
+def _add_training_group(train: argparse.ArgumentParser) -> None:
     training = train.add_argument_group("training")
     training.add_argument("--batch-size", type=int, default=32,
                           help="pairs per optimizer step; each anchor contrasts against the whole batch")
@@ -161,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="share of steps spent warming up from a learning rate of 0")
     training.add_argument("--seed", type=int, default=0, help="seed for the data split, shuffling and training")
 
+
+def _add_loss_group(train: argparse.ArgumentParser) -> None:
     loss = train.add_argument_group("loss (FusedCachedGISTLoss)")
     loss.add_argument("--temperature", type=_number, default=0.01, help="divides the cosine similarities")
     loss.add_argument("--margin", type=_number, default=0.0,
@@ -185,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     loss.add_argument("--hardness-strength", type=_number, default=0.0, help="see --hardness-mode")
     loss.add_argument("--backend", default="auto", help="'auto', 'torch' or 'triton'")
 
+
+def _add_output_group(train: argparse.ArgumentParser) -> None:
     output = train.add_argument_group("output and checkpoints")
     output.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
                         help=f"where the trained model is saved, and its checkpoints under {CHECKPOINTS_DIR}/")
@@ -199,11 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep this many newest checkpoints")
     output.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in --output-dir, with the same options")
-
-    from .doctor import add_parser as add_doctor
-
-    add_doctor(commands)
-    return parser
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -264,23 +262,6 @@ def loss_options(args: argparse.Namespace) -> dict[str, object]:
         "hardness_mode": args.hardness_mode,
         "hardness_strength": args.hardness_strength,
     }
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """The ``--device`` option as a torch device that exists on this machine."""
-    import torch
-
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device: unknown device {name!r}; expected e.g. cpu, cuda or cuda:0") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return device
 
 
 def max_steps(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .common import resolve_device
+
 if TYPE_CHECKING:
     from ..selfcheck import Check
 
@@ -36,6 +38,7 @@ PAIRS = (
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Register the ``doctor`` command and its option with the ``cgist`` parser's ``commands``."""
     doctor = commands.add_parser(
         "doctor", help="check what cgist runs on this machine, and that its kernels agree with the PyTorch path",
         description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "),
@@ -190,7 +193,6 @@ def timing(device: torch.device, use_triton: bool) -> str:
 def run_doctor(args: argparse.Namespace) -> int:
     """Print the report; 0 when everything that ran agrees, 1 when the kernels disagree with the PyTorch path."""
     from ..function import auto_route
-    from .arguments import resolve_device
 
     start = time.perf_counter()
     device = resolve_device(args.device)

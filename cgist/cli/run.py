@@ -1,4 +1,9 @@
-"""One ``cgist train`` run: load the models and data, score, train, score again and publish the output directory."""
+"""One ``cgist train`` run: load the models and data, score, train, score again and publish the output directory.
+
+:func:`train` is the run as its stages (:func:`_plan`, :func:`_load_models`, :func:`_score_before`,
+:func:`_build_trainer`, :func:`_fit`, :func:`_publish_run`); :func:`run_train` is the command around it: the
+summary table, and the exit code and message of a run that stopped early.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +17,24 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..compat import MissingExtraError, import_extra
 from .arguments import (
-    UsageError,
     check_args,
     check_resume,
     loss_options,
     max_steps,
     model_id,
-    resolve_device,
+    resume_command,
     save_steps,
     training_options,
 )
+from .common import UsageError, resolve_device
 from .output import (
     CHECKPOINTS_DIR,
     checkpoint_step,
@@ -40,17 +47,19 @@ from .output import (
     read_record,
     remove_stale,
 )
-from .report import METRICS, StageTimer, cpu_seconds, peak_memory
+from .report import METRICS, StageTimer, cpu_seconds, format_summary, peak_memory
 
 if TYPE_CHECKING:
     import torch
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
-    from .trainer import NonFiniteLoss
+    from ..callbacks import GuideStatsCallback
+    from ..loss import FusedCachedGISTLoss
+    from .trainer import CheckpointTrainer, NonFiniteLoss, StopRequest
 
 __all__ = ["SUMMARY_NAME", "Stopped", "bundled_model_path", "data_fingerprint", "guide_embeddings", "load_data",
-           "load_model", "resume_hint", "train"]
+           "load_model", "resume_hint", "run_train", "train"]
 
 #: The run's summary, saved next to the model.
 SUMMARY_NAME = "cgist_train.json"
@@ -216,6 +225,26 @@ def _trainer_arguments(
     )
 
 
+def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``cgist train``: the run, then its summary table; the exit status of a run that stopped early.
+
+    ``argv`` are the command-line words, from which the stop message's resume command is made. A UsageError is
+    left to the entry point.
+    """
+    command = resume_command(argv)
+    try:
+        summary = train(args, command)
+    except Stopped as stop:  # on a line of its own: training may have left a progress bar mid-line
+        print(f"\ncgist {args.command}: {stop}", file=sys.stderr)
+        return stop.status
+    except KeyboardInterrupt:  # outside training, where SIGINT keeps its usual meaning
+        print(f"\ncgist {args.command}: interrupted; {resume_hint(args.output_dir, command)}", file=sys.stderr)
+        return 128 + signal.SIGINT
+    print()
+    print(format_summary(summary))
+    return 0
+
+
 def train(args: argparse.Namespace, resume_command: str = "cgist train --resume") -> dict:
     """The whole run; returns the summary (also written to ``cgist_train.json`` in the output directory).
 
@@ -223,6 +252,32 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     ``resume_command`` is the command that the stop message tells to run.
     """
     start = time.perf_counter()
+    plan = _plan(args)
+    models = _load_models(args, plan)
+    evaluate, before = _score_before(args, plan, models)
+    training = _build_trainer(args, plan, models, before)
+    fitted = _fit(args, plan, models, training, resume_command)
+    print("Scoring the held-out split after training...")
+    scores = {"before": before, "after": evaluate()}
+    return _publish_run(args, plan, models, training, fitted, scores, start)
+
+
+@dataclass
+class _Plan:
+    """What the run settles before it loads a model: the checked options, the data and where it resumes from."""
+
+    guide_path: str | None
+    device: torch.device
+    dataset: Dataset
+    output: Path
+    checkpoints: Path
+    options: dict[str, object]  # training_options, recorded in every checkpoint
+    resume_from: Path | None
+    record: dict | None  # resume_from's record
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """The checks that need no model, the device, the data and, with --resume, the checkpoint's record."""
     check_args(args)
     guide_path = args.guide or bundled_model_path(args)
     device = resolve_device(args.device)
@@ -231,32 +286,45 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     checkpoints = output / CHECKPOINTS_DIR
     options = training_options(args, data_fingerprint(args, dataset))
     resume_from = latest_checkpoint(checkpoints) if args.resume else None
+    record = None
     if resume_from is not None:
         record = read_record(resume_from)
         check_resume(record["options"], options, resume_from)
+    return _Plan(guide_path, device, dataset, output, checkpoints, options, resume_from, record)
 
+
+@dataclass
+class _Models:
+    """The data splits, the student and its loss."""
+
+    train_set: Dataset
+    eval_set: Dataset
+    model: SentenceTransformer
+    loss: FusedCachedGISTLoss
+    precomputed: dict | None  # what guide_embeddings did, for --guide-mode precomputed
+
+
+def _load_models(args: argparse.Namespace, plan: _Plan) -> _Models:
+    """The split, the guide (a model, its cached embeddings, the student itself or none), the student and the loss."""
     import torch
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    from ..callbacks import GuideStatsCallback, stats_logs
-    from ..data import DataError, retrieval_task, split_pairs
+    from ..data import DataError, split_pairs
     from ..loss import FusedCachedGISTLoss
-    from .trainer import CheckpointTrainer, NonFiniteGuard, NonFiniteLoss, StopNow, StopRequest
 
     try:
-        train_set, eval_set = split_pairs(dataset, args.eval_fraction, args.seed)
+        train_set, eval_set = split_pairs(plan.dataset, args.eval_fraction, args.seed)
     except DataError as err:
         raise UsageError(str(err)) from None
 
     guide: SentenceTransformer | str | None = None  # the loss's guide argument
     if args.guide_mode == "model":
-        guide = load_model("--guide", guide_path, device)
+        guide = load_model("--guide", plan.guide_path, plan.device)
         guide.eval().requires_grad_(False)
     torch.manual_seed(args.seed)
-    model = load_model("--model", args.model or guide_path, device, args.max_seq_length)
+    model = load_model("--model", args.model or plan.guide_path, plan.device, args.max_seq_length)
     precomputed = None
     if args.guide_mode == "precomputed":
-        train_set, precomputed = guide_embeddings(args, guide_path, model, train_set, device)
+        train_set, precomputed = guide_embeddings(args, plan.guide_path, model, train_set, plan.device)
         guide = "labels"
     elif args.guide_mode == "self":
         guide = "self"
@@ -264,50 +332,93 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
     loss = FusedCachedGISTLoss(
         model, guide, mini_batch_size=args.mini_batch_size, backend=args.backend, **loss_options(args)
     )
+    return _Models(train_set, eval_set, model, loss, precomputed)
 
-    queries, corpus, relevant = retrieval_task(eval_set)
+
+def _score_before(
+    args: argparse.Namespace, plan: _Plan, models: _Models
+) -> tuple[Callable[[], dict[str, float]], dict[str, float]]:
+    """The held-out scorer and the scores before training (on a resume, those its checkpoint recorded)."""
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    from ..data import retrieval_task
+
+    queries, corpus, relevant = retrieval_task(models.eval_set)
     evaluator = InformationRetrievalEvaluator(
         queries, corpus, relevant, name="held-out", mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1],
         precision_recall_at_k=[1], map_at_k=[10], batch_size=args.mini_batch_size * 4, write_csv=False,
     )
 
     def evaluate() -> dict[str, float]:
-        scores = evaluator(model)
-        prefix = f"held-out_{model.similarity_fn_name}_"
+        scores = evaluator(models.model)
+        prefix = f"held-out_{models.model.similarity_fn_name}_"
         return {name: scores[prefix + key] for key, name in METRICS.items()}
 
-    if resume_from is None:
+    if plan.resume_from is None:
         print(f"Scoring the held-out split ({len(queries)} queries, {len(corpus)} documents) before training...")
-        before = evaluate()
-    else:
-        print(f"Resuming from {resume_from} (scores before training as recorded there)")
-        before = record["before"]
+        return evaluate, evaluate()
+    print(f"Resuming from {plan.resume_from} (scores before training as recorded there)")
+    return evaluate, plan.record["before"]
 
-    created = not output.exists()
-    if resume_from is None:
-        discard(checkpoints)  # with --overwrite: an earlier run's
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    remove_stale(checkpoints)
-    timer = StageTimer(loss, device)
-    guard = NonFiniteGuard(loss, model)  # wraps the timed loss, so the checks stay out of the loss-stage time
+
+@dataclass
+class _Training:
+    """The trainer and the callbacks whose results the run reads afterwards."""
+
+    trainer: CheckpointTrainer
+    timer: StageTimer
+    stop: StopRequest
+    guide_stats: GuideStatsCallback
+    created: bool  # the output directory did not exist before the run
+
+
+def _build_trainer(args: argparse.Namespace, plan: _Plan, models: _Models, before: dict[str, float]) -> _Training:
+    """The checkpoint directory made ready (emptied unless resuming) and the trainer with its callbacks."""
+    from ..callbacks import GuideStatsCallback
+    from .trainer import CheckpointTrainer, NonFiniteGuard, StopRequest
+
+    created = not plan.output.exists()
+    if plan.resume_from is None:
+        discard(plan.checkpoints)  # with --overwrite: an earlier run's
+    plan.checkpoints.mkdir(parents=True, exist_ok=True)
+    remove_stale(plan.checkpoints)
+    timer = StageTimer(models.loss, plan.device)
+    guard = NonFiniteGuard(models.loss, models.model)  # wraps the timed loss, so the checks stay out of its time
     stop = StopRequest()
-    guide_stats = GuideStatsCallback(loss)
+    guide_stats = GuideStatsCallback(models.loss)
     trainer = CheckpointTrainer(
-        model=model, args=_trainer_arguments(args, checkpoints, device), train_dataset=train_set, loss=loss,
-        callbacks=[timer.callback, guard, stop.callback, guide_stats],
-        record={"options": options, "before": before}, keep=args.save_total_limit,
+        model=models.model, args=_trainer_arguments(args, plan.checkpoints, plan.device),
+        train_dataset=models.train_set, loss=models.loss, callbacks=[timer.callback, guard, stop.callback, guide_stats],
+        record={"options": plan.options, "before": before}, keep=args.save_total_limit,
     )
+    return _Training(trainer, timer, stop, guide_stats, created)
+
+
+@dataclass
+class _Fitted:
+    """What training did: its steps, the Trainer's metrics and its time."""
+
+    steps: int
+    metrics: dict[str, float]
+    train_s: float
+
+
+def _fit(args: argparse.Namespace, plan: _Plan, models: _Models, training: _Training, resume_command: str) -> _Fitted:
+    """Train (or, from a final checkpoint, load its weights); Stopped on a signal or a non-finite loss."""
+    from .trainer import NonFiniteLoss, StopNow
+
+    resume_from, checkpoints, trainer = plan.resume_from, plan.checkpoints, training.trainer
     train_start = time.perf_counter()
     try:
-        with stop:
+        with training.stop:
             if resume_from is not None and is_final(resume_from):
-                model.load_state_dict(load_model("--resume", str(resume_from), device).state_dict())
+                models.model.load_state_dict(load_model("--resume", str(resume_from), plan.device).state_dict())
                 steps, metrics = checkpoint_step(resume_from), {}
             else:
                 result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
                 steps, metrics = trainer.state.global_step, result.metrics
     except NonFiniteLoss as err:
-        raise Stopped(3, _non_finite_message(err, args, model.dtype, checkpoints)) from None
+        raise Stopped(3, _non_finite_message(err, args, models.model.dtype, checkpoints)) from None
     except StopNow as err:
         raise Stopped(128 + err.signum, f"stopped at once by a second {err}; the checkpoints saved before are "
                       f"intact; {resume_hint(args.output_dir, resume_command)}") from None
@@ -315,44 +426,54 @@ def train(args: argparse.Namespace, resume_command: str = "cgist train --resume"
         if latest_checkpoint(checkpoints) is None:  # stopped before the first checkpoint: leave no empty folders
             with suppress(OSError):
                 checkpoints.rmdir()
-                if created:
-                    output.rmdir()
-    if stop.signum is not None:
-        raise Stopped(128 + stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
-                      f"{trainer.state.global_step}; {resume_hint(args.output_dir, resume_command)}")
-    train_s = time.perf_counter() - train_start
+                if training.created:
+                    plan.output.rmdir()
+    if training.stop.signum is not None:
+        raise Stopped(128 + training.stop.signum, f"stopped by {signal.Signals(training.stop.signum).name} after "
+                      f"step {trainer.state.global_step}; {resume_hint(args.output_dir, resume_command)}")
+    return _Fitted(steps, metrics, time.perf_counter() - train_start)
 
-    print("Scoring the held-out split after training...")
-    after = evaluate()
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+
+def _publish_run(args: argparse.Namespace, plan: _Plan, models: _Models, training: _Training, fitted: _Fitted,
+                 scores: dict[str, dict[str, float]], start: float) -> dict:
+    """Save the model and its summary in a staging directory, then publish it as the output directory."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{plan.output.name}-", dir=plan.output.parent))
     try:
-        model.save(str(staging))
-        summary = {
-            "before": before,
-            "after": after,
-            "train_pairs": len(train_set),
-            "eval_pairs": len(eval_set),
-            "batch_size": args.batch_size,
-            "guide_mode": args.guide_mode,
-            "guide_embeddings": precomputed,
-            "steps": steps,
-            "resumed_after": checkpoint_step(resume_from) if resume_from else None,
-            "checkpoints": [p.name for p in list_checkpoints(checkpoints)],
-            "timing": {
-                "wall_s": time.perf_counter() - start,
-                "train_s": train_s,
-                "cpu_s": cpu_seconds(),
-                "samples_per_s": metrics.get("train_samples_per_second", 0.0),
-                "checkpoint_s": trainer.checkpoint_s,
-                **timer.timing(),
-            },
-            "memory": peak_memory(device),
-            "guide": stats_logs(guide_stats.total) if guide_stats.total is not None else {},
-            "output_dir": str(output),
-            "args": {k: v for k, v in vars(args).items() if k != "command"},
-        }
+        models.model.save(str(staging))
+        summary = _summary(args, plan, models, training, fitted, scores, start)
         (staging / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n")
-        publish(staging, output)
+        publish(staging, plan.output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def _summary(args: argparse.Namespace, plan: _Plan, models: _Models, training: _Training, fitted: _Fitted,
+             scores: dict[str, dict[str, float]], start: float) -> dict:
+    """The run's summary: the scores, the data, the steps, the checkpoints, time, memory and the guide's numbers."""
+    from ..callbacks import stats_logs
+
+    guide_stats = training.guide_stats
+    return {
+        **scores,
+        "train_pairs": len(models.train_set),
+        "eval_pairs": len(models.eval_set),
+        "batch_size": args.batch_size,
+        "guide_mode": args.guide_mode,
+        "guide_embeddings": models.precomputed,
+        "steps": fitted.steps,
+        "resumed_after": checkpoint_step(plan.resume_from) if plan.resume_from else None,
+        "checkpoints": [p.name for p in list_checkpoints(plan.checkpoints)],
+        "timing": {
+            "wall_s": time.perf_counter() - start,
+            "train_s": fitted.train_s,
+            "cpu_s": cpu_seconds(),
+            "samples_per_s": fitted.metrics.get("train_samples_per_second", 0.0),
+            "checkpoint_s": training.trainer.checkpoint_s,
+            **training.timer.timing(),
+        },
+        "memory": peak_memory(plan.device),
+        "guide": stats_logs(guide_stats.total) if guide_stats.total is not None else {},
+        "output_dir": str(plan.output),
+        "args": {k: v for k, v in vars(args).items() if k != "command"},
+    }
