@@ -37,6 +37,11 @@ class GuideSource:
         return self is MODEL
 
     @property
+    def argument(self) -> str | None:
+        """The drop-in's ``guide=`` for a source that is no model: ``"labels"``, ``"self"`` or None."""
+        return self.name if self in (LABELS, SELF) else None
+
+    @property
     def reads_labels(self) -> bool:
         """The guide's embeddings are the batch's label column."""
         return self is LABELS

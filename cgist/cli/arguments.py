@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..guide import SOURCES, by_cli
 from ..options import GistOptions
 from .common import UsageError
 from .output import CHECKPOINTS_DIR, latest_checkpoint
@@ -42,7 +43,7 @@ DEFAULT_SAVE_STEPS = 500
 DEFAULT_STDLIB_SAVE_STEPS = DEFAULT_STDLIB_STEPS // 2
 #: Where the guide's masks come from: the guide model on every batch, its embeddings computed once and cached,
 #: the student's own embeddings, or nowhere.
-GUIDE_MODES = ("model", "precomputed", "self", "none")
+GUIDE_MODES = tuple(source.cli for source in SOURCES)
 #: The value an option had before checkpoints recorded it, for resuming their runs.
 RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
                      "--hardness-mode": None, "--hardness-strength": 0.0}
@@ -216,11 +217,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if args.guide is not None and args.guide_mode in ("self", "none"):
+    source = by_cli(args.guide_mode)
+    if args.guide is not None and source.kind != "embeddings":
         raise UsageError(f"--guide-mode {args.guide_mode} trains without a guide model; leave out --guide (the student "
                          "is --model, by default the bundled all-MiniLM-L6-v2)")
     if args.guide_cache is not None:
-        if args.guide_mode != "precomputed":
+        if not source.reads_labels:
             raise UsageError(f"--guide-cache is used only with --guide-mode precomputed, not {args.guide_mode}")
         if Path(args.guide_cache).expanduser().exists() and not Path(args.guide_cache).expanduser().is_dir():
             raise UsageError(f"--guide-cache {args.guide_cache} exists and is not a directory")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..compat import MissingExtraError, import_extra
+from ..guide import by_cli
 from .arguments import (
     check_args,
     check_resume,
@@ -170,7 +171,7 @@ def bundled_model_path(args: argparse.Namespace) -> str | None:
     Called without --guide: a guide model (--guide-mode model or precomputed) is the default one, and so is the
     student without --model. Without the extra, one UsageError naming the command that installs it.
     """
-    option = "--guide" if args.guide_mode in ("model", "precomputed") else "--model"
+    option = "--guide" if by_cli(args.guide_mode).kind == "embeddings" else "--model"
     if option == "--model" and args.model is not None:
         return None
     try:
@@ -316,18 +317,16 @@ def _load_models(args: argparse.Namespace, plan: _Plan) -> _Models:
     except DataError as err:
         raise UsageError(str(err)) from None
 
-    guide: SentenceTransformer | str | None = None  # the loss's guide argument
-    if args.guide_mode == "model":
+    source = by_cli(args.guide_mode)
+    guide: SentenceTransformer | str | None = source.argument  # the loss's guide argument
+    if source.runs_model:
         guide = load_model("--guide", plan.guide_path, plan.device)
         guide.eval().requires_grad_(False)
     torch.manual_seed(args.seed)
     model = load_model("--model", args.model or plan.guide_path, plan.device, args.max_seq_length)
     precomputed = None
-    if args.guide_mode == "precomputed":
+    if source.reads_labels:
         train_set, precomputed = guide_embeddings(args, plan.guide_path, model, train_set, plan.device)
-        guide = "labels"
-    elif args.guide_mode == "self":
-        guide = "self"
     # check_args has validated the loss options and the backend.
     loss = FusedCachedGISTLoss(
         model, guide, mini_batch_size=args.mini_batch_size, backend=args.backend, **loss_options(args)
