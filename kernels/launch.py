@@ -68,6 +68,12 @@ __all__ = [
 
 LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+#: The backward's methods. "gemm" is the default: score-gradient chunks, then library GEMMs. "fused" (row and column
+#: passes adding into the gradient rows tile by tile: gist_bwd_rows_kernel, gist_bwd_cols_kernel) is parked, one
+#: dimension only, until the first GPU run times both (bench/gpu_check.sh prints the fused passes beside the GEMM
+#: backward per kernel and block): if the fused passes are not faster there at any size, they go. Keeping them costs
+#: about 120 lines of kernels (the two passes, _fused_tile_grad, _add_product), 30 of launcher, two of the four
+#: one-dimension binaries per architecture and pair in the compile table, and their interpreter tests.
 BACKWARD_METHODS = ("gemm", "fused")
 #: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
 GEMM_ROW_FLOOR = 1024
