@@ -4,10 +4,14 @@ API:
     DEVICE, CUDA                  "cuda" when a GPU is present, else "cpu" (Triton then runs under the interpreter).
     DTYPES, precision(dtype)      precision names ("fp64", "fp32", "tf32", "bf16", "fp16") and their input dtypes.
     TOL[kind][precision]          every tolerance of the suite, by the comparison it serves and the precision.
+    Tol, EXACT, tolerance(...)    one tolerance of ``assert_close``; TOL[kind] as (loss, gradients) tolerances.
+    assert_close(name, ref, got, tol)  the one comparator: losses, gradients, counts and statistics.
     make_inputs(...)              random student and guide columns [anchor, positive, *negatives].
     shape_id(...)                 the readable test id of a shape, ``B13-N26-D40-Dg24-k1``.
     loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
-    oracle_stats(...)             the GistStats counts read off the dense oracle's masked scores.
+    oracle_masks(...)             every column group's mask, written from DESIGN's masking rules (not the package's).
+    oracle_stats(...)             the GistStats counted on those masks, every block (AP, AA, PP, AN, QQ, DQ, DD).
+    oracle_counters(...)          the same counts as a backend's counters (``cgist.numerics.COUNT_FIELDS``).
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
     tf32(x, mode)                 fp32 rounded to tf32, to nearest or toward zero.
@@ -29,8 +33,6 @@ import pytest
 import torch
 
 from cgist import GistOptions, GistStats
-from cgist.numerics import normalize, threshold
-from cgist.reference import gist_scores
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -99,6 +101,74 @@ TOL = {
     # Ranks of a gloo group against ST's loss and against the oracle.
     "distributed": {"fp64": dict(rtol=1e-9, atol=1e-11), "fp32": dict(rtol=2e-4, atol=2e-5)},
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Tol:
+    """A tolerance of ``assert_close``: ``|got - ref| <= atol + rtol * |ref|``, entry by entry. With ``scaled``, the
+    atol is a fraction of the reference tensor's largest magnitude (gradients, whose scale follows 1/tau)."""
+
+    rtol: float = 0.0
+    atol: float = 0.0
+    scaled: bool = False
+
+
+#: Bitwise equality (what ``assert_close`` applies to counts whatever the tolerance).
+EXACT = Tol()
+
+
+def tolerance(kind: str, dtype: torch.dtype | str) -> tuple[Tol, Tol]:
+    """``TOL[kind]`` at ``dtype`` (or a precision name) as the (loss, gradients) tolerances of ``assert_close``.
+
+    "triton": (rtol, atol) for the loss, the atol a fraction of each gradient's largest entry; "streaming": one
+    number for the loss's rtol and atol, one for the gradients' after dividing by their largest entry; the kinds of
+    keyword dicts ("embeddings", "models", "distributed"): the same rtol and atol for every tensor.
+    """
+    value = TOL[kind][dtype if isinstance(dtype, str) else precision(dtype)]
+    if isinstance(value, dict):
+        return Tol(**value), Tol(**value)
+    if kind == "triton":
+        return Tol(*value), Tol(*value, scaled=True)
+    if kind == "streaming":
+        loss, grads = value
+        return Tol(loss, loss), Tol(grads, grads, scaled=True)
+    raise KeyError(f"TOL[{kind!r}] is not a (loss, gradients) tolerance")
+
+
+def assert_close(name: str, ref: object, got: object, tol: Tol | tuple[Tol, Tol] = EXACT) -> None:
+    """``got`` equals ``ref`` within ``tol``; a failure names the entry (``name[key][i]``) and how far it is off.
+
+    ``ref`` and ``got`` are tensors, numbers or None, or lists, tuples, dicts or dataclasses (``GistStats``) of them,
+    with the same length or keys; floating values compare in float64 on the CPU, NaN never equal. Ints and integer
+    tensors (counts) compare exactly, whatever ``tol``. A pair of tolerances ``(loss, gradients)`` compares a pair
+    ``(loss, gradients)``: the loss with the first, every gradient with the second.
+    """
+    if isinstance(tol, tuple):
+        assert isinstance(got, (tuple, list)) and len(got) == 2, f"{name}: expected (loss, gradients), got {got!r}"
+        assert_close(f"{name} loss", ref[0], got[0], tol[0])
+        assert_close(f"{name} gradients", ref[1], got[1], tol[1])
+        return
+    if dataclasses.is_dataclass(ref):
+        assert type(got) is type(ref), f"{name}: {type(got).__name__}, expected {type(ref).__name__}"
+        ref, got = dataclasses.asdict(ref), dataclasses.asdict(got)
+    if isinstance(ref, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(ref), f"{name}: keys {sorted(got)}, expected {sorted(ref)}"
+        for key in ref:
+            assert_close(f"{name}[{key!r}]", ref[key], got[key], tol)
+    elif isinstance(ref, (list, tuple)):
+        assert len(got) == len(ref), f"{name}: {len(got)} entries, expected {len(ref)}"
+        for i, (r, g) in enumerate(zip(ref, got)):
+            assert_close(f"{name}[{i}]", r, g, tol)
+    elif ref is None or isinstance(ref, (bool, int, str)):
+        assert got == ref and type(got) is type(ref), f"{name}: {got!r}, expected {ref!r} exactly"
+    elif isinstance(ref, torch.Tensor) and not (ref.is_floating_point() or ref.is_complex()):
+        assert isinstance(got, torch.Tensor) and torch.equal(got.cpu(), ref.cpu()), f"{name}: {got}, expected {ref}"
+    else:
+        ref = torch.as_tensor(ref).detach().cpu().double()
+        assert got is not None, f"{name}: None, expected a value"
+        got = torch.as_tensor(got).detach().cpu().double()
+        atol = tol.atol * float(ref.abs().max()) if tol.scaled and ref.numel() else tol.atol
+        torch.testing.assert_close(got, ref, rtol=tol.rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def make_inputs(
@@ -191,29 +261,112 @@ def one_thread() -> Iterator[None]:
         yield
 
 
-def oracle_stats(embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor], options: GistOptions) -> GistStats:
-    """What the guide masked, counted from ``cgist.reference.gist_scores`` in float64 (masked entries are -inf)."""
-    student = [e.detach().double() for e in embeddings]
-    guide = [g.double() for g in guide_embeddings]
-    scores = gist_scores(student, guide, options)
-    batch, n_cand, k = student[0].shape[0], student[1].shape[0], len(student) - 2
-    widths = [("ap", n_cand)] + [("aa", batch)] * options.contrast_anchors + [("pp", n_cand)] * options.contrast_positives
-    widths += [("an", n_cand * k)] if k else []
-    masked, candidates, start = {}, {}, 0
-    for key, width in widths:
-        masked[key] = int(torch.isinf(scores[:, start : start + width]).sum())
-        candidates[key] = batch * (width - (key == "ap"))
-        start += width
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """Rows over ``max(norm, 1e-8)``, in float64 (DESIGN, section 2: normalisation)."""
+    x = x.detach().double().cpu()
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-8)
+
+
+def _thresholds(guide_embeddings: list[torch.Tensor], options: GistOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """theta_i, the guide's cosine of anchor i and its positive ``offset + i``, and T_i (DESIGN, section 2)."""
+    anchors = _unit(guide_embeddings[0])
+    theta = (anchors * _unit(guide_embeddings[1])[options.offset : options.offset + anchors.shape[0]]).sum(dim=1)
+    return theta, theta - options.margin * (theta.abs() if options.margin_strategy == "relative" else 1.0)
+
+
+def oracle_masks(
+    embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
+    text_ids: list[torch.Tensor] | None = None,
+) -> list[tuple[str, torch.Tensor, int]]:
+    """Every column group's mask (True: left out of row i's softmax) as ``(block, B x columns mask, candidates)``,
+    written from DESIGN sections 2 and 2b, not from the package.
+
+    Columns ``[anchor, positive, *negatives]`` and, with ``options.all_anchors``, every rank's anchors last. Row i is
+    anchor i, or its positive ``offset + i`` (PP, DQ, DD). Guide rule, in every group: masked where the guide's
+    cosine of (row, column) is strictly above T_i; a column whose normalised guide vector equals the row's partner
+    (anchor rows: the positive ``offset + i``; positive rows: anchor i) scores exactly theta_i, a tie. Then the
+    exclusions: ``mask_duplicates`` (a column with the text of anchor i or of its positive), ``mask_self`` (AA[i, i],
+    PP[i, offset + i]), QQ's anchor i and DD's column ``offset + i`` of every document column. Never masked, and not
+    a candidate: AP's label ``offset + i`` and DQ's pair (anchor i). Matryoshka dimensions do not change the masks.
+    """
+    batch = embeddings[0].shape[0]
+    n_columns = len(embeddings)
+    negatives = list(range(2, n_columns - options.all_anchors))
+    everyone = n_columns - 1 if options.all_anchors else 0  # the anchors QQ and DQ score against
     rows = torch.arange(batch)
-    theta = (normalize(guide[0])[0] * normalize(guide[1])[0][rows + options.offset]).sum(dim=1)
-    return GistStats(
-        masked=masked,
-        candidates=candidates,
-        positive_only=int((torch.isinf(scores).sum(dim=1) == scores.shape[1] - 1).sum()),
-        anchors=batch,
-        theta_mean=float(theta.mean()),
-        threshold_mean=float(threshold(theta, options.margin, options.relative).mean()),
-    )
+    labels = rows + options.offset
+    own_anchor = labels if options.all_anchors else rows
+    guided = guide_embeddings is not None
+    if guided:
+        unit = [_unit(g) for g in guide_embeddings]
+        row_vectors = {"a": unit[0], "p": unit[1][labels]}
+        partner = {"a": unit[1][labels], "p": unit[0]}
+        theta, limit = (t[:, None] for t in _thresholds(guide_embeddings, options))
+
+    def group(row: str, column: int, *, keep=None, exclude=None) -> torch.Tensor:
+        mask = torch.zeros(batch, embeddings[column].shape[0], dtype=torch.bool)
+        if guided:
+            tie = (unit[column][None, :, :] == partner[row][:, None, :]).all(dim=2)
+            scores = torch.where(tie, theta, row_vectors[row] @ unit[column].T)
+            mask |= scores > limit
+        if options.mask_duplicates:
+            texts = text_ids[column].cpu()[None, :]
+            mask |= (texts == text_ids[0].cpu()[:, None]) | (texts == text_ids[1].cpu()[labels][:, None])
+        if exclude is not None:
+            mask[rows, exclude] = True
+        if keep is not None:
+            mask[rows, keep] = False
+        return mask
+
+    def counted(name: str, mask: torch.Tensor, kept: torch.Tensor | None = None) -> tuple[str, torch.Tensor, int]:
+        return name, mask, mask.numel() - (0 if kept is None else batch)
+
+    blocks = [counted("ap", group("a", 1, keep=labels), labels)]
+    if options.contrast_anchors:
+        blocks.append(counted("aa", group("a", 0, exclude=rows if options.mask_self else None)))
+    if options.contrast_positives:
+        blocks.append(counted("pp", group("p", 1, exclude=labels if options.mask_self else None)))
+    blocks += [counted("an", group("a", c)) for c in negatives]
+    if "query_to_query" in options.directions:
+        blocks.append(counted("qq", group("a", everyone, exclude=own_anchor)))
+    if "doc_to_query" in options.directions:
+        blocks.append(counted("dq", group("p", everyone, keep=own_anchor), own_anchor))
+    if "doc_to_doc" in options.directions:
+        blocks += [counted("dd", group("p", c, exclude=labels)) for c in (1, *negatives)]
+    return blocks
+
+
+def oracle_stats(
+    embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
+    text_ids: list[torch.Tensor] | None = None,
+) -> GistStats:
+    """The ``GistStats`` of a call, counted on ``oracle_masks``: per block the entries left out and the candidates,
+    the anchors whose every entry but the label is left out, and the means of theta_i and T_i (None without a
+    guide)."""
+    blocks = oracle_masks(embeddings, guide_embeddings, options, text_ids)
+    masked, candidates = {}, {}
+    for name, mask, n in blocks:
+        masked[name] = masked.get(name, 0) + int(mask.sum())
+        candidates[name] = candidates.get(name, 0) + n
+    kept = sum((~mask).sum(dim=1) for _, mask, _ in blocks)  # the label always among them
+    means = (None, None)
+    if guide_embeddings is not None:
+        means = tuple(float(t.mean()) for t in _thresholds(guide_embeddings, options))
+    return GistStats(masked=masked, candidates=candidates, positive_only=int((kept == 1).sum()),
+                     anchors=embeddings[0].shape[0], theta_mean=means[0], threshold_mean=means[1])
+
+
+def oracle_counters(
+    embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
+    text_ids: list[torch.Tensor] | None = None,
+) -> dict[str, int]:
+    """``oracle_stats``' counts by the names of a backend's counters (``COUNT_FIELDS``; 0 for an absent block)."""
+    from cgist.numerics import COUNT_FIELDS
+
+    stats = oracle_stats(embeddings, guide_embeddings, options, text_ids)
+    counts = {f"masked_{name}": count for name, count in stats.masked.items()}
+    counts["positive_only"] = stats.positive_only
+    return {field: counts.get(field, 0) for field in COUNT_FIELDS}
 
 
 def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:

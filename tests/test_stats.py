@@ -1,22 +1,27 @@
 """cgist.stats and the statistics of the loss stage: ``gist_loss(return_stats=True)``, ``last_stats``,
 ``GuideStatsCallback`` and the positive-only warning.
 
-The counts must equal those read off the dense oracle's masked scores (``helpers.oracle_stats``), with
-ties, offsets and every flag, in one pass and in two.
+The counts must equal, exactly and block by block, those of the test oracle (``helpers.oracle_stats``, written from
+DESIGN's masking rules), with ties, offsets and every flag, in one pass and in two; the directions' blocks (QQ, DQ,
+DD) on both backends, the kernels under the interpreter without CUDA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 from datasets import Dataset
-from helpers import make_inputs, oracle_stats
+from helpers import DEVICE, Tol, assert_close, make_inputs, oracle_masks, oracle_stats
 from torch.overrides import TorchFunctionMode
 
 import cgist
 from cgist import GistOptions, GistStats
+
+#: The tolerance of theta's and T_i's means (float64); the counts in the same statistics compare exactly.
+MEANS = Tol(atol=1e-12)
 
 CASES = [  # B, N, D, Dg, k, options
     pytest.param(13, 26, 40, 24, 1, dict(offset=13, margin=0.1), id="B13-N26-k1-o13-m0.1"),
@@ -45,11 +50,7 @@ def test_counts_equal_the_oracle(B, N, D, Dg, k, options, block_bytes):
     student, guide = make_inputs(B, N, D, Dg, k, seed=B + N + k)
     guide = _with_ties(guide, options.get("offset", 0))
     _, stats = cgist.gist_loss(student, guide, backend="torch", return_stats=True, block_bytes=block_bytes, **options)
-    expected = oracle_stats(student, guide, GistOptions(**options))
-    assert stats.masked == expected.masked and stats.candidates == expected.candidates
-    assert stats.positive_only == expected.positive_only and stats.anchors == B
-    assert stats.theta_mean == pytest.approx(expected.theta_mean, rel=1e-12, abs=1e-12)
-    assert stats.threshold_mean == pytest.approx(expected.threshold_mean, rel=1e-12, abs=1e-12)
+    assert_close("stats", oracle_stats(student, guide, GistOptions(**options)), stats, MEANS)
 
 
 def test_the_cases_cover_partial_full_and_empty_masks():
@@ -62,6 +63,128 @@ def test_the_cases_cover_partial_full_and_empty_masks():
         seen_positive_only |= stats.positive_only == B
         seen_partial |= any(0 < stats.masked[key] < stats.candidates[key] for key in stats.masked)
     assert seen_positive_only and seen_partial
+
+
+# The directions' blocks, exactly, on both backends ----------------------------------------------------------
+
+ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+NO_GIST = dict(contrast_anchors=False, contrast_positives=False)
+#: id: (directions, ranks (this one is rank 1 of them, or the only one), guide source, ties, options).
+DIRECTION_CASES = {
+    "q2d+q2q+d2q+d2d-rank1of3-m0-ties": (ALL, 3, "guide", True, dict(margin=0.0, **NO_GIST)),
+    "q2d+q2q+d2q+d2d-rank1of3-m0.05": (ALL, 3, "guide", False, dict(margin=0.05, **NO_GIST)),
+    "q2d+q2q+d2d-local-mask_self-m0.1": (ALL[:2] + ALL[3:], 1, "guide", False, dict(margin=0.1, mask_self=True,
+                                                                                 **NO_GIST)),
+    "q2d+d2q-per_direction-rank1of2-rel0-ties": (ALL[::2], 2, "guide", True, dict(
+        margin=0.0, margin_strategy="relative", partition_mode="per_direction", hardness_mode="all_negatives",
+        hardness_strength=5.0, **NO_GIST)),
+    "q2d+d2q-AA+PP-rank1of2-m0.05-ties": (ALL[::2], 2, "guide", True, dict(margin=0.05)),
+    "q2d+q2q+d2q+d2d-rank1of2-duplicates-m0-ties": (ALL, 2, "guide", True, dict(margin=0.0, mask_duplicates=True,
+                                                                              **NO_GIST)),
+    "q2d+q2q+d2q+d2d-rank1of2-self-m-0.1": (ALL, 2, "self", False, dict(margin=-0.1, mask_self=True, **NO_GIST)),
+    "q2d+q2q+d2q+d2d-rank1of2-noguide-duplicates": (ALL, 2, "none", False, dict(mask_duplicates=True, **NO_GIST)),
+    "q2d+q2q+d2d-rank1of2-m3-matryoshka": (ALL[:2] + ALL[3:], 2, "guide", False, dict(
+        margin=3.0, matryoshka_dims=(12, 5), **NO_GIST)),  # every entry but the label masked: every row
+}
+BATCH = 5
+
+
+def _direction_inputs(name: str):
+    """Columns ``[anchor, positive, negative 1, negative 2, every rank's anchors]`` of this rank (rank 1 when there
+    are several: offset B), their guide (or "self", or None), text ids and the options of ``gist_loss``.
+
+    With ties, guide rows copy a row's partner (the positive ``offset + i`` for anchor rows, anchor i for positive
+    rows, bitwise once normalised): in AN, in QQ (an anchor of this rank and one of another rank), in DQ (another
+    rank's anchor) and in DD (a positive and a negative). The text ids repeat an anchor's text among the negatives
+    and the anchors of another rank, and a positive's among the positives and negatives."""
+    directions, world, source, ties, options = DIRECTION_CASES[name]
+    n_cand = BATCH * world
+    offset = BATCH if world > 1 else 0
+    student, guide = make_inputs(n_cand, n_cand, 12, 8, 2, seed=len(name))
+    if ties:
+        guide[2][3] = 2.0 * guide[1][offset + 1]  # AN: anchor 1's positive, scaled
+        guide[0][offset + 4] = guide[1][offset + 2]  # QQ (and AQ's anchor 4): anchor 2's positive
+        guide[0][(offset + BATCH) % n_cand] = guide[1][offset + 3] if world > 1 else guide[0][0]  # QQ: another rank's
+        if world > 1:
+            guide[0][(offset + BATCH + 1) % n_cand] = 0.5 * guide[0][offset]  # DQ row 0: anchor 0, another rank's
+        guide[1][0] = guide[0][offset + 3]  # DD row 3: anchor 3
+        guide[2][offset + 7 if n_cand > offset + 7 else 1] = guide[0][offset + 2]  # DD (negatives) row 2: anchor 2
+    texts = [torch.arange(n_cand), torch.arange(n_cand) + 100, torch.arange(n_cand) + 200, torch.arange(n_cand) + 300]
+    texts[2][4] = texts[0][offset + 1]
+    texts[0][(offset + BATCH) % n_cand] = texts[0][offset + 2]
+    texts[1][1] = texts[2][2] = texts[1][offset + 3]
+    rows = slice(offset, offset + BATCH)
+    local = [student[0][rows], *student[1:]]
+    local_guide = {"guide": [guide[0][rows], *guide[1:]], "self": "self", "none": None}[source]
+    kwargs = dict(temperature=0.05, directions=directions, offset=offset, **options)
+    if {"query_to_query", "doc_to_query"} & set(directions):
+        kwargs.update(all_anchors=student[0], all_anchors_guide=guide[0], all_anchors_text_ids=texts[0])
+    if options.get("mask_duplicates"):
+        kwargs["text_ids"] = [texts[0][rows], *texts[1:]]
+    return local, local_guide, kwargs
+
+
+def _oracle_inputs(name: str, **overrides):
+    """The oracle's view of a direction case: all columns (every rank's anchors last), the guide's, the options and
+    the text ids (None without ``mask_duplicates``)."""
+    local, guide, kwargs = _direction_inputs(name)
+    everyone = "all_anchors" in kwargs
+    columns = local + [kwargs["all_anchors"]] * everyone
+    if guide == "self":
+        guide = columns
+    elif guide is not None:
+        guide = guide + [kwargs["all_anchors_guide"]] * everyone
+    texts = kwargs["text_ids"] + [kwargs["all_anchors_text_ids"]] * everyone if "text_ids" in kwargs else None
+    fields = {f.name for f in dataclasses.fields(GistOptions)} - {"all_anchors", "block_bytes"}
+    options = GistOptions(all_anchors=everyone, **{k: v for k, v in {**kwargs, **overrides}.items() if k in fields})
+    return columns, guide, options, texts
+
+
+@pytest.mark.parametrize("run", ["torch", "torch-two-pass", "triton"])
+@pytest.mark.parametrize("name", list(DIRECTION_CASES))
+def test_direction_counts_equal_the_oracle(name, run):
+    """Every block's masked and candidate counts, the positive-only rows and the means of theta and T_i, from the
+    PyTorch path (one pass and two) and the kernels, against the oracle: exactly, QQ, DQ and DD included."""
+    local, guide, kwargs = _direction_inputs(name)
+    if run == "torch-two-pass":
+        kwargs["block_bytes"] = 1
+    to = {"all_anchors": DEVICE, "all_anchors_guide": DEVICE, "all_anchors_text_ids": DEVICE}
+    kwargs = {k: v.to(to[k]) if k in to else v for k, v in kwargs.items()}
+    if "text_ids" in kwargs:
+        kwargs["text_ids"] = [t.to(DEVICE) for t in kwargs["text_ids"]]
+    _, stats = cgist.gist_loss([s.to(DEVICE) for s in local], guide if not isinstance(guide, list) else
+                               [g.to(DEVICE) for g in guide], backend=run.removesuffix("-two-pass"),
+                               return_stats=True, **kwargs)
+    assert_close("stats", oracle_stats(*_oracle_inputs(name)), stats, MEANS)
+
+
+def test_the_direction_cases_exercise_their_blocks():
+    """The catalogue is not vacuous: each block is masked in part somewhere and every row keeps only its label in
+    one case; the ties are ties in AN, QQ, DQ and DD: kept at margin 0, masked at a margin of 1e-12."""
+    partial, full, tied = set(), False, set()
+    for name, (_, _, _, ties, options) in DIRECTION_CASES.items():
+        stats = oracle_stats(*_oracle_inputs(name))
+        partial |= {k for k in stats.masked if 0 < stats.masked[k] < stats.candidates[k]}
+        full |= stats.positive_only == BATCH
+        if ties and options["margin"] == 0.0:
+            above = oracle_stats(*_oracle_inputs(name, margin=1e-12))
+            tied |= {k for k in stats.masked if above.masked[k] > stats.masked[k]}
+    assert {"ap", "aa", "pp", "an", "qq", "dq", "dd"} <= partial and full
+    assert {"an", "qq", "dq", "dd"} <= tied
+
+
+def test_the_oracle_masks_equal_the_reference_blocks():
+    """Two oracles, one per side: the test's counting masks (from DESIGN) and cgist.reference's -inf entries agree
+    entry by entry on every direction case."""
+    from cgist.reference import score_blocks
+
+    for name in DIRECTION_CASES:
+        columns, guide, options, texts = _oracle_inputs(name)
+        options = options.replace(matryoshka_dims=None, matryoshka_weights=None)
+        ours = [(block, mask) for block, mask, _ in oracle_masks(columns, guide, options, texts)]
+        theirs = [({"dn": "dd"}.get(b.name, b.name), torch.isinf(b.scores)) for b in score_blocks(
+            [c.double() for c in columns], None if guide is None else [g.double() for g in guide], options, texts)]
+        assert_close(name, theirs, ours)
 
 
 def test_blocks_switched_off_are_absent():
