@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from helpers import TOL, make_inputs, one_thread  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers import assert_close, make_inputs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss, MatryoshkaLoss, MultipleNegativesRankingLoss,
 )
@@ -24,7 +24,9 @@ import cgist
 from cgist import GistOptions, streaming
 from cgist.reference import gist_loss_reference
 
-TIGHT = TOL["embeddings"]["fp64"]
+TIGHT = tolerance("embeddings", "fp64")
+TRITON = tolerance("triton", "fp64")
+MODELS = tolerance("models", "fp64")
 SCALE = 20.0
 
 #: Every direction subset with query_to_doc, under each partition that sentence-transformers allows for it.
@@ -40,6 +42,11 @@ def _plan_id(plan) -> str:
     subset, partition = plan
     short = {"query_to_doc": "q2d", "query_to_query": "q2q", "doc_to_query": "d2q", "doc_to_doc": "d2d"}
     return "+".join(short[d] for d in subset) + f"-{partition}"
+
+
+def _hardness_id(hardness) -> str:
+    mode, strength = hardness
+    return "no_hardness" if mode is None else f"{mode}{strength:g}"
 
 
 @pytest.fixture(autouse=True)
@@ -65,46 +72,41 @@ def _grads(loss_fn, columns):
     return loss.detach(), torch.autograd.grad(loss, leaves)
 
 
-def _assert_same(got, want):
-    torch.testing.assert_close(got[0], want[0], **TIGHT)
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b, **TIGHT)
+def _gist_loss_kwargs(subset, partition, mode, strength, similarity="cos") -> dict:
+    return dict(temperature=1 / SCALE, contrast_anchors=False, contrast_positives=False, directions=subset,
+                partition_mode=partition, hardness_mode=mode, hardness_strength=strength, similarity=similarity,
+                mask_self=False)
 
 
+@pytest.mark.parametrize("hardness", HARDNESS, ids=_hardness_id)
+@pytest.mark.parametrize("k", [0, 1, 2], ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("similarity", ["cos", "dot"])
 @pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
-def test_without_guide_equals_multiple_negatives_ranking_loss(plan, similarity):
-    """The oracle, gist_loss's PyTorch path and, under the interpreter, the kernels: every hardness, k = 0..2."""
-    subset, partition = plan
-    for k, (mode, strength) in itertools.product((0, 1, 2), HARDNESS):
-        student, _ = make_inputs(7, 7, 12, 4, k, seed=k + 3)
-        if similarity == "dot":
-            student = [s / 3 for s in student]  # dot products of unit scale, so the softmax is not saturated
-        st = _st_mnrl(similarity, directions=subset, partition_mode=partition, hardness_mode=mode,
-                      hardness_strength=strength)
-        want = _grads(lambda e: st.compute_loss_from_embeddings(e, None), student)
-        options = _options(subset, partition, mode, strength, similarity)
-        _assert_same(_grads(lambda e: gist_loss_reference(e, None, options), student), want)
-        kw = dict(temperature=1 / SCALE, contrast_anchors=False, contrast_positives=False, directions=subset,
-                  partition_mode=partition, hardness_mode=mode, hardness_strength=strength, similarity=similarity,
-                  mask_self=False)
-        _assert_same(_grads(lambda e: cgist.gist_loss(e, None, backend="torch", **kw), student), want)
+def test_without_guide_equals_multiple_negatives_ranking_loss(plan, similarity, k, hardness):
+    """The oracle and gist_loss's PyTorch path (the kernels: the next test)."""
+    (subset, partition), (mode, strength) = plan, hardness
+    student, _ = make_inputs(7, 7, 12, 4, k, seed=k + 3)
+    if similarity == "dot":
+        student = [s / 3 for s in student]  # dot products of unit scale, so the softmax is not saturated
+    st = _st_mnrl(similarity, directions=subset, partition_mode=partition, hardness_mode=mode,
+                  hardness_strength=strength)
+    want = _grads(lambda e: st.compute_loss_from_embeddings(e, None), student)
+    options = _options(subset, partition, mode, strength, similarity)
+    assert_close("oracle", want, _grads(lambda e: gist_loss_reference(e, None, options), student), TIGHT)
+    kw = _gist_loss_kwargs(subset, partition, mode, strength, similarity)
+    assert_close("torch", want, _grads(lambda e: cgist.gist_loss(e, None, backend="torch", **kw), student), TIGHT)
 
 
+@pytest.mark.parametrize("hardness", [(None, 0.0), ("in_batch_negatives", 5.0), ("hard_negatives", 9.0),
+                                      ("all_negatives", 5.0)], ids=_hardness_id)
 @pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
-def test_without_guide_under_the_interpreter(plan):
-    subset, partition = plan
+def test_without_guide_under_the_interpreter(plan, hardness):
     student, _ = make_inputs(7, 7, 12, 4, 2, seed=1)
-    for mode, strength in ((None, 0.0), ("in_batch_negatives", 5.0), ("hard_negatives", 9.0), ("all_negatives", 5.0)):
-        st = _st_mnrl("cos", directions=subset, partition_mode=partition, hardness_mode=mode, hardness_strength=strength)
-        want = _grads(lambda e: st.compute_loss_from_embeddings(e, None), student)
-        kw = dict(temperature=1 / SCALE, contrast_anchors=False, contrast_positives=False, directions=subset,
-                  partition_mode=partition, hardness_mode=mode, hardness_strength=strength, mask_self=False)
-        got = _grads(lambda e: cgist.gist_loss(e, None, backend="triton", **kw), student)
-        rtol, atol = TOL["triton"]["fp64"]
-        torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
-        for a, b in zip(got[1], want[1]):
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol * float(b.abs().max()))
+    st = _st_mnrl("cos", directions=plan[0], partition_mode=plan[1], hardness_mode=hardness[0],
+                  hardness_strength=hardness[1])
+    want = _grads(lambda e: st.compute_loss_from_embeddings(e, None), student)
+    kw = _gist_loss_kwargs(*plan, *hardness)
+    assert_close("triton", want, _grads(lambda e: cgist.gist_loss(e, None, backend="triton", **kw), student), TRITON)
 
 
 # With a guide: the oracle against both backends ---------------------------------------------------------------
@@ -148,15 +150,12 @@ def test_with_a_guide_the_backends_equal_the_oracle(name, world, dims):
                           all_anchors=everyone, matryoshka_dims=dims, **GUIDED[name])
     want = _grads(lambda e: gist_loss_reference(e, guide, options), student)
     loss, grads, _ = streaming.gist_loss_and_grads(student, guide, options, need_grads=True)
-    _assert_same((loss, grads), want)
+    assert_close("torch", want, (loss, grads), TIGHT)
     # the kernels, under the interpreter
     from cgist.kernels import gist_loss_and_grads
 
     loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
-    rtol, atol = TOL["triton"]["fp64"]
-    torch.testing.assert_close(loss, want[0], rtol=rtol, atol=atol)
-    for a, b in zip(grads, want[1]):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * float(b.abs().max()))
+    assert_close("triton", want, (loss, grads), TRITON)
 
 
 def test_directions_with_gist_blocks_and_two_passes():
@@ -166,20 +165,7 @@ def test_directions_with_gist_blocks_and_two_passes():
                           directions=("query_to_doc", "doc_to_query"), block_bytes=1)
     want = _grads(lambda e: gist_loss_reference(e, guide, options), student)
     loss, grads, _ = streaming.gist_loss_and_grads(student, guide, options, need_grads=True)
-    _assert_same((loss, grads), want)
-
-
-def test_statistics_per_direction():
-    student, guide, offset = _guided_inputs(ties=False, world=2)
-    loss, stats = cgist.gist_loss(
-        student[:-1], guide[:-1], temperature=0.05, margin=0.05, offset=offset, contrast_anchors=False,
-        contrast_positives=False, directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"),
-        all_anchors=student[-1], all_anchors_guide=guide[-1], backend="torch", return_stats=True)
-    batch, n = student[0].shape[0], student[1].shape[0]
-    assert stats.candidates == {"ap": batch * (n - 1), "an": 2 * batch * n, "qq": batch * n, "dq": batch * (n - 1),
-                                "dd": 3 * batch * n}
-    assert stats.masked["qq"] >= batch and stats.masked["dd"] >= 3 * batch  # self-pairs and own documents at least
-    assert 0 < stats.masked["dq"] < stats.candidates["dq"]
+    assert_close("torch", want, (loss, grads), TIGHT)
 
 
 # Bad combinations: one clear error each ----------------------------------------------------------------------
@@ -253,38 +239,32 @@ def _train_step(loss, model, columns):
     return value.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _check_models(got, want):
-    torch.testing.assert_close(got[0], want[0], **TOL["models"]["fp64"])
-    assert len(got[1]) == len(want[1])
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b, **TOL["models"]["fp64"])
-
-
+@pytest.mark.parametrize("columns, hardness", [(2, (None, 0.0)), (3, ("all_negatives", 5.0)),
+                                               (3, ("hard_negatives", 9.0))],
+                         ids=["k0-no_hardness", "k1-all_negatives5", "k1-hard_negatives9"])
 @pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
-def test_fused_cached_mnrl_equals_sentence_transformers(student, plan):
-    subset, partition = plan
-    for columns, (mode, strength) in ((TEXTS[:2], (None, 0.0)), (TEXTS, ("all_negatives", 5.0)),
-                                      (TEXTS, ("hard_negatives", 9.0))):
-        kw = dict(mini_batch_size=4, directions=subset, partition_mode=partition, hardness_mode=mode,
-                  hardness_strength=strength)
-        want = _train_step(CachedMultipleNegativesRankingLoss(student, **kw), student, columns)
-        got = _train_step(cgist.FusedCachedMultipleNegativesRankingLoss(student, backend="torch", **kw), student,
-                          columns)
-        _check_models(got, want)
+def test_fused_cached_mnrl_equals_sentence_transformers(student, plan, columns, hardness):
+    kw = dict(mini_batch_size=4, directions=plan[0], partition_mode=plan[1], hardness_mode=hardness[0],
+              hardness_strength=hardness[1])
+    want = _train_step(CachedMultipleNegativesRankingLoss(student, **kw), student, TEXTS[:columns])
+    got = _train_step(cgist.FusedCachedMultipleNegativesRankingLoss(student, backend="torch", **kw), student,
+                      TEXTS[:columns])
+    assert_close("model", want, got, MODELS)
 
 
 def test_fused_cached_mnrl_dot_score_and_matryoshka(student):
     kw = dict(similarity_fct=dot_score, scale=1.0, mini_batch_size=4, directions=("query_to_doc", "doc_to_query"))
-    _check_models(_train_step(cgist.FusedCachedMultipleNegativesRankingLoss(student, backend="torch", **kw), student, TEXTS),
-                  _train_step(CachedMultipleNegativesRankingLoss(student, **kw), student, TEXTS))
+    assert_close("dot_score", _train_step(CachedMultipleNegativesRankingLoss(student, **kw), student, TEXTS),
+                 _train_step(cgist.FusedCachedMultipleNegativesRankingLoss(student, backend="torch", **kw), student,
+                             TEXTS), MODELS)
     dims = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
     kw = dict(mini_batch_size=4, directions=("query_to_doc", "query_to_query", "doc_to_doc"),
               hardness_mode="in_batch_negatives", hardness_strength=5.0)
     fused = MatryoshkaLoss(student, cgist.FusedCachedMultipleNegativesRankingLoss(student, backend="torch", **kw), **dims)
     assert type(fused.loss.calculate_loss).__name__ == "FusedMatryoshka"
-    _check_models(_train_step(fused, student, TEXTS),
-                  _train_step(MatryoshkaLoss(student, CachedMultipleNegativesRankingLoss(student, **kw), **dims),
-                              student, TEXTS))
+    assert_close("matryoshka", _train_step(MatryoshkaLoss(student, CachedMultipleNegativesRankingLoss(student, **kw),
+                                                          **dims), student, TEXTS),
+                 _train_step(fused, student, TEXTS), MODELS)
 
 
 def test_fused_cached_mnrl_arguments(student):
@@ -323,4 +303,4 @@ def test_fused_gist_with_directions_equals_the_oracle_on_models(student, guide, 
     want = (want_loss.detach(), [p.grad.clone() for p in student.parameters() if p.grad is not None])
     loss = cgist.FusedCachedGISTLoss(student, guide, temperature=0.05, mini_batch_size=4, contrast_anchors=False,
                                      contrast_positives=False, backend="torch", **settings)
-    _check_models(_train_step(loss, student, TEXTS), want)
+    assert_close("model", want, _train_step(loss, student, TEXTS), MODELS)
