@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from helpers import BAD_OPTIONS, TOL, make_inputs
+from helpers import BAD_OPTIONS, TOL, Tol, assert_close, make_inputs
 from torch.overrides import TorchFunctionMode
 
 import cgist
@@ -21,7 +21,7 @@ from cgist.devices import arch_for
 from cgist.function import check_embeddings
 from cgist.reference import gist_loss_reference
 
-TIGHT = TOL["embeddings"]["fp64"]
+TIGHT = Tol(**TOL["embeddings"]["fp64"])
 
 # The autograd Function ----------------------------------------------------------------------------------------
 
@@ -54,9 +54,7 @@ def test_backward_scales_by_grad_output():
     upstream = torch.tensor(-2.75, dtype=torch.float64)
     grads = torch.autograd.grad(loss, student, grad_outputs=upstream)
     reference = gist_loss_reference(student, guide, GistOptions(offset=7, margin=0.05))
-    expected = torch.autograd.grad(reference * upstream, student)
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, **TIGHT)
+    assert_close("gradients", torch.autograd.grad(reference * upstream, student), grads, TIGHT)
 
 
 def test_loss_in_a_larger_graph():
@@ -66,8 +64,7 @@ def test_loss_in_a_larger_graph():
     total.backward()
     leaves = [s.detach().clone().requires_grad_() for s in student]
     (3.0 * gist_loss_reference(leaves, guide) + (leaves[0] ** 2).sum()).backward()
-    for s, leaf in zip(student, leaves):
-        torch.testing.assert_close(s.grad, leaf.grad, **TIGHT)
+    assert_close("gradients", [leaf.grad for leaf in leaves], [s.grad for s in student], TIGHT)
 
 
 def test_no_grad_computes_only_the_loss(monkeypatch):
@@ -83,17 +80,9 @@ def test_no_grad_computes_only_the_loss(monkeypatch):
     with torch.no_grad():
         loss = cgist.gist_loss(student, guide)
     assert calls == [False] and not loss.requires_grad
-    torch.testing.assert_close(loss, gist_loss_reference(student, guide).detach(), **TIGHT)
+    assert_close("loss", gist_loss_reference(student, guide), loss, TIGHT)
     loss = cgist.gist_loss([s.detach() for s in student], guide)  # nothing requires grad
     assert calls == [False, False] and not loss.requires_grad
-
-
-def test_guide_gets_no_gradient():
-    student, guide = make_inputs(4, 8, 6, 6, 1, seed=4, requires_grad=True)
-    guide = [g.requires_grad_() for g in guide]
-    cgist.gist_loss(student, guide, offset=4).backward()
-    assert all(g.grad is None for g in guide)
-    assert all(s.grad is not None and torch.isfinite(s.grad).all() for s in student)
 
 
 def test_partial_requires_grad():
@@ -104,7 +93,7 @@ def test_partial_requires_grad():
     assert student[0].grad is None and student[2].grad is None
     leaves = [s.detach().clone().requires_grad_() for s in student]
     gist_loss_reference(leaves, guide).backward()
-    torch.testing.assert_close(student[1].grad, leaves[1].grad, **TIGHT)
+    assert_close("gradient", leaves[1].grad, student[1].grad, TIGHT)
 
 
 def test_with_options_equals_keywords():
@@ -344,10 +333,9 @@ def test_row_chunks_equal_the_concatenated_columns(backend, matryoshka):
     guide_chunks = [list(g.split(n)) for g, n in zip(guide, [[3, 3], [12], [2, 10], [6, 6]])]
     chunked_loss, chunked_stats = cgist.gist_loss(leaves, guide_chunks, **options)
     chunked_loss.backward()
-    torch.testing.assert_close(chunked_loss, loss, **TIGHT)
     assert chunked_stats == stats
-    for column, want in zip(leaves, expected):
-        torch.testing.assert_close(torch.cat([part.grad for part in column]), want, **TIGHT)
+    assert_close("chunks", (loss, expected), (chunked_loss, [torch.cat([part.grad for part in c]) for c in leaves]),
+                 (TIGHT, TIGHT))
 
 
 def test_triton_needs_the_interpreter_on_cpu(monkeypatch):
