@@ -64,6 +64,7 @@ from .numerics import (
     row_dots, threshold, tie_ids,
 )
 from .options import ColumnGroup, GistOptions
+from .problem import label_terms, row_losses, row_weights, totals
 
 __all__ = ["ROW_FLOOR", "ROW_TARGET", "Plan", "gist_loss_and_grads", "plan", "release_workspace"]
 
@@ -796,15 +797,10 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
         others, side_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
     gaps = (shift - rb.positive) * LN2
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
-    gap = gaps[0]
-    lse = gap + torch.log1p(others[0] + torch.expm1(-gap))  # partition 0's log-sum-exp minus the positive
-    if n_parts > 1:
-        lse = (lse + (gaps[1:] + torch.log(others[1:])).sum(dim=0)) / n_parts
-    loss = (weights * lse).sum()
+    loss = (weights * row_losses(gaps, others)).sum()
     if want_grads:
-        totals = others.clone()
-        totals[0] += torch.exp(-gap)  # the label's term
-        rb.set_weights(weights * (problem.grad_scale / n_parts) / totals, others[0] + (n_parts - 1) * totals[0])
+        denominators = totals(others, torch.exp(-gaps[0]))
+        rb.set_weights(row_weights(weights, problem.grad_scale, denominators), label_terms(others, denominators))
         if len(problem.dims) > 1:
             rb.add_radial_rows(side_sums)
         if not one_pass:

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from cgist.devices import Arch, gpu_arch
 from cgist.numerics import BLOCKS, EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
+from cgist.problem import label_terms, row_losses, row_weights, totals
 
 from .gist import (
     RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_KEEP, RULE_LABEL, RULE_SELF, RULE_TEXTS, TILE_SETS,
@@ -292,27 +293,21 @@ class ForwardState:
         With P partitions, the mean over them of each one's log-sum-exp minus the positive; for partition 0, which
         holds the label, as above, for another ``(m_p - pos) ln 2 + ln(l_p)``.
         """
-        gaps = (self.run_max - self.pos) * LN2
-        lse = gaps[0] + torch.log1p(self.run_sum[0] + torch.expm1(-gaps[0]))
-        if len(gaps) > 1:
-            lse = (lse + (gaps[1:] + torch.log(self.run_sum[1:])).sum(dim=0)) / len(gaps)
-        return (self.weights * lse).sum() / self.batch
+        return (self.weights * row_losses((self.run_max - self.pos) * LN2, self.run_sum)).sum() / self.batch
 
     def totals(self) -> Tensor:
         """Each partition's softmax denominator over ``2^m`` (n_parts x n_dims x B): ``l``, plus ``2^(pos - m)``, the
         label's term, in partition 0."""
-        totals = self.run_sum.clone()
-        totals[0] += torch.exp2(self.pos - self.run_max[0])
-        return totals
+        return totals(self.run_sum, torch.exp2(self.pos - self.run_max[0]))
 
     def row_weight(self, totals: Tensor) -> Tensor:
         """``w_u / (P * tau * B * total_p)`` per partition p (n_parts x n_dims x B)."""
-        return self.weights / ((len(totals) * self.options.temperature * self.batch) * totals)
+        return row_weights(self.weights, 1.0 / (self.options.temperature * self.batch), totals)
 
     def label_terms(self, totals: Tensor) -> Tensor:
         """The label's term for the score-gradient kernel: its score gradient is minus this times partition 0's row
         weight, ``l_0 + (P - 1) total_0`` (n_dims x B)."""
-        return self.run_sum[0] + (len(totals) - 1) * totals[0]
+        return label_terms(self.run_sum, totals)
 
     def counters(self) -> tuple[Tensor, Tensor]:
         """The mask counters: int64 counts (``cgist.numerics.COUNT_FIELDS``) and the sums of theta and T_i."""

@@ -2,7 +2,7 @@
 
 ``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` and
 ``add_guide_embeddings`` load it on first use); the modules under kernels/ import only torch, triton, the standard
-library and the leaf modules ``cgist.numerics`` and ``cgist.devices``.
+library and the leaf modules ``cgist.numerics``, ``cgist.devices`` and ``cgist.problem``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_unknown_attribute_raises_attribute_error():
 
 KERNELS = Path(cgist.kernels.__file__).parent
 ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
-ALLOWED_MODULES = {"cgist.numerics", "cgist.devices"}
+ALLOWED_MODULES = {"cgist.numerics", "cgist.devices", "cgist.problem"}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -89,8 +89,8 @@ def runtime_imports(node: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def allowed(module: str) -> bool:
-    """torch, triton, the standard library, the leaf modules ``cgist.numerics`` and ``cgist.devices``, or a module of
-    kernels/ itself (one leading dot)."""
+    """torch, triton, the standard library, the leaf modules ``cgist.numerics``, ``cgist.devices`` and
+    ``cgist.problem``, or a module of kernels/ itself (one leading dot)."""
     if module.startswith("."):
         return not module.startswith("..")
     return module.split(".")[0] in ALLOWED_PACKAGES or module in ALLOWED_MODULES
