@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
+__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "addmm_", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -258,3 +258,45 @@ def rank_ids(keys: Sequence[Tensor]) -> list[Tensor]:
     ids = torch.empty_like(order, dtype=torch.int32)
     ids[order] = torch.searchsorted(ordered, ordered, side="left").to(torch.int32)
     return list(ids.split(sizes))
+
+
+@functools.cache
+def half_accumulation(device_type: str) -> str:
+    """How ``out (fp32) += a @ b`` runs for half operands on ``device_type``: one call (``"addmm"``), a product then
+    an add (``"mm"``), or the operands widened first (``"upcast"``).
+
+    Recent torch multiplies bf16 and fp16 into fp32 directly on CUDA (``out_dtype``), on the tensor cores; probed
+    once on tiny tensors. Elsewhere (CPU) it has no such call.
+    """
+    if device_type != "cuda":
+        return "upcast"
+    out = torch.zeros(2, 2, device=device_type)
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    try:
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return "addmm"
+    except (RuntimeError, TypeError, NotImplementedError):
+        pass
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        return "mm"
+    except (RuntimeError, TypeError, NotImplementedError):
+        return "upcast"
+
+
+def addmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``out = beta * out + alpha * (a @ b)``, accumulated in ``out``'s dtype (float32 for half operands), in place.
+
+    Half operands are multiplied into float32 where torch can (``half_accumulation``); widening them first gives the
+    same products, as a product of two half values is exact in float32. With ``beta = 0`` the old ``out`` is not
+    read (a NaN there stays out).
+    """
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b, beta=beta, alpha=alpha)
+    how = half_accumulation(out.device.type)
+    if how == "addmm":
+        return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
+    if how == "mm":
+        product = torch.mm(a, b, out_dtype=out.dtype)
+        return out.copy_(product).mul_(alpha) if beta == 0 else out.mul_(beta).add_(product, alpha=alpha)
+    return out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    COUNT_FIELDS, EPS, SUM_FIELDS, TieIndex, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
+    COUNT_FIELDS, EPS, SUM_FIELDS, TieIndex, addmm_, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
     row_dots, threshold, tie_ids,
 )
 from .options import ColumnGroup, GistOptions
@@ -170,18 +170,6 @@ class _Half:
 
     def rows(self, start: int, stop: int) -> _Half:
         return _Half(*(None if t is None else t[start:stop] for t in (self.y, self.inv, self.x_hat)))
-
-
-def _half_addmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
-    """``out = beta * out + alpha * (a @ b)`` for half ``a`` and ``b``, accumulated in ``out``'s float32.
-
-    On CUDA one cuBLAS call on the tensor cores (``out_dtype``); where torch has no such call (CPU), the half
-    operands are widened first, which gives the same products (a product of two half values is exact in float32).
-    """
-    try:
-        return torch.addmm(out, a, b, beta=beta, alpha=alpha, out_dtype=out.dtype, out=out)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)
 
 
 def _half_operand(x: Tensor, norm: Tensor, dtype: torch.dtype, x_hat: Tensor | None) -> _Half:
@@ -615,7 +603,7 @@ class _RowBlock:
         if problem.guided:
             guide = work.view("guide", shape)
             if rows.guide_half is not None:  # exact half products, then both normalisations
-                _half_addmm_(guide, rows.guide_half.y, cols.guide_half.y[lo:hi].T, beta=0.0)
+                addmm_(guide, rows.guide_half.y, cols.guide_half.y[lo:hi].T, beta=0.0)
                 guide.mul_(rows.guide_half.inv.unsqueeze(1)).mul_(cols.guide_half.inv[lo:hi].unsqueeze(0))
             else:
                 torch.mm(rows.g, cols.g[lo:hi].T, out=guide)
@@ -635,7 +623,7 @@ class _RowBlock:
             problem.count(f"masked_{group.name}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
             unmasked += (hi - lo) - masked
         if rows.half is not None:  # one dimension: exact half products, then the normalisations, scale and shift
-            _half_addmm_(prefix, rows.half.y, cols.half.y[lo:hi].T, beta=-MASKED)
+            addmm_(prefix, rows.half.y, cols.half.y[lo:hi].T, beta=-MASKED)
             prefix.mul_(cols.half.inv[lo:hi].unsqueeze(0))
             return [torch.addcmul(-rows.shift[-1].unsqueeze(1), prefix, (problem.logit_scale * rows.half.inv).unsqueeze(1),
                                   out=prefix)]
@@ -694,8 +682,8 @@ class _RowBlock:
             # dL/dcos = grad_scale * tile / total: probabilities in [-1, 1] (the label's in [-P, 0], P <= 2)
             weights = self.problem.work.half_tile(tile.shape, rows.half.x_hat.dtype)
             weights.copy_(tile.mul_((row_weight[0] / self.problem.grad_scale).unsqueeze(1)))
-            _half_addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.problem.grad_scale)
-            _half_addmm_(cols.grad[lo:hi], weights.T, rows.half.x_hat, alpha=self.problem.grad_scale)
+            addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.problem.grad_scale)
+            addmm_(cols.grad[lo:hi], weights.T, rows.half.x_hat, alpha=self.problem.grad_scale)
             return
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]

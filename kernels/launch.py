@@ -51,7 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from cgist.devices import Arch, gpu_arch
-from cgist.numerics import BLOCKS, EPS, compute_dtype, default_block_bytes, stack_rows, tie_ids
+from cgist.numerics import BLOCKS, EPS, addmm_, compute_dtype, default_block_bytes, stack_rows, tie_ids
 from cgist.problem import label_terms, row_losses, row_weights, totals
 
 from .gist import (
@@ -128,40 +128,9 @@ def _tf32_products(device: torch.device):
         torch.set_float32_matmul_precision(previous)
 
 
-@functools.cache
-def _half_accumulation(device_type: str) -> str:
-    """How ``out (fp32) += a @ b`` runs for half operands here: one fused call, a product then an add, or upcast.
-
-    Recent torch multiplies bf16/fp16 into fp32 directly on CUDA (``out_dtype``); probed once on tiny tensors.
-    """
-    if device_type != "cuda":
-        return "upcast"
-    out = torch.zeros(2, 2, device=device_type)
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-    try:
-        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-        return "addmm"
-    except (RuntimeError, TypeError):
-        pass
-    try:
-        torch.mm(a, a, out_dtype=torch.float32)
-        return "mm"
-    except (RuntimeError, TypeError):
-        return "upcast"
-
-
-def _addmm_(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``out += a @ b``, accumulated in ``out``'s dtype (fp32 for half operands)."""
-    if a.dtype == out.dtype:
-        out.addmm_(a, b)
-        return
-    how = _half_accumulation(out.device.type)
-    if how == "addmm":
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    elif how == "mm":
-        out.add_(torch.mm(a, b, out_dtype=out.dtype))
-    else:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+#: ``out += a @ b`` accumulated in ``out``'s dtype (``cgist.numerics.addmm_``); a name of its own, so that tests can
+#: stand emulated tensor cores in for it.
+_addmm_ = addmm_
 
 
 def _gemm_acc(out: Tensor, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> None:
