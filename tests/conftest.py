@@ -3,13 +3,16 @@
 * Without CUDA, the Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
   anything imports them, so it is set here, at collection time.
 * Every tensor the package allocates uninitialised is filled with NaN, so an output that a code path
-  forgets to write fails the comparison instead of passing on leftover memory.
+  forgets to write fails the comparison instead of passing on leftover memory. The CPU workspace that
+  ``cgist.streaming`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
+  test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
 """
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -41,6 +44,23 @@ def nan_poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_empty)
     monkeypatch.setattr(torch, "empty_like", _nan_empty_like)
     yield
+
+
+def _poison_kept_workspace() -> None:
+    """NaN into every workspace buffer that ``cgist.streaming`` keeps for this thread (the one the tests run in;
+    a thread that a test starts takes its buffers with it when it ends)."""
+    streaming = sys.modules.get("cgist.streaming")  # not imported yet: nothing kept
+    if streaming is not None:
+        for buffer in getattr(streaming._KEPT, "buffers", {}).values():
+            _poison(buffer)
+
+
+@pytest.fixture(autouse=True)
+def nan_poisoned_workspace():
+    """The kept CPU workspace holds NaN when each test starts and after it ends."""
+    _poison_kept_workspace()
+    yield
+    _poison_kept_workspace()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOL, make_inputs, precision, shape_id
+from helpers import Tol, assert_close, make_inputs, precision, shape_id, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cgist import GistOptions, streaming
@@ -16,7 +16,7 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=
     """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs.
 
     ``products`` forces the half products of the student and the guide (``streaming.half_products``), whose
-    gradients are ``tol`` (loss, gradient) close.
+    results are ``tol`` close (``assert_close``'s (loss, gradients) tolerances; default: TOL["streaming"]).
     """
     options = options.replace(block_bytes=block_bytes)
     loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True, products=products)
@@ -25,14 +25,11 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=
     expected = gist_loss_reference(leaves, [g.double() for g in guide], options)
     expected_grads = torch.autograd.grad(expected, leaves)
 
-    loss_tol, grad_tol = tol or TOL["streaming"][precision(student[0].dtype)]
     assert loss.dtype == (torch.float64 if student[0].dtype == torch.float64 else torch.float32)
     assert torch.isfinite(loss)
-    torch.testing.assert_close(loss.double(), expected.detach(), rtol=loss_tol, atol=loss_tol)
-    for got, want, s in zip(grads, expected_grads, student):
-        assert got.dtype == s.dtype and got.shape == s.shape
-        scale = want.abs().max().clamp_min(1e-30)
-        torch.testing.assert_close(got.double() / scale, want / scale, rtol=grad_tol, atol=grad_tol)
+    assert all(got.dtype == s.dtype and got.shape == s.shape for got, s in zip(grads, student))
+    assert_close("torch", (expected, expected_grads), (loss, grads),
+                 tol or tolerance("streaming", precision(student[0].dtype)))
     # The no-grad call returns the same loss and no gradients.
     loss_only, none, no_stats = gist_loss_and_grads(student, guide, options, need_grads=False, products=products)
     assert none is None and no_stats is None and torch.equal(loss_only, loss)
@@ -60,14 +57,18 @@ OPTION_SETS = {
 DTYPES = [torch.float64, torch.float32]
 
 
+#: Each shape at every rank's offset.
+RANKS = [pytest.param(shape, rank, id=f"{shape_id(shape[0], shape[0] * shape[1], *shape[2:])}-rank{rank}")
+         for shape in SHAPES for rank in range(shape[1])]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=precision)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: shape_id(shape[0], shape[0] * shape[1], *shape[2:]))
+@pytest.mark.parametrize("shape, rank", RANKS)
 @pytest.mark.parametrize("name", list(OPTION_SETS))
-def test_matches_oracle(shape, name, dtype):
+def test_matches_oracle(shape, rank, name, dtype):
     B, W, D, Dg, k = shape
     student, guide = make_inputs(B, B * W, D, Dg, k, dtype=dtype, seed=B * 31 + k)
-    for rank in range(W):
-        _check(student, guide, OPTION_SETS[name].replace(offset=rank * B))
+    _check(student, guide, OPTION_SETS[name].replace(offset=rank * B))
 
 
 @pytest.mark.parametrize("offset", [0, 5, 19], ids=lambda o: f"offset{o}")
@@ -96,25 +97,30 @@ def test_duplicate_of_positive_is_a_tie_not_masked(dtype):
     assert torch.isfinite(expected)
 
 
+TIE_SHAPES = [(13, 2, 384), (64, 2, 384), (7, 3, 33), (100, 3, 1024)]  # B, W, guide dimension
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=precision)
-def test_ties_across_blocks_of_many_shapes(dtype):
+@pytest.mark.parametrize("seed, shape", list(enumerate(TIE_SHAPES)),
+                         ids=[shape_id(B, B * W, 8, D, 1) for B, W, D in TIE_SHAPES])
+def test_ties_across_blocks_of_many_shapes(seed, shape, dtype):
     """Duplicates of the positive in every block, on shapes where matrix products of different shapes
     round the same pair differently: the tie must hold regardless (it is decided by identity)."""
-    for seed, (B, W, D) in enumerate([(13, 2, 384), (64, 2, 384), (7, 3, 33), (100, 3, 1024)]):
-        N = B * W
-        student, guide = make_inputs(B, N, 8, D, 1, dtype=dtype, seed=seed)
-        offset = N - B
-        options = GistOptions(offset=offset)
-        rows = torch.arange(B)
-        guide[2][rows] = guide[1][offset + rows]  # AN: negative i is a copy of positive o + i
-        guide[0][(rows + 1) % B] = guide[1][offset + rows]  # AA: anchor i + 1 is a copy of positive o + i
-        scores = gist_scores(student, guide, options)
-        kept = torch.isfinite(scores)
-        assert kept[rows, 2 * N + B + rows].all() and kept[rows, N + (rows + 1) % B].all()
-        _check(student, guide, options)
-        # Positive margins mask them again, exactly like the positive would be if it were not protected.
-        masked = gist_scores(student, guide, options.replace(margin=1e-3))
-        assert not torch.isfinite(masked[rows, 2 * N + B + rows]).any()
+    B, W, D = shape
+    N = B * W
+    student, guide = make_inputs(B, N, 8, D, 1, dtype=dtype, seed=seed)
+    offset = N - B
+    options = GistOptions(offset=offset)
+    rows = torch.arange(B)
+    guide[2][rows] = guide[1][offset + rows]  # AN: negative i is a copy of positive o + i
+    guide[0][(rows + 1) % B] = guide[1][offset + rows]  # AA: anchor i + 1 is a copy of positive o + i
+    scores = gist_scores(student, guide, options)
+    kept = torch.isfinite(scores)
+    assert kept[rows, 2 * N + B + rows].all() and kept[rows, N + (rows + 1) % B].all()
+    _check(student, guide, options)
+    # Positive margins mask them again, exactly like the positive would be if it were not protected.
+    masked = gist_scores(student, guide, options.replace(margin=1e-3))
+    assert not torch.isfinite(masked[rows, 2 * N + B + rows]).any()
 
 
 def test_negative_margin_keeps_self_pairs():
@@ -158,9 +164,12 @@ HALF_PRODUCTS = {  # (student dtype, guide dtype, product dtypes): what CUDA dev
 }
 
 
+@pytest.mark.parametrize("options", [GistOptions(offset=13, margin=0.05),
+                                     GistOptions(margin=-0.1, temperature=0.05, block_bytes=1)],
+                         ids=["o13-m0.05", "m-0.1-tau0.05-two-pass"])
 @pytest.mark.parametrize("scale", [1.0, 2.0**20, 2.0**-30], ids=["unit", "huge", "tiny"])
 @pytest.mark.parametrize("case", list(HALF_PRODUCTS))
-def test_half_products(case, scale):
+def test_half_products(case, scale, options):
     """Score products in half precision, as on a GPU (here the half operands are widened, which gives the same
     products): the forward is exact (products of the inputs as given, normalised after), the gradients carry
     the rounding of the softmax and of the normalised rows to the half dtype. bf16 rows far outside fp16's
@@ -172,8 +181,8 @@ def test_half_products(case, scale):
     student = [(s * scale).to(dtype) for s in student]
     guide = [(g * scale).to(guide_dtype) for g in guide]
     unit = torch.finfo(products[0]).eps
-    for options in (GistOptions(offset=13, margin=0.05), GistOptions(margin=-0.1, temperature=0.05, block_bytes=1)):
-        _check(student, guide, options, products=products, tol=(2e-4, 4 * unit))
+    _check(student, guide, options, block_bytes=options.block_bytes, products=products,
+           tol=(Tol(2e-4, 2e-4), Tol(4 * unit, 4 * unit, scaled=True)))
 
 
 def test_zero_vector_row():
@@ -254,9 +263,8 @@ def test_one_pass_over_many_tiles(dims, monkeypatch):
         leaves = [s.detach().requires_grad_() for s in student]
         loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
         expected = gist_loss_reference(leaves, guide, options)
-        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
-        for got, want in zip(grads, torch.autograd.grad(expected, leaves)):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+        assert_close("torch", (expected, torch.autograd.grad(expected, leaves)), (loss, grads),
+                     tolerance("streaming", "fp64"))
 
 
 @pytest.mark.parametrize("dims", [None, (16, 9, 4)], ids=["flat", "matryoshka"])
@@ -294,6 +302,24 @@ def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
     assert all(torch.equal(a, b) for a, b in zip(fresh, in_thread["result"]))
     streaming.release_workspace()
     assert not getattr(streaming._KEPT, "buffers", None)
+
+
+def test_the_kept_workspace_is_poisoned_between_tests():
+    """conftest's ``nan_poisoned_workspace`` reaches the buffers that this thread keeps: after it, they hold only
+    NaN, and a call on them gives what it gives on a fresh workspace."""
+    from conftest import _poison_kept_workspace
+
+    student, guide = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=23)
+    options = GistOptions(offset=3, margin=0.05, block_bytes=4096)
+    streaming.release_workspace()
+    fresh = gist_loss_and_grads(student, guide, options, need_grads=True)
+    kept = streaming._KEPT.buffers[torch.float32]
+    assert not kept.isnan().all()
+    _poison_kept_workspace()
+    assert kept.isnan().all()
+    again = gist_loss_and_grads(student, guide, options, need_grads=True)
+    assert streaming._KEPT.buffers[torch.float32] is kept
+    assert_close("poisoned workspace", fresh[:2], again[:2])
 
 
 def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to_the_floor(monkeypatch):
