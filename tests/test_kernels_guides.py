@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, TOL, make_inputs
+from helpers import DEVICE, assert_close, make_inputs, tolerance
 
 from cgist import GistOptions, numerics, streaming
 from cgist.kernels.launch import gist_backward, gist_forward
@@ -56,10 +56,7 @@ def _check(source: str, precision: str, *, backward: str = "gemm", **options) ->
                                options, need_stats=True, tile_set="fused" if backward == "fused" else "gemm",
                                text_ids=[i.to(DEVICE) for i in ids])
     grads = gist_backward(state, backward)
-    rtol, atol = TOL["triton"][precision]
-    torch.testing.assert_close(loss.cpu().double(), want.detach(), rtol=rtol, atol=atol)
-    for got, leaf in zip(grads, leaves):
-        torch.testing.assert_close(got.cpu().double(), leaf.grad, rtol=rtol, atol=atol * float(leaf.grad.abs().max()))
+    assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), tolerance("triton", precision))
     # the counters count every exclusion in its block, as the streaming path does
     counts, _ = state.counters()
     _, _, (streamed, _) = streaming.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, TOL, make_inputs, one_thread, shape_id  # noqa: F401  (one_thread: autouse)
+from helpers import DEVICE, DTYPES, Tol, assert_close, make_inputs, one_thread, shape_id, tolerance  # noqa: F401
 
 import cgist
 from cgist import GistOptions
@@ -57,12 +57,11 @@ def test_matches_per_dimension_oracle(case):
                                 need_grads=True) for _ in range(2)]
     (loss, grads, _), (loss2, grads2, _) = runs
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
-    rtol, atol = TOL["triton"][precision]
-    scale = max(1.0, float(want.detach().abs()))
-    torch.testing.assert_close(loss.cpu().double(), want.detach(), rtol=rtol, atol=atol * scale)
+    loss_tol, grad_tol = tolerance("triton", precision)
+    loss_tol = Tol(loss_tol.rtol, loss_tol.atol * max(1.0, float(want.detach().abs())))  # the loss sums the dimensions'
+    assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), (loss_tol, grad_tol))
     for got, leaf in zip(grads, leaves):
         assert got.dtype == dtype and got.shape == leaf.shape
-        torch.testing.assert_close(got.cpu().double(), leaf.grad, rtol=rtol, atol=atol * float(leaf.grad.abs().max()))
         if max(dims) < dim:
             assert not got[:, max(dims):].any(), "components past the largest dimension get no gradient"
 
