@@ -8,9 +8,10 @@ arch's shared memory and the tables' estimate. The SASS shows the tensor cores: 
 and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100, and none on
 sm_75, where ``tl.dot`` is FMA loops.
 
-The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: 367 binaries, about
-21 minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
-``bench/results/aot_compile.txt`` holds its last output.
+The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 370 binaries, 21
+minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
+``bench/results/aot_compile.txt`` holds its last output, with a hash of what it was built from that
+tests/test_triton_versions.py checks against the sources.
 """
 
 import os
@@ -48,8 +49,9 @@ MMA_OPCODE = {"sm_70": "?", "sm_75": "-", "sm_80": "HMMA", "sm_86": "HMMA", "sm_
 ARCH = {f"sm_{a}": arch_for(divmod(a, 10)) for a in CHECKED_ARCHS}
 
 
-def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int) -> set[str]:
-    """The configs the launcher can run ``kernel`` with on this arch, as the table writes them."""
+def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int, release: tuple[int, int] | None = None) -> set[str]:
+    """The configs the launcher can run ``kernel`` with on this arch under Triton ``release`` (None: the running one),
+    as the table writes them."""
     dtype, guide_dtype, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
@@ -59,7 +61,34 @@ def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int) -> set[str]:
         torch.set_float32_matmul_precision(previous)
     sets = KERNELS[kernel] if n_dims == 1 else ("gemm",)
     return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-            for tile_set in sets for c in tile_configs(*ops, n_dims, tile_set, ARCH[arch], interpret=False)}
+            for tile_set in sets
+            for c in tile_configs(*ops, n_dims, tile_set, ARCH[arch], interpret=False, release=release)}
+
+
+def parse_table(lines: list[str]) -> list[dict]:
+    """The rows of a table printed by bench/aot_compile.py, each a dict by column."""
+    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_"))]
+    assert header == ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est",
+                      "wgmma", "mma"]
+    assert all(len(r) == len(header) for r in table)
+    return [dict(zip(header, r)) for r in table]
+
+
+def tiles_seen(rows: list[dict]) -> dict[tuple, set]:
+    """``(kernel, arch, pair, dims)`` -> the configs a table built it with."""
+    seen: dict[tuple, set] = {}
+    for r in rows:
+        for pair in r["dtype"].split(","):
+            seen.setdefault((r["kernel"], r["arch"], pair, r["dims"]), set()).add(r["tiles"])
+    return seen
+
+
+def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[tuple, set]:
+    """What ``tiles_seen`` must give for a table of these archs (names) and pairs under Triton ``release``."""
+    want = {(k, a, pair, "1"): launcher_tiles(k, a, pair, 1, release) for k in KERNELS for a in archs for pair in pairs}
+    want |= {(k, a, pair, "5"): launcher_tiles(k, a, pair, 5, release)
+             for k in MATRYOSHKA_KERNELS for a in archs for pair in pairs if pair in MATRYOSHKA_PAIRS}
+    return want
 
 
 def test_aot_compile_every_kernel_for_every_arch():
@@ -68,21 +97,10 @@ def test_aot_compile_every_kernel_for_every_arch():
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     assert proc.returncode == 0, f"aot_compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     lines = proc.stdout.splitlines()
-    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_"))]
-    assert header == ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est",
-                      "wgmma", "mma"]
-    assert all(len(r) == len(header) for r in table)
-    rows = [dict(zip(header, r)) for r in table]
+    rows = parse_table(lines)
 
-    # exactly the configs the launcher can pick, for every kernel, arch, pair and dimension count
-    seen: dict[tuple, set] = {}
-    for r in rows:
-        for pair in r["dtype"].split(","):
-            seen.setdefault((r["kernel"], r["arch"], pair, r["dims"]), set()).add(r["tiles"])
-    want = {(k, a, pair, "1"): launcher_tiles(k, a, pair, 1) for k in KERNELS for a in ARCH for pair in CHECKED_PAIRS}
-    want |= {(k, a, pair, "5"): launcher_tiles(k, a, pair, 5)
-             for k in MATRYOSHKA_KERNELS for a in ARCH for pair in CHECKED_PAIRS if pair in MATRYOSHKA_PAIRS}
-    assert seen == want
+    # exactly the configs the launcher can pick under this Triton, for every kernel, arch, pair and dimension count
+    assert tiles_seen(rows) == tiles_wanted(ARCH, CHECKED_PAIRS)
     sizes = {(r["D"], r["Dg"]) for r in rows if r["dims"] == "1"}
     assert sizes == {("384,768,1024,4096", "384,1024")}, "every D and Dg must be covered (one binary here)"
 
