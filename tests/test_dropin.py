@@ -21,7 +21,7 @@ import random
 
 import pytest
 import torch
-from helpers import TOL, one_thread  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
 from helpers_models import guide_model, run_loss, tiny_model
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
@@ -39,6 +39,8 @@ WORDS = "the a cat dog river bank money loan rain cloud sky blue green old new q
 MATRYOSHKA = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+MODELS = tolerance("models", "fp64")
 
 
 def _texts(columns: int, batch: int = 9, seed: int = 0) -> list[list[str]]:
@@ -77,11 +79,8 @@ def _inner(loss):
 
 def _assert_same(got, want) -> None:
     """Loss and every parameter gradient of two ``run_loss`` results, at the float64 model tolerance."""
-    tol = TOL["models"]["fp64"]
-    torch.testing.assert_close(got[0], want[0], **tol)
-    assert set(got[1]) == set(want[1]) and want[1]
-    for name in sorted(want[1]):
-        torch.testing.assert_close(got[1][name], want[1][name], **tol, msg=lambda m: f"grad of {name}: {m}")
+    assert want[1], "no parameter has a gradient"
+    assert_close("model", want, got, MODELS)
 
 
 def _run(loss, student, columns):
@@ -353,9 +352,7 @@ def test_a_loss_built_by_hand_works_as_sentence_transformers(mini_batch_size):
         return loss, [r[0].grad for r in reps]
 
     (ours, our_grads), (theirs, their_grads) = run(FusedCachedGISTLoss), run(CachedGISTEmbedLoss)
-    torch.testing.assert_close(ours, theirs, **TOL["models"]["fp64"])
-    for a, b in zip(our_grads, their_grads):
-        torch.testing.assert_close(a, b, **TOL["models"]["fp64"])
+    assert_close("by hand", (theirs, their_grads), (ours, our_grads), MODELS)
 
 
 # The symmetric drop-in --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import TOL, loss_kwargs, one_thread  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers import assert_close, loss_kwargs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
 from helpers_models import tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
@@ -144,7 +144,7 @@ def _check(case: Case, models, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
     local, gathered = _embeddings(case, D, gen)
     local_guide, gathered_guide = _embeddings(case, DG, gen)
-    tol = TOL["embeddings"]["fp64"]
+    tol = tolerance("embeddings", "fp64")
     names = ["anchor", "positive", *[f"negative {n + 1}" for n in range(case.negatives)]]
 
     st_loss, st_grads = _run_loss_object(
@@ -161,31 +161,27 @@ def _check(case: Case, models, monkeypatch) -> None:
     options = case.options.replace(offset=offset)
     ref_loss = gist_loss_reference([student[0], *candidates], guide, options)
     ref_loss.backward()
-    torch.testing.assert_close(ref_loss, st_loss, **tol)
-    for name, ref, st in zip(names, student, st_grads):
-        torch.testing.assert_close(ref.grad, st, **tol, msg=lambda m: f"{name} gradient, oracle vs ST: {m}")
+    assert_close("oracle vs ST", (st_loss, dict(zip(names, st_grads))),
+                 (ref_loss, {name: ref.grad for name, ref in zip(names, student)}), tol)
 
     fused_loss, fused_grads = _run_loss_object(
         FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
         cgist.loss, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
-    torch.testing.assert_close(fused_loss, st_loss, **tol)
-    for name, fused, st in zip(names, fused_grads, st_grads):
-        assert torch.isfinite(fused).all()
-        torch.testing.assert_close(fused, st, **tol, msg=lambda m: f"{name} gradient, fused vs ST: {m}")
+    assert all(torch.isfinite(fused).all() for fused in fused_grads)
+    assert_close("fused vs ST", (st_loss, dict(zip(names, st_grads))), (fused_loss, dict(zip(names, fused_grads))),
+                 tol)
 
     # The functional form and the streaming path with one-row blocks, on the already gathered inputs.
     candidates = [c.detach() for c in candidates]
     functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", **loss_kwargs(case.options))
-    torch.testing.assert_close(functional, st_loss, **tol)
+    assert_close("functional vs ST", st_loss, functional, tol[0])
     stream_loss, stream_grads, _ = streaming.gist_loss_and_grads(
         [local[0], *candidates], guide, options.replace(block_bytes=1), need_grads=True
     )
-    torch.testing.assert_close(stream_loss, st_loss, **tol)
     lo, hi = offset, offset + case.batch
-    for name, stream, st in zip(names, stream_grads, st_grads):
-        local_rows = stream if name == "anchor" else stream[lo:hi]
-        torch.testing.assert_close(local_rows, st, **tol, msg=lambda m: f"{name} gradient, streaming vs ST: {m}")
+    local_rows = {name: stream if name == "anchor" else stream[lo:hi] for name, stream in zip(names, stream_grads)}
+    assert_close("streaming vs ST", (st_loss, dict(zip(names, st_grads))), (stream_loss, local_rows), tol)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
