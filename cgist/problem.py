@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["label_terms", "row_losses", "row_weights", "totals"]
+__all__ = ["label_terms", "prefix_norms", "row_losses", "row_weights", "totals"]
+
+
+def prefix_norms(x: Tensor, dims: list[int], dtype: torch.dtype) -> Tensor:
+    """``||x[:, :d]||`` for each Matryoshka dimension d (ascending; one dimension without Matryoshka), as
+    (n_dims x rows) in ``dtype``: one norm per segment between consecutive dimensions, squared and summed up."""
+    if len(dims) == 1:
+        return torch.linalg.vector_norm(x[:, : dims[0]], dim=1, dtype=dtype).unsqueeze(0)
+    squares = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=dtype) ** 2
+                           for lo, hi in zip([0, *dims[:-1]], dims)])
+    return squares.cumsum(0).sqrt()
 
 
 def row_losses(gaps: Tensor, others: Tensor) -> Tensor:

@@ -64,7 +64,7 @@ from .numerics import (
     row_dots, threshold, tie_ids,
 )
 from .options import ColumnGroup, GistOptions
-from .problem import label_terms, row_losses, row_weights, totals
+from .problem import label_terms, prefix_norms, row_losses, row_weights, totals
 
 __all__ = ["ROW_FLOOR", "ROW_TARGET", "Plan", "gist_loss_and_grads", "plan", "release_workspace"]
 
@@ -376,8 +376,8 @@ class _Problem:
             rho = torch.ones(len(dims), x.shape[0], dtype=self.dtype, device=x.device)
             kappa = torch.zeros_like(rho)
         else:
-            prefix = [torch.linalg.vector_norm(x[:, :d], dim=1) for d in dims.sizes[:-1]]
-            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+            *prefix, norm = prefix_norms(x, dims.sizes, x.dtype)
+            norm = norm.unsqueeze(1)
             x.div_(norm.clamp_min(EPS))
             floor_top = norm.squeeze(1).clamp_min(EPS)
             rho = torch.stack([floor_top / n.clamp_min(EPS) for n in prefix] + [torch.ones_like(floor_top)])

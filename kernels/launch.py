@@ -52,7 +52,7 @@ from torch import Tensor
 
 from cgist.devices import Arch, gpu_arch
 from cgist.numerics import BLOCKS, EPS, addmm_, compute_dtype, default_block_bytes, stack_rows, tie_ids
-from cgist.problem import label_terms, row_losses, row_weights, totals
+from cgist.problem import label_terms, prefix_norms, row_losses, row_weights, totals
 
 from .gist import (
     RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_KEEP, RULE_LABEL, RULE_SELF, RULE_TEXTS, TILE_SETS,
@@ -285,15 +285,6 @@ class ForwardState:
         return torch.cat([counts[:_KEPT_ROW], positive_only[None]]), torch.stack([self.theta.sum(), self.thr.sum()])
 
 
-def _prefix_norms(x: Tensor, dims: list[int], acc: torch.dtype) -> Tensor:
-    """``||x[:, :d]||`` for each dimension d (ascending), as (n_dims x rows) in ``acc``."""
-    if len(dims) == 1:
-        return torch.linalg.vector_norm(x[:, : dims[0]], dim=1, dtype=acc).unsqueeze(0)
-    squares = torch.stack([torch.linalg.vector_norm(x[:, lo:hi], dim=1, dtype=acc) ** 2
-                           for lo, hi in zip([0, *dims[:-1]], dims)])
-    return squares.cumsum(0).sqrt()
-
-
 @torch.no_grad()
 def prepare_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
@@ -311,7 +302,7 @@ def prepare_forward(
     offset = options.offset
     pairs = options.dims(embeddings[0].shape[1])[::-1]  # ascending
     dims = [d for d, _ in pairs]
-    norms = [_prefix_norms(x, dims, acc) for x in embeddings]
+    norms = [prefix_norms(x, dims, acc) for x in embeddings]
     # Dot products: no normalisation, every inverse norm 1 (and no radial term in ``gradients``).
     inverse = [torch.ones_like(n) if options.similarity == "dot" else 1.0 / n.clamp_min(EPS) for n in norms]
 
