@@ -251,7 +251,7 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     (its ``tl.dot`` becomes FMA loops), so the streaming path's cuBLAS products are at least as fast there;
     ROCm devices, where the kernels are untested, and every other device type take the streaming path too,
     as does a pair whose kernels failed on this device before (``_TRITON_FAILURES``), and every pair when
-    Triton cannot be imported.
+    Triton cannot be imported or is older than the compile check covers (``cgist.devices.unchecked_triton``).
     """
     route = _device_route(device)
     if route[0] == "torch":
@@ -259,6 +259,10 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     failure = _TRITON_FAILURES.get((_device_key(device), dtype, guide_dtype))
     if failure is not None:
         return "torch", f"the Triton kernels failed here earlier ({failure})"
+    from .devices import unchecked_triton  # a Triton older than the compile check covers: logged once
+
+    if (why := unchecked_triton()) is not None:
+        return "torch", why
     try:
         _triton_backend()
     except RuntimeError as err:
