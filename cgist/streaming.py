@@ -1,8 +1,8 @@
 """Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
 
-Anchors are processed in row blocks. A row block is scored against the candidate columns of every score
-block (AP, AA, PP, AN_1..AN_k) in tiles of up to ``TILE_COLS`` columns: one matrix product for the guide
-scores, which a float comparison turns into the mask, one for the student logits, then ``exp2``. The gradients
+Anchors are processed in row blocks. A row block is scored against the candidate columns of every column
+group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k and the directions' QQ, DQ, DD,
+DN_1..DN_k) in tiles of up to ``TILE_COLS`` columns: one matrix product for the guide scores, which a float comparison turns into the mask, one for the student logits, then ``exp2``. The gradients
 with respect to the normalised embeddings come from the same tiles (two more products per tile), and one
 normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is ever
 allocated: the tiles live in a workspace (``_Workspace``) whose size is the byte budget (``plan``).

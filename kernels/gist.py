@@ -3,8 +3,9 @@ backward, and the fused backward row and column passes.
 
 Every kernel works on one score block at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
-alongside. The launcher calls the same kernels once per block (AP, AA, PP, AN_1..AN_k); the running
-log-sum-exp state of each row lives in global memory between launches (O(B) floats per dimension).
+alongside. The launcher calls the same kernels once per column group (AP, AA, PP, AN_1..AN_k, QQ, DQ, DD,
+DN_1..DN_k); the running log-sum-exp state of each row lives in global memory between launches (O(B)
+floats per dimension).
 
 Normalisation is folded into the tiles: a score is ``(q . k) * rq * rk`` with ``r = 1 / max(||x||, eps)``
 precomputed per row, so no normalised copy of any embedding is made and bf16 inputs go to the tensor
@@ -517,9 +518,9 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
         tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
-# The block's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and is kept out of the
-# JIT's integer specialisation: all the blocks of a step (AP, AA, PP, AN_1..AN_k) then share one binary per
-# kernel and tile config, instead of compiling and autotuning a variant per block. The branches it selects
+# The block's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and
+# are kept out of the JIT's integer specialisation: all the column groups of a step then share one binary per
+# kernel and tile config, instead of compiling and autotuning a variant per block. The branches they select
 # are per program, so they cost nothing measurable.
 @triton.autotune(
     configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,

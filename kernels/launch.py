@@ -3,7 +3,8 @@
 ``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
 launches of one block with ``forward_block`` / ``BackwardWork``). It launches the kernels of
-``gist.py`` once per score block, in the order AP, AA, PP, AN_1..AN_k:
+``gist.py`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
+directions' QQ, DQ, DD, DN_1..DN_k):
 
 * forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
   and the first running max/sum of each row (one row of state per Matryoshka dimension); the other
@@ -22,8 +23,8 @@ launches of one block with ``forward_block`` / ``BackwardWork``). It launches th
   fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one
   operand per segment between consecutive dimensions, and the GEMMs cover each segment once.
 * backward, ``method="fused"``: the row and the column pass of each block add ``F @ k`` and
-  ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Kept for
-  comparison on a GPU; not reachable from ``cgist.gist_loss``.
+  ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Parked until the
+  first GPU run decides (``BACKWARD_METHODS``); not reachable from ``cgist.gist_loss``.
 * both end in the normalisation backward: ``dL/dx[:, s] = h[:, s] - x[:, s] * sum_{u >= s} r_u^2 c_u``
   with ``h`` the summed products, ``r_u`` the inverse prefix norms and ``c_u = sum_j dL/dcos_u * cos_u``
   (``x . h`` with one dimension).
@@ -32,8 +33,9 @@ fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every pro
 as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
 "medium" run plain tf32, as ``torch.mm`` does.
 
-At run time this module imports only torch, triton and the leaf module ``cgist.numerics``; the
-options arrive as a ``cgist.GistOptions``.
+At run time this module imports only torch, triton and the leaf modules ``cgist.numerics`` (normalisation, tie
+ids, the budget, half-precision products), ``cgist.problem`` (how each row's softmax ends) and ``cgist.devices``
+(the architecture); the options arrive as a ``cgist.GistOptions``.
 """
 
 from __future__ import annotations
