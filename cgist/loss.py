@@ -284,7 +284,115 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
 
 
 class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
-    """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage."""
+    """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage.
+
+    A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
+    a loss stage that never forms the B x N similarity matrix.
+
+    The embedding stage is sentence-transformers' own GradCache loop (mini-batches, RandContext replay,
+    retokenisation for a guide with another tokenizer, ``mini_batch_num_tokens``, gathering across devices).
+    Only ``calculate_loss`` changes: the student and guide similarities are computed as matrix products over
+    blocks of anchors, masked against the guide threshold and reduced by a streaming log-sum-exp, and the
+    embedding gradients come out of the same pass. On CUDA tensors this runs as Triton kernels; elsewhere as
+    a blockwise PyTorch computation.
+
+    For anchor i, a candidate is dropped from the softmax when the guide scores it strictly above
+    ``theta_i - margin`` (``"absolute"``) or ``theta_i - |theta_i| * margin`` (``"relative"``), where
+    ``theta_i`` is the guide's score of the anchor with its own positive. The positive itself is never dropped.
+
+    Args:
+        model: the SentenceTransformer being trained.
+        guide: what decides which in-batch candidates are dropped as likely false negatives:
+
+            - a frozen SentenceTransformer, run on every batch (sentence-transformers' loss);
+            - ``"labels"``: precomputed guide embeddings, the batch's label column, shaped
+              ``(batch, n_columns, Dg)`` in the order of the text columns (``cgist.add_guide_embeddings``
+              adds it to a dataset); no guide model is loaded or run;
+            - ``"self"``: the student's own embeddings from GradCache's first, gradient-free pass, detached.
+              Nothing extra runs. That pass replays the same random state as the second, so under dropout
+              the guide sees exactly the vectors being trained (the same dropout masks);
+            - None: no guide masking; the loss is InfoNCE over the chosen blocks (with
+              ``contrast_anchors=False, contrast_positives=False`` it is
+              ``CachedMultipleNegativesRankingLoss(scale=1 / temperature)``).
+        temperature: divides the cosine similarities before the softmax.
+        mini_batch_size: texts embedded at once in the embedding stage; sets memory, not the loss.
+        mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead of
+            ``mini_batch_size`` texts.
+        show_progress_bar: show a progress bar over the embedding mini-batches.
+        margin_strategy: ``"absolute"`` or ``"relative"``, how ``margin`` lowers the threshold.
+        margin: how far below ``theta_i`` the threshold lies; 0 drops only candidates the guide ranks above the
+            positive.
+        contrast_anchors: include the anchor-anchor similarities.
+        contrast_positives: include the positive-positive similarities.
+        gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
+            every rank must then hold the same number of anchors.
+        backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+        block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
+            device (at most an eighth of its free memory and 1 GiB).
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: off with a guide model or
+            ``"labels"`` (the guide masks them, as in sentence-transformers), on with ``"self"`` and None.
+        mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
+            the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
+            so duplicates are found also under dropout. Default as for ``mask_self``.
+        directions: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, each block masked by the
+            guide as GIST's are: ``"query_to_doc"`` (required; GIST's AP and AN blocks), ``"query_to_query"``
+            (anchors against every anchor, under ``gather_across_devices`` every rank's: GIST's
+            ``contrast_anchors`` over all of them, so set ``contrast_anchors=False`` to use it),
+            ``"doc_to_query"`` (positives against every anchor) and ``"doc_to_doc"`` (positives against every
+            document, their own left out: contains GIST's ``contrast_positives``, so set that to False). A
+            combination that would hold a block twice is an error.
+        partition_mode: ``"joint"`` (one softmax over every block) or ``"per_direction"`` (the mean of each
+            direction's log-sum-exp; it needs every block to contain the positive pair, so it allows only
+            ``"query_to_doc"`` and ``"doc_to_query"``, without the contrast blocks).
+        hardness_mode, hardness_strength: add ``hardness_strength * stop_grad(cos)`` to the query-to-document
+            logits that ``hardness_mode`` names (``"in_batch_negatives"``, ``"hard_negatives"`` or
+            ``"all_negatives"``), after the guide's mask, not divided by the temperature: sentence-transformers'
+            rule (Lan et al. 2025, arXiv:2503.04812).
+
+    With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
+    computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
+    the same loss, gradients and ``n_dims_per_step`` sampling as sentence-transformers' loop over dimensions.
+
+    After each training call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked; add
+    ``cgist.GuideStatsCallback(loss)`` to the trainer's callbacks to log it as ``guide/...``.
+
+    References:
+        - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
+          https://arxiv.org/abs/2402.16829
+        - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache),
+          https://arxiv.org/abs/2101.06983
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Texts                                           | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative) triplets           | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Raises:
+        TypeError, ValueError: for a bad argument, naming it, before anything is computed.
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            import cgist
+
+            model = SentenceTransformer("microsoft/mpnet-base")
+            guide = SentenceTransformer("all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["how do I reverse a list in python", "boiling point of water"],
+                "positive": ["Use reversed(xs) or xs[::-1].", "Water boils at 100 degrees Celsius at sea level."],
+            })
+            loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=64, margin=0.05)
+            trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+    """
 
     def __init__(
         self,
@@ -308,114 +416,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
         hardness_strength: float = 0.0,
     ) -> None:
-        """
-        A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
-        a loss stage that never forms the B x N similarity matrix.
-
-        The embedding stage is sentence-transformers' own GradCache loop (mini-batches, RandContext replay,
-        retokenisation for a guide with another tokenizer, ``mini_batch_num_tokens``, gathering across devices).
-        Only ``calculate_loss`` changes: the student and guide similarities are computed as matrix products over
-        blocks of anchors, masked against the guide threshold and reduced by a streaming log-sum-exp, and the
-        embedding gradients come out of the same pass. On CUDA tensors this runs as Triton kernels; elsewhere as
-        a blockwise PyTorch computation.
-
-        For anchor i, a candidate is dropped from the softmax when the guide scores it strictly above
-        ``theta_i - margin`` (``"absolute"``) or ``theta_i - |theta_i| * margin`` (``"relative"``), where
-        ``theta_i`` is the guide's score of the anchor with its own positive. The positive itself is never dropped.
-
-        Args:
-            model: the SentenceTransformer being trained.
-            guide: what decides which in-batch candidates are dropped as likely false negatives:
-
-                - a frozen SentenceTransformer, run on every batch (sentence-transformers' loss);
-                - ``"labels"``: precomputed guide embeddings, the batch's label column, shaped
-                  ``(batch, n_columns, Dg)`` in the order of the text columns (``cgist.add_guide_embeddings``
-                  adds it to a dataset); no guide model is loaded or run;
-                - ``"self"``: the student's own embeddings from GradCache's first, gradient-free pass, detached.
-                  Nothing extra runs. That pass replays the same random state as the second, so under dropout
-                  the guide sees exactly the vectors being trained (the same dropout masks);
-                - None: no guide masking; the loss is InfoNCE over the chosen blocks (with
-                  ``contrast_anchors=False, contrast_positives=False`` it is
-                  ``CachedMultipleNegativesRankingLoss(scale=1 / temperature)``).
-            temperature: divides the cosine similarities before the softmax.
-            mini_batch_size: texts embedded at once in the embedding stage; sets memory, not the loss.
-            mini_batch_num_tokens: if set, embedding mini-batches are packed by token count instead of
-                ``mini_batch_size`` texts.
-            show_progress_bar: show a progress bar over the embedding mini-batches.
-            margin_strategy: ``"absolute"`` or ``"relative"``, how ``margin`` lowers the threshold.
-            margin: how far below ``theta_i`` the threshold lies; 0 drops only candidates the guide ranks above the
-                positive.
-            contrast_anchors: include the anchor-anchor similarities.
-            contrast_positives: include the positive-positive similarities.
-            gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
-                every rank must then hold the same number of anchors.
-            backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
-            block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
-                device (at most an eighth of its free memory and 1 GiB).
-            mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: off with a guide model or
-                ``"labels"`` (the guide masks them, as in sentence-transformers), on with ``"self"`` and None.
-            mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
-                the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
-                so duplicates are found also under dropout. Default as for ``mask_self``.
-            directions: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, each block masked by the
-                guide as GIST's are: ``"query_to_doc"`` (required; GIST's AP and AN blocks), ``"query_to_query"``
-                (anchors against every anchor, under ``gather_across_devices`` every rank's: GIST's
-                ``contrast_anchors`` over all of them, so set ``contrast_anchors=False`` to use it),
-                ``"doc_to_query"`` (positives against every anchor) and ``"doc_to_doc"`` (positives against every
-                document, their own left out: contains GIST's ``contrast_positives``, so set that to False). A
-                combination that would hold a block twice is an error.
-            partition_mode: ``"joint"`` (one softmax over every block) or ``"per_direction"`` (the mean of each
-                direction's log-sum-exp; it needs every block to contain the positive pair, so it allows only
-                ``"query_to_doc"`` and ``"doc_to_query"``, without the contrast blocks).
-            hardness_mode, hardness_strength: add ``hardness_strength * stop_grad(cos)`` to the query-to-document
-                logits that ``hardness_mode`` names (``"in_batch_negatives"``, ``"hard_negatives"`` or
-                ``"all_negatives"``), after the guide's mask, not divided by the temperature: sentence-transformers'
-                rule (Lan et al. 2025, arXiv:2503.04812).
-
-        With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
-        computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
-        the same loss, gradients and ``n_dims_per_step`` sampling as sentence-transformers' loop over dimensions.
-
-        After each training call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked; add
-        ``cgist.GuideStatsCallback(loss)`` to the trainer's callbacks to log it as ``guide/...``.
-
-        References:
-            - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
-              https://arxiv.org/abs/2402.16829
-            - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache),
-              https://arxiv.org/abs/2101.06983
-
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative) triplets           | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
-
-        Raises:
-            TypeError, ValueError: for a bad argument, naming it, before anything is computed.
-
-        Example:
-            ::
-
-                from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                import cgist
-
-                model = SentenceTransformer("microsoft/mpnet-base")
-                guide = SentenceTransformer("all-MiniLM-L6-v2")
-                train_dataset = Dataset.from_dict({
-                    "anchor": ["how do I reverse a list in python", "boiling point of water"],
-                    "positive": ["Use reversed(xs) or xs[::-1].", "Water boils at 100 degrees Celsius at sea level."],
-                })
-                loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=64, margin=0.05)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
-        """
+        """The loss from the arguments the class docstring describes; a bad one raises here, naming it."""
         if not isinstance(model, SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
         source = guide_source(guide)
