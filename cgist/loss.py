@@ -630,25 +630,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
     def citation(self) -> str:
         """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
         paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
-        return _direction_citation(self, self.guide_source is SELF) + """
-@misc{solatorio2024gistembed,
-    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
-    author={Aivin V. Solatorio},
-    year={2024},
-    eprint={2402.16829},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-
-@misc{gao2021scaling,
-    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
-    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
-    year={2021},
-    eprint={2101.06983},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
+        return _direction_citation(self, self.guide_source is SELF) + _GISTEMBED_CITATION + _GRADCACHE_CITATION
 
 
 def _direction_citation(loss: object, self_guided: bool) -> str:
@@ -660,40 +642,37 @@ def _direction_citation(loss: object, self_guided: bool) -> str:
     return (_QWEN3_CITATION if qwen3 else "") + (_GTE_CITATION if gte else "") + (_JINA_CITATION if jina else "")
 
 
-_GTE_CITATION = """
-@misc{li2023gte,
-    title={Towards General Text Embeddings with Multi-stage Contrastive Learning},
-    author={Zehan Li and Xin Zhang and Yanzhao Zhang and Dingkun Long and Pengjun Xie and Meishan Zhang},
-    year={2023},
-    eprint={2308.03281},
-    archivePrefix={arXiv},
-    primaryClass={cs.CL}
-}
-"""
+def _arxiv_entry(key: str, title: str, author: str, year: int, eprint: str, primary_class: str) -> str:
+    """An arXiv paper as a BibTeX ``@misc`` entry, with a blank line before it."""
+    return (f"\n@misc{{{key},\n    title={{{title}}},\n    author={{{author}}},\n    year={{{year}}},\n"
+            f"    eprint={{{eprint}}},\n    archivePrefix={{arXiv}},\n    primaryClass={{{primary_class}}}\n}}\n")
 
-_JINA_CITATION = """
-@misc{guenther2024jina2,
-    title={Jina Embeddings 2: 8192-Token General-Purpose Text Embeddings for Long Documents},
-    author={Michael G{\"u}nther and others},
-    year={2024},
-    eprint={2310.19923},
-    archivePrefix={arXiv},
-    primaryClass={cs.CL}
-}
-"""
+
+_GISTEMBED_CITATION = _arxiv_entry(
+    "solatorio2024gistembed",
+    "GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning",
+    "Aivin V. Solatorio", 2024, "2402.16829", "cs.LG")
+
+_GRADCACHE_CITATION = _arxiv_entry(
+    "gao2021scaling", "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup",
+    "Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan", 2021, "2101.06983", "cs.LG")
+
+_GTE_CITATION = _arxiv_entry(
+    "li2023gte", "Towards General Text Embeddings with Multi-stage Contrastive Learning",
+    "Zehan Li and Xin Zhang and Yanzhao Zhang and Dingkun Long and Pengjun Xie and Meishan Zhang", 2023,
+    "2308.03281", "cs.CL")
+
+_JINA_CITATION = _arxiv_entry(
+    "guenther2024jina2", "Jina Embeddings 2: 8192-Token General-Purpose Text Embeddings for Long Documents",
+    'Michael G{"u}nther and others', 2024, "2310.19923", "cs.CL")
 
 #: The self-guided recipe and the three-direction loss with false-negative masks.
-_QWEN3_CITATION = """
-@misc{zhang2025qwen3embedding,
-    title={Qwen3 Embedding: Advancing Text Embedding and Reranking Through Foundation Models},
-    author={Yanzhao Zhang and Mingxin Li and Dingkun Long and Xin Zhang and Huan Lin and Baosong Yang and Pengjun Xie
-            and An Yang and Dayiheng Liu and Junyang Lin and Fei Huang and Jingren Zhou},
-    year={2025},
-    eprint={2506.05176},
-    archivePrefix={arXiv},
-    primaryClass={cs.CL}
-}
-"""
+_QWEN3_CITATION = _arxiv_entry(
+    "zhang2025qwen3embedding",
+    "Qwen3 Embedding: Advancing Text Embedding and Reranking Through Foundation Models",
+    "Yanzhao Zhang and Mingxin Li and Dingkun Long and Xin Zhang and Huan Lin and Baosong Yang and Pengjun Xie\n"
+    "            and An Yang and Dayiheng Liu and Junyang Lin and Fei Huang and Jingren Zhou",
+    2025, "2506.05176", "cs.CL")
 
 
 class FusedMatryoshka:
