@@ -139,6 +139,16 @@ def add_guide_embeddings(
             del guide  # training needs only the student
             loss = cgist.FusedCachedGISTLoss(model, "labels", mini_batch_size=64, margin=0.05)
     """
+    columns = _check_arguments(dataset, guide, model, columns, batch_size, dtype, show_progress_bar)
+    embeddings = _guide_embeddings(dataset, guide, model, columns, batch_size, dtype, show_progress_bar)
+    label = _label_column(embeddings, dtype)
+    return concatenate_datasets([dataset, Dataset(InMemoryTable(pa.table({LABEL_COLUMN: label})))], axis=1)
+
+
+def _check_arguments(dataset: object, guide: object, model: object, columns: object, batch_size: object,
+                     dtype: object, show_progress_bar: object) -> list[str]:
+    """``add_guide_embeddings``'s arguments checked before the guide runs: the types and scalars first, then the
+    dataset's label and text columns and the tokenizers. Returns the text columns to embed."""
     if not isinstance(dataset, Dataset):
         raise TypeError(f"dataset must be a datasets.Dataset (one split; map a DatasetDict split by split), got "
                         f"{type(dataset).__name__}")
@@ -165,8 +175,14 @@ def add_guide_embeddings(
     if model is not None:
         _check_tokenizer("model", model)
         _check_tokenizer("guide", guide)
-    retokenize = model is not None and must_retokenize(model, guide)
+    return columns
 
+
+def _guide_embeddings(dataset: Dataset, guide: SentenceTransformer, model: SentenceTransformer | None,
+                      columns: list[str], batch_size: int, dtype: torch.dtype, show_progress_bar: bool) -> np.ndarray:
+    """The guide's embeddings of ``columns``, ``(rows, len(columns), Dg)`` in ``dtype``'s NumPy type, checked finite;
+    the guide runs in eval mode under ``torch.no_grad``, its mode restored after."""
+    retokenize = model is not None and must_retokenize(model, guide)
     rows, texts_only = len(dataset), dataset.select_columns(columns)
     out: np.ndarray | None = None
     was_training = guide.training
@@ -191,7 +207,12 @@ def add_guide_embeddings(
     if not np.isfinite(out).all():
         raise ValueError("the guide's embeddings of this dataset contain NaN or infinite values (in the precision "
                          f"{dtype}); check the guide model")
-    # Fixed-size lists: Dg values per column, n_columns per row, straight from the buffer, no Python floats.
-    values = pa.array(out.reshape(-1), type=DTYPES[dtype][1])
-    label = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(values, out.shape[2]), out.shape[1])
-    return concatenate_datasets([dataset, Dataset(InMemoryTable(pa.table({LABEL_COLUMN: label})))], axis=1)
+    return out
+
+
+def _label_column(embeddings: np.ndarray, dtype: torch.dtype) -> pa.FixedSizeListArray:
+    """The label column of ``embeddings``: fixed-size lists, Dg values per text column and the text columns per row,
+    straight from the buffer (no Python floats), as ``dtype``."""
+    values = pa.array(embeddings.reshape(-1), type=DTYPES[dtype][1])
+    return pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(values, embeddings.shape[2]),
+                                             embeddings.shape[1])
