@@ -155,7 +155,7 @@ def launch_values(kernel, pair: tuple, dim: int, dim_g: int, config: triton.Conf
     values = dict(
         q_ptr=emb, qg_ptr=guide, k_ptr=emb, kg_ptr=guide, rq_ptr=vec, rqg_ptr=vec, rk_ptr=vec, rkg_ptr=vec,
         col_id_ptr=ids, partner_id_ptr=ids, dims_ptr=ids, thr_ptr=vec, theta_masked_ptr=torch.empty(1, dtype=torch.int8),
-        theta_ptr=vec, pos_ptr=vec, m_ptr=vec, l_ptr=vec, rw_ptr=vec, masked_ptr=ids, kept_ptr=ids, scalars_ptr=vec,
+        theta_ptr=vec, pos_ptr=vec, m_ptr=vec, l_ptr=vec, rw_ptr=vec, masked_ptr=ids, left_ptr=ids, scalars_ptr=vec,
         grad_ptr=vec, f_ptr=emb, row_part_ptr=vec, col_part_ptr=vec,
         n_rows=rows, n_cols=cols, row_stop=rows, col_stop=cols, row_start=0, col_start=0,
         dim=dim, dim_g=dim_g, offset=0, partner_start=0, b_bucket=rows, n_bucket=cols,
@@ -163,8 +163,8 @@ def launch_values(kernel, pair: tuple, dim: int, dim_g: int, config: triton.Conf
         stride_rq=rows, stride_rk=cols, stride_state=rows,
         stride_f_seg=2 * rows * cols, stride_f_part=rows * cols, stride_f_row=cols,
         stride_rp_dim=rows * 64, stride_rp_tile=rows, stride_cp_dim=cols * 64, stride_cp_tile=cols,
-        col_text_ptr=ids, row_text_ptr=ids, self_offset=0, keep_offset=0, stride_text=rows, rules=RULES_ALL,
-        tile_set=0, has_label=1, relative=0, count=1, ACC=TL_DTYPES[acc], PRECISION=precision, PRECISION_G=guide_precision,
+        col_text_ptr=ids, row_text_ptr=ids, excluded_offset=0, unmasked_offset=0, stride_text=rows, rules=RULES_ALL,
+        backward=0, relative=0, count=1, ACC=TL_DTYPES[acc], PRECISION=precision, PRECISION_G=guide_precision,
         N_DIMS=n_dims, DIMS_P2=triton.next_power_of_2(n_dims), SPLIT=precision == "tf32x3", **config.kwargs,
     )
     return {name: values[name] for name in kernel.arg_names}
@@ -311,9 +311,9 @@ def build_jobs(args) -> list[tuple]:
         for pair, n_dims, kernels, dims in variants:
             ops = operands(pair, arch)
             kind = operand_kind(*ops, arch)
-            for kernel, tile_sets in kernels.items():
-                configs = {str(c): c for tile_set in tile_sets
-                           for c in tile_configs(*ops, n_dims, tile_set, arch, interpret=False)}
+            for kernel, methods in kernels.items():
+                configs = {str(c): c for backward in methods
+                           for c in tile_configs(*ops, n_dims, backward, arch, interpret=False)}
                 for config, dim, dim_g in ((c, d, g) for c in configs.values() for d in dims for g in args.guide_dims):
                     src = specialise(kernel, launch_values(kernel, ops, dim, dim_g, config, n_dims), backend)
                     entry = binaries.setdefault((src.hash(), config.num_warps, config.num_stages), dict(

@@ -351,7 +351,7 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
 
     for method in ("gemm", "fused") if dims is None else ("gemm",):  # each backward with its forward's tile set
         name = _method_name(method, dims)
-        loss, state = gist_forward(student, guide, options, tile_set=method)  # tunes the forward
+        loss, state = gist_forward(student, guide, options, backward=method)  # tunes the forward
         tiles = state.tiles
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
         work = BackwardWork(state)
@@ -395,7 +395,7 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
 
         def stage(method=method):
-            loss, state = gist_forward(student, guide, options, tile_set=method)
+            loss, state = gist_forward(student, guide, options, backward=method)
             return loss, BackwardWork(state).run(method)
 
         stage()
@@ -525,7 +525,7 @@ def warmup(pairs: list[str], dim: int, dim_g: int, k: int) -> None:
         student, guide = make_embeddings(512, 512, dim, dim_g, k, device=DEVICE, dtype=dtype)
         guide = [g.to(guide_dtype) for g in guide]
         gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
-        _, state = gist_forward(student, guide, OPTIONS, tile_set="fused")
+        _, state = gist_forward(student, guide, OPTIONS, backward="fused")
         BackwardWork(state).run("fused")
         if (pair, True) in {(p, mat) for p, _, mat in CHECK_ORDER}:
             gist_loss_and_grads(student, guide, _options(matryoshka_dims(dim)), need_grads=True)

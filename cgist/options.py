@@ -42,8 +42,8 @@ class ColumnGroup:
     row: str  # "a" (anchor rows) or "p" (their positives)
     column: int  # the call's column it scores against
     label: bool = False  # AP: column offset + i is the label, carried apart from the other terms
-    keep: int | None = None  # this column of each row is never masked (DQ's pair)
-    exclude: int | None = None  # this column of each row is always masked (self-pairs, own documents)
+    unmasked_offset: int | None = None  # row i's column i + this is never masked (DQ's pair)
+    excluded_offset: int | None = None  # row i's column i + this is always masked (self-pairs, own documents)
     hard_own: bool = False  # the hardness penalty at each row's own column, offset + i
     hard_others: bool = False  # ... at every other column
 
@@ -230,16 +230,16 @@ class GistOptions:
         others, own = mode in ("in_batch_negatives", "all_negatives"), mode in ("hard_negatives", "all_negatives")
         groups = [ColumnGroup("ap", 0, "a", 1, label=True, hard_others=others)]
         if self.contrast_anchors:
-            groups.append(ColumnGroup("aa", 0, "a", 0, exclude=0 if self.mask_self else None))
+            groups.append(ColumnGroup("aa", 0, "a", 0, excluded_offset=0 if self.mask_self else None))
         if self.contrast_positives:
-            groups.append(ColumnGroup("pp", 0, "p", 1, exclude=self.offset if self.mask_self else None))
+            groups.append(ColumnGroup("pp", 0, "p", 1, excluded_offset=self.offset if self.mask_self else None))
         groups += [ColumnGroup("an", 0, "a", c, hard_own=own, hard_others=others) for c in negatives]
         if "query_to_query" in self.directions:
-            groups.append(ColumnGroup("qq", 0, "a", everyone, exclude=own_anchor))
+            groups.append(ColumnGroup("qq", 0, "a", everyone, excluded_offset=own_anchor))
         if "doc_to_query" in self.directions:
-            groups.append(ColumnGroup("dq", p_part, "p", everyone, keep=own_anchor))
+            groups.append(ColumnGroup("dq", p_part, "p", everyone, unmasked_offset=own_anchor))
         if "doc_to_doc" in self.directions:
-            groups += [ColumnGroup("dd", 0, "p", c, exclude=self.offset) for c in (1, *negatives)]
+            groups += [ColumnGroup("dd", 0, "p", c, excluded_offset=self.offset) for c in (1, *negatives)]
         return tuple(groups), 1 + p_part, {"a": 0, "p": p_part}
 
     @property

@@ -1,6 +1,6 @@
 """Dense oracle for the GIST loss, in every direction.
 
-It materialises every score block at once and lets autograd do the backward, so it is slow and
+It materialises every column group's scores at once and lets autograd do the backward, so it is slow and
 O(B * N) in memory, but it is short enough to check by eye against the definition (DESIGN, sections 2 and 2b).
 It works in any floating dtype, float64 included; tests compare every other path against it.
 
@@ -20,15 +20,15 @@ from torch import Tensor
 from .numerics import TieIndex, guide_mask, normalize, threshold, tie_ids
 from .options import GistOptions
 
-__all__ = ["Block", "gist_loss_reference", "gist_scores", "score_blocks"]
+__all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "score_groups"]
 
 
 @dataclass
-class Block:
-    """One block of a row's softmax: B rows against some columns.
+class ScoredGroup:
+    """One column group of a row's softmax, scored: B rows against one column.
 
     ``scores`` holds the student's scores (cosines, or dot products), -inf where masked; ``hard`` is True where
-    the hardness penalty applies (None: nowhere); ``direction`` is the partition the block belongs to.
+    the hardness penalty applies (None: nowhere); ``direction`` is the partition the group belongs to.
     """
 
     name: str
@@ -37,11 +37,11 @@ class Block:
     hard: Tensor | None = None
 
 
-def score_blocks(
+def score_groups(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions = GistOptions(),
     text_ids: Sequence[Tensor] | None = None,
-) -> list[Block]:
-    """Every block of the loss, masked: GIST's AP, AA, PP, AN_1..AN_k, then the directions' QQ, DQ, DD, DN_1..DN_k.
+) -> list[ScoredGroup]:
+    """Every column group of the loss, masked: GIST's AP, AA, PP, AN_1..AN_k, then the directions' QQ, DQ, DD, DN_1..DN_k.
 
     Row i is anchor i, or for PP, DQ, DD and DN its positive ``offset + i``. An entry is masked when its guide score
     (the guide's rows and columns alike) is strictly above T_i, a column whose normalised guide vector equals the
@@ -73,8 +73,8 @@ def score_blocks(
         theta_masked = theta > limit
         partner = {"a": ids[1][labels], "p": ids[0]}  # anchor rows pair with their positive, positive rows with anchor i
 
-    def block(name: str, direction: str, row: str, column: int, *, label=None, keep=None, exclude=None, hard=None):
-        """Block ``name``: rows ``row`` ("a": anchors, "p": their positives) against embeddings[column]."""
+    def group(name: str, direction: str, row: str, column: int, *, label=None, unmasked=None, excluded=None, hard=None):
+        """Column group ``name``: rows ``row`` ("a": anchors, "p": their positives) against embeddings[column]."""
         rows_x = a if row == "a" else p[labels]
         scores = rows_x @ student[column].T
         mask = torch.zeros_like(scores, dtype=torch.bool)
@@ -85,14 +85,14 @@ def score_blocks(
         if options.mask_duplicates:
             col_text = text_ids[column]
             mask |= (col_text == text_ids[0][:, None]) | (col_text == text_ids[1][labels][:, None])
-        for cols in [c for c in (label, keep) if c is not None]:
+        for cols in [c for c in (label, unmasked) if c is not None]:
             mask[rows, cols] = False
-        if exclude is not None:
-            mask[rows, exclude] = True
-        return Block(name, direction, scores.masked_fill(mask, float("-inf")), hard)
+        if excluded is not None:
+            mask[rows, excluded] = True
+        return ScoredGroup(name, direction, scores.masked_fill(mask, float("-inf")), hard)
 
     def hard(own: bool, others: bool, width: int) -> Tensor | None:
-        """Where the hardness penalty applies in a query-to-document block: anchor i's own column, the others."""
+        """Where the hardness penalty applies in a query-to-document group: anchor i's own column, the others."""
         if options.hardness == 0.0 or not (own or others):
             return None
         out = torch.full((a.shape[0], width), others, dtype=torch.bool, device=a.device)
@@ -101,34 +101,34 @@ def score_blocks(
 
     mode = options.hardness_mode
     n_cand = p.shape[0]
-    blocks = [block("ap", "query_to_doc", "a", 1, label=labels, hard=hard(False, mode != "hard_negatives", n_cand))]
+    groups = [group("ap", "query_to_doc", "a", 1, label=labels, hard=hard(False, mode != "hard_negatives", n_cand))]
     if options.contrast_anchors:
-        blocks.append(block("aa", "query_to_query", "a", 0, exclude=rows if options.mask_self else None))
+        groups.append(group("aa", "query_to_query", "a", 0, excluded=rows if options.mask_self else None))
     if options.contrast_positives:
-        blocks.append(block("pp", "doc_to_doc", "p", 1, exclude=labels if options.mask_self else None))
-    blocks += [block("an", "query_to_doc", "a", 2 + k,
+        groups.append(group("pp", "doc_to_doc", "p", 1, excluded=labels if options.mask_self else None))
+    groups += [group("an", "query_to_doc", "a", 2 + k,
                      hard=hard(mode in ("hard_negatives", "all_negatives"), mode != "hard_negatives", n_cand))
                for k in range(n_neg)]
     if "query_to_query" in options.directions:
-        blocks.append(block("qq", "query_to_query", "a", column_of["all"], exclude=own_anchor))
+        groups.append(group("qq", "query_to_query", "a", column_of["all"], excluded=own_anchor))
     if "doc_to_query" in options.directions:
-        blocks.append(block("dq", "doc_to_query", "p", column_of["all"], keep=own_anchor))
+        groups.append(group("dq", "doc_to_query", "p", column_of["all"], unmasked=own_anchor))
     if "doc_to_doc" in options.directions:
-        blocks += [block("dd" if k == 0 else "dn", "doc_to_doc", "p", 1 if k == 0 else 1 + k, exclude=labels)
+        groups += [group("dd" if k == 0 else "dn", "doc_to_doc", "p", 1 if k == 0 else 1 + k, excluded=labels)
                    for k in range(1 + n_neg)]
-    return blocks
+    return groups
 
 
 def gist_scores(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions = GistOptions(),
     text_ids: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """All student scores, B x (every block's columns, in ``score_blocks``' order), -inf where masked.
+    """All student scores, B x (every group's columns, in ``score_groups``' order), -inf where masked.
 
-    With GIST's blocks alone: AP, AA, PP, AN_1..AN_k, as in sentence-transformers; column ``offset + i`` of AP is
+    With GIST's groups alone: AP, AA, PP, AN_1..AN_k, as in sentence-transformers; column ``offset + i`` of AP is
     the label of row i and is never masked.
     """
-    return torch.cat([b.scores for b in score_blocks(embeddings, guide_embeddings, options, text_ids)], dim=1)
+    return torch.cat([b.scores for b in score_groups(embeddings, guide_embeddings, options, text_ids)], dim=1)
 
 
 def gist_loss_reference(
@@ -138,26 +138,26 @@ def gist_loss_reference(
     """Mean over anchors of ``logsumexp(unmasked logits) - s_AP[i, offset + i] / tau``.
 
     The logits are the scores over tau, plus ``hardness_strength * stop_grad(score)`` where the hardness mode
-    says. ``"joint"`` takes one log-sum-exp over every block, ``"per_direction"`` the mean of each direction's.
+    says. ``"joint"`` takes one log-sum-exp over every group, ``"per_direction"`` the mean of each direction's.
     With Matryoshka dimensions, ``sum_d w_d`` times that loss of the embeddings truncated to their first d
     components (the guide untouched), as sentence-transformers' ``MatryoshkaLoss`` computes it.
     Differentiable by plain autograd with respect to ``embeddings``; the guide gets no gradient. Masking as in
-    ``score_blocks``.
+    ``score_groups``.
     """
     if options.matryoshka_dims is not None:
         one = options.replace(matryoshka_dims=None, matryoshka_weights=None)
         return sum(w * gist_loss_reference([e[:, :d] for e in embeddings], guide_embeddings, one, text_ids)
                    for d, w in zip(options.matryoshka_dims, options.matryoshka_weights))
     guide = None if guide_embeddings is None else [g.detach() for g in guide_embeddings]
-    blocks = score_blocks(embeddings, guide, options, text_ids)
+    groups = score_groups(embeddings, guide, options, text_ids)
     logits = {}
-    for b in blocks:
+    for b in groups:
         z = b.scores / options.temperature
         if b.hard is not None:
             z = z + torch.where(b.hard, options.hardness * b.scores.detach(), 0.0)
         logits.setdefault(b.direction, []).append(z)
-    rows = torch.arange(blocks[0].scores.shape[0], device=blocks[0].scores.device)
-    positive = blocks[0].scores[rows, rows + options.offset] / options.temperature
+    rows = torch.arange(groups[0].scores.shape[0], device=groups[0].scores.device)
+    positive = groups[0].scores[rows, rows + options.offset] / options.temperature
     if options.partition_mode == "joint":
         log_z = torch.logsumexp(torch.cat([z for zs in logits.values() for z in zs], dim=1), dim=1)
     else:

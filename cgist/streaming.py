@@ -533,14 +533,14 @@ class _RowBlock:
     def excluded(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that the group's rules exclude.
 
-        Each row's own column where the group excludes it (``group.exclude``: self-pairs, own documents), and
+        Each row's own column where the group excludes it (``group.excluded_offset``: self-pairs, own documents), and
         with ``mask_duplicates`` the columns whose text id is that of the row's anchor or of its positive (found
         like the ties, by binary search). A label or a kept pair among them is restored by the caller.
         """
         if id(group) not in self.exclusions:  # the whole group's, once per row block
             parts = []
-            if group.exclude is not None:
-                parts.append(self.own(group.exclude, 0, group.cols.x.shape[0]))
+            if group.excluded_offset is not None:
+                parts.append(self.own(group.excluded_offset, 0, group.cols.x.shape[0]))
             if self.texts is not None:
                 n = group.cols.x.shape[0]
                 parts += [group.cols.texts.pairs(text, 0, n) for text in self.texts]
@@ -612,8 +612,8 @@ class _RowBlock:
             mask = prefix.zero_()
         excluded_rows, excluded_cols = self.excluded(group, lo, hi)
         mask[excluded_rows, excluded_cols] = 1.0
-        if group.keep is not None:
-            kept_rows, kept_cols = self.own(group.keep, lo, hi)
+        if group.unmasked_offset is not None:
+            kept_rows, kept_cols = self.own(group.unmasked_offset, lo, hi)
             mask[kept_rows, kept_cols] = 0.0
         label_rows, label_cols = self.labels(group, lo, hi)
         mask[label_rows, label_cols] = 1.0

@@ -1,7 +1,7 @@
 """Triton kernels for the GIST loss: a forward row pass, the chunk score-gradient kernel of the GEMM
 backward, and the fused backward row and column passes.
 
-Every kernel works on one score block at a time: rows ``q`` (anchors, or the local positives for PP)
+Every kernel works on one column group at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
 alongside. The launcher calls the same kernels once per column group (AP, AA, PP, AN_1..AN_k, QQ, DQ, DD,
 DN_1..DN_k); the running log-sum-exp state of each row lives in global memory between launches (O(B)
@@ -54,13 +54,13 @@ __all__ = [
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
 SCALE, MARGIN, HARD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-#: Bits of a block's runtime ``rules``: it holds the labels (AP, column ``i + offset`` of row i); a guide masks it;
-#: each row's column ``i + self_offset`` is excluded (self-pairs, own documents); candidates with row i's texts
-#: are excluded; each row's column ``i + keep_offset`` is never masked (DQ's pair); the hardness penalty
+#: Bits of a column group's runtime ``rules``: it holds the labels (AP, column ``i + offset`` of row i); a guide masks it;
+#: each row's column ``i + excluded_offset`` is excluded (self-pairs, own documents); candidates with row i's texts
+#: are excluded; each row's column ``i + unmasked_offset`` is never masked (DQ's pair); the hardness penalty
 #: (``scalars[HARD]`` times the logit) applies at each row's own column ``i + offset``, or at the others.
-RULE_LABEL, RULE_GUIDED, RULE_SELF, RULE_TEXTS, RULE_KEEP, RULE_HARD_OWN, RULE_HARD_OTHERS = 1, 2, 4, 8, 16, 32, 64
-LABEL, GUIDED, SELF, TEXTS, KEEP, HARD_OWN, HARD_OTHERS = (
-    tl.constexpr(bit) for bit in (RULE_LABEL, RULE_GUIDED, RULE_SELF, RULE_TEXTS, RULE_KEEP, RULE_HARD_OWN,
+RULE_LABEL, RULE_GUIDED, RULE_EXCLUDED, RULE_TEXTS, RULE_UNMASKED, RULE_HARD_OWN, RULE_HARD_OTHERS = 1, 2, 4, 8, 16, 32, 64
+LABEL, GUIDED, EXCLUDED, TEXTS, UNMASKED, HARD_OWN, HARD_OTHERS = (
+    tl.constexpr(bit) for bit in (RULE_LABEL, RULE_GUIDED, RULE_EXCLUDED, RULE_TEXTS, RULE_UNMASKED, RULE_HARD_OWN,
                                   RULE_HARD_OTHERS))
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -206,8 +206,15 @@ def _tables(release: tuple[int, int]) -> dict[str, dict[tuple[int, str], list[tu
     return tables
 
 
-#: ``tile_set`` values of the forward: any config, or the fused backward's.
-TILE_SETS = ("gemm", "fused")
+#: The backward's methods. "gemm" is the default: score-gradient chunks, then library GEMMs. "fused" (row and column
+#: passes adding into the gradient rows tile by tile: gist_bwd_rows_kernel, gist_bwd_cols_kernel) is parked, one
+#: dimension only, until the first GPU run times both (bench/gpu_check.sh prints the fused passes beside the GEMM
+#: backward per kernel and block): if the fused passes are not faster there at any size, they go. Keeping them costs
+#: about 120 lines of kernels (the two passes, _fused_tile_grad, _add_product), 30 of launcher, two of the four
+#: one-dimension binaries per architecture and pair in the compile table, and their interpreter tests.
+#: The forward's ``backward`` argument is an index into these: it autotunes over any config for "gemm", over the
+#: fused passes' spill-free tiles for "fused" (the backward recomputes the forward's tiles).
+BACKWARD_METHODS = ("gemm", "fused")
 #: The largest tile (BLOCK_M * BLOCK_N values) of the fused passes, where a table has no _FUSED_TILES entry.
 FUSED_TILE_VALUES = 128 * 64
 
@@ -258,14 +265,14 @@ def shared_memory_estimate(config: triton.Config, kind: str) -> int:
 
 
 def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
-                 tile_set: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET,
+                 backward: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET,
                  release: tuple[int, int] | None = None) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
     row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.devices.Arch``; None:
     ``DEFAULT_ARCH``) the configs are its family's: from sm_80 on every dtype pair but fp64 runs on the
-    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``tile_set="fused"`` keeps to the tiles
+    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``backward="fused"`` keeps to the tiles
     the fused backward compiles without spills. On an architecture the tables do not know
     (``arch.known`` false) only the configs whose ``shared_memory_estimate`` fits its shared memory are
     kept, or the smallest one if none does. The tables are those of Triton ``release`` (``(major, minor)``;
@@ -281,7 +288,7 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     tables = _tables(release or TRITON)
     if n_dims > 1:
         tiles = tables["matryoshka"][key]
-    elif tile_set == "fused":
+    elif backward == "fused":
         tiles = tables["fused"].get(key) or [t for t in tables["gemm"][key] if t[0] * t[1] <= FUSED_TILE_VALUES]
     else:
         tiles = tables["gemm"][key]
@@ -308,7 +315,7 @@ def _device_arch(device: torch.device) -> Arch | None:
 def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
     args = {**named_args, **kwargs}  # keyword launches leave named_args empty
     return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
-                        args["N_DIMS"], TILE_SETS[args["tile_set"]], _device_arch(args["q_ptr"].device))
+                        args["N_DIMS"], BACKWARD_METHODS[args["backward"]], _device_arch(args["q_ptr"].device))
 
 
 def pack_scalars(temperature: float, margin: float, hardness: float = 0.0) -> tuple[float, float, float]:
@@ -390,7 +397,7 @@ def _guide_scores(
     """Guide cosines of one tile, (BLOCK_M, BLOCK_N); rqg, rkg: inverse guide norms of rows and columns."""
     g = _dot_range(tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC), qg_ptr, kg_ptr, offs_m, offs_n, mask_m, mask_n,
                    0, dim_g, stride_qg, stride_kg, BLOCK_K, ACC, PRECISION_G)
-    # Both inverse norms at once, so that g[i, j] and g[j, i] of a symmetric block are bitwise equal.
+    # Both inverse norms at once, so that g[i, j] and g[j, i] of a symmetric group are bitwise equal.
     return g * (rqg[:, None] * rkg[None, :])
 
 
@@ -403,19 +410,19 @@ def _is_label(offs_m, offs_n, mask_m, offset, has_label):
 @triton.jit
 def _masked_start(
     qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked, col_text_ptr, row_text_ptr,
-    offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset, keep_offset, stride_qg, stride_kg, stride_text, rules,
+    offs_m, offs_n, mask_m, mask_n, dim_g, offset, excluded_offset, unmasked_offset, stride_qg, stride_kg, stride_text, rules,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
-    PRECISION_G: tl.constexpr, KEEP_LABEL: tl.constexpr,
+    PRECISION_G: tl.constexpr, LABEL_LIVE: tl.constexpr,
 ):
-    """The block's verdict on one tile, as the student accumulator's start: 0 where kept, -inf where masked.
+    """The column group's verdict on one tile, as the student accumulator's start: 0 where kept, -inf where masked.
 
     With a guide (``rules & GUIDED``) an entry is masked where its guide score is strictly above the row
     threshold ``thr``; a column whose tie id (read at ``col_id_ptr``) equals the row's ``partner_id`` ties
-    with theta_i and is masked iff ``theta_masked`` (theta_i > T_i). With ``rules & SELF`` row i's column
-    ``i + self_offset`` is masked; with ``rules & TEXTS`` every column whose text id (``col_text_ptr``) is that
-    of row i's anchor or positive (``row_text_ptr``, two rows ``stride_text`` apart); with ``rules & KEEP`` row
-    i's column ``i + keep_offset`` is kept whatever else says. Out-of-range entries are masked. The label,
-    which is never masked but carried apart from the other terms, starts at 0 with KEEP_LABEL (its logit is
+    with theta_i and is masked iff ``theta_masked`` (theta_i > T_i). With ``rules & EXCLUDED`` row i's column
+    ``i + excluded_offset`` is masked; with ``rules & TEXTS`` every column whose text id (``col_text_ptr``) is that
+    of row i's anchor or positive (``row_text_ptr``, two rows ``stride_text`` apart); with ``rules & UNMASKED`` row
+    i's column ``i + unmasked_offset`` is kept whatever else says. Out-of-range entries are masked. The label,
+    which is never masked but carried apart from the other terms, starts at 0 with LABEL_LIVE (its logit is
     wanted) and at -inf without (it drops out of the sums like a masked entry). The one code path of every
     kernel's mask.
 
@@ -424,27 +431,27 @@ def _masked_start(
     during the student's K loop.
     """
     in_range = mask_m[:, None] & mask_n[None, :]
-    keep = in_range
+    live = in_range
     if (rules & GUIDED) != 0:
         rqg = tl.load(rqg_ptr + offs_m, mask=mask_m, other=0.0)
         rkg = tl.load(rkg_ptr + offs_n, mask=mask_n, other=0.0)
         g = _guide_scores(qg_ptr, kg_ptr, rqg, rkg, offs_m, offs_n, mask_m, mask_n, dim_g, stride_qg, stride_kg,
                           BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION_G)
         col_id = tl.load(col_id_ptr + offs_n, mask=mask_n, other=0)
-        keep = keep & tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None],
+        live = live & tl.where(col_id[None, :] == partner_id[:, None], (theta_masked == 0)[:, None],
                                g <= thr[:, None])
-    if (rules & SELF) != 0:
-        keep = keep & (offs_n[None, :] != offs_m[:, None] + self_offset)
+    if (rules & EXCLUDED) != 0:
+        live = live & (offs_n[None, :] != offs_m[:, None] + excluded_offset)
     if (rules & TEXTS) != 0:
         col_text = tl.load(col_text_ptr + offs_n, mask=mask_n, other=0)
         anchor_text = tl.load(row_text_ptr + offs_m, mask=mask_m, other=0)
         positive_text = tl.load(row_text_ptr + stride_text + offs_m, mask=mask_m, other=0)
-        keep = keep & (col_text[None, :] != anchor_text[:, None]) & (col_text[None, :] != positive_text[:, None])
-    if (rules & KEEP) != 0:
-        keep = keep | ((offs_n[None, :] == offs_m[:, None] + keep_offset) & in_range)
+        live = live & (col_text[None, :] != anchor_text[:, None]) & (col_text[None, :] != positive_text[:, None])
+    if (rules & UNMASKED) != 0:
+        live = live | ((offs_n[None, :] == offs_m[:, None] + unmasked_offset) & in_range)
     is_label = _is_label(offs_m, offs_n, mask_m, offset, rules & LABEL)
-    keep = (keep | is_label) if KEEP_LABEL else (keep & ~is_label)
-    return tl.where(keep, 0.0, float("-inf")).to(ACC)
+    live = (live | is_label) if LABEL_LIVE else (live & ~is_label)
+    return tl.where(live, 0.0, float("-inf")).to(ACC)
 
 
 @triton.jit
@@ -518,30 +525,30 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
         tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=mask)
 
 
-# The block's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and
+# A column group's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and
 # are kept out of the JIT's integer specialisation: all the column groups of a step then share one binary per
-# kernel and tile config, instead of compiling and autotuning a variant per block. The branches they select
+# kernel and tile config, instead of compiling and autotuning a variant per group. The branches they select
 # are per program, so they cost nothing measurable.
 @triton.autotune(
     configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
-    key=["b_bucket", "n_bucket", "dim", "dim_g", "tile_set", "PRECISION", "PRECISION_G", "N_DIMS"],
+    key=["b_bucket", "n_bucket", "dim", "dim_g", "backward", "PRECISION", "PRECISION_G", "N_DIMS"],
     prune_configs_by={"early_config_prune": _prune_configs},
-    restore_value=["m_ptr", "l_ptr", "masked_ptr", "kept_ptr"],
+    restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
 )
-@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules", "relative",
-                               "count", "tile_set"])
+@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules", "relative",
+                               "count", "backward"])
 def gist_fwd_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
-    thr_ptr, theta_masked_ptr, theta_ptr, pos_ptr, m_ptr, l_ptr, masked_ptr, kept_ptr, scalars_ptr,
+    thr_ptr, theta_masked_ptr, theta_ptr, pos_ptr, m_ptr, l_ptr, masked_ptr, left_ptr, scalars_ptr,
     col_text_ptr, row_text_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
     stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state, stride_text,
-    b_bucket, n_bucket, tile_set, rules, relative, count,
+    b_bucket, n_bucket, backward, rules, relative, count,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     N_DIMS: tl.constexpr, DIMS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Forward row pass of one block: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
+    """Forward row pass of one column group: q (n_rows x dim) against k (n_cols x dim), guide in dim_g.
 
     Per dimension u (row u of ``m``, ``l``, ``pos``; ``stride_state`` apart), updates the running
     base-2 max ``m`` and sum ``l`` of each row over the unmasked logits other than the label. The AP
@@ -551,10 +558,10 @@ def gist_fwd_kernel(
     of the columns and ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner; the other
     rules are ``_masked_start``'s and ``_harden``'s. A partition's state is the launcher's view of its rows.
 
-    ``tile_set`` (an index into ``TILE_SETS``) only selects the configs the autotuner tries.
+    ``backward`` (an index into ``BACKWARD_METHODS``) only selects the configs the autotuner tries.
 
-    With ``count``, adds to each row's int32 counters the entries the guide masked in this block
-    (``masked_ptr``, the label excluded) and the unmasked entries other than the label (``kept_ptr``).
+    With ``count``, adds to each row's int32 counters the entries the guide masked in this group
+    (``masked_ptr``, the label excluded) and the unmasked entries other than the label (``left_ptr``).
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < n_rows
@@ -601,23 +608,23 @@ def gist_fwd_kernel(
         l_i = tl.load(l_ptr + state_ptrs, mask=state_mask, other=0.0)
     partner_id = tl.load(partner_id_ptr + partner_start + offs_m, mask=mask_m, other=0)
     n_masked = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    n_kept = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    n_left = tl.zeros((BLOCK_M,), dtype=tl.int32)
 
     for start_n in range(0, n_cols, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_cols
         acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                            col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
-                            keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                            col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, excluded_offset,
+                            unmasked_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
                             PRECISION_G, False)
         if count:
-            # the unmasked entries other than the label, and so the masked ones (in range - kept - label):
+            # the unmasked entries other than the label, and so the masked ones (in range - left - label):
             # one tile reduction
-            kept = tl.sum((acc == 0.0).to(tl.int32), axis=1)
+            left = tl.sum((acc == 0.0).to(tl.int32), axis=1)
             labels = ((offs_m + offset >= start_n) & (offs_m + offset < start_n + BLOCK_N) & mask_m
                       & ((rules & LABEL) != 0)).to(tl.int32)
-            n_masked += tl.where(mask_m, tl.minimum(n_cols - start_n, BLOCK_N), 0) - kept - labels
-            n_kept += kept
+            n_masked += tl.where(mask_m, tl.minimum(n_cols - start_n, BLOCK_N), 0) - left - labels
+            n_left += left
         for u in range(N_DIMS):
             acc = _student_prefix(acc, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n, dims_ptr, dim, stride_q,
                                   stride_k, u, N_DIMS, BLOCK_K, ACC, PRECISION)
@@ -634,16 +641,16 @@ def gist_fwd_kernel(
     tl.store(l_ptr + state_ptrs, l_i, mask=state_mask)
     if count:
         tl.store(masked_ptr + offs_m, tl.load(masked_ptr + offs_m, mask=mask_m, other=0) + n_masked, mask=mask_m)
-        tl.store(kept_ptr + offs_m, tl.load(kept_ptr + offs_m, mask=mask_m, other=0) + n_kept, mask=mask_m)
+        tl.store(left_ptr + offs_m, tl.load(left_ptr + offs_m, mask=mask_m, other=0) + n_left, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules", "row_start",
+@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules", "row_start",
                                "col_start"])
 def gist_score_grad_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, f_ptr, row_part_ptr, col_part_ptr,
     col_text_ptr, row_text_ptr,
-    row_stop, col_stop, dim, dim_g, offset, partner_start, self_offset, keep_offset, row_start, col_start,
+    row_stop, col_stop, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset, row_start, col_start,
     stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state, stride_text,
     stride_f_seg, stride_f_part, stride_f_row, stride_rp_dim, stride_rp_tile, stride_cp_dim, stride_cp_tile,
     rules,
@@ -675,8 +682,8 @@ def gist_score_grad_kernel(
     partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
                                                     theta_masked_ptr)
     acc = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                        col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
-                        keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                        col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, excluded_offset,
+                        unmasked_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
                         PRECISION_G, N_DIMS > 1)
     local_m = offs_m - row_start
     local_n = offs_n - col_start
@@ -746,7 +753,7 @@ def _add_product(
 def _fused_tile_grad(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, col_text_ptr, row_text_ptr, offs_m, offs_n,
-    mask_m, mask_n, dim, dim_g, offset, partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k,
+    mask_m, mask_n, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k,
     stride_kg, stride_text, rules,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
@@ -755,8 +762,8 @@ def _fused_tile_grad(
     partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
                                                     theta_masked_ptr)
     start = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                          col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, self_offset,
-                          keep_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
+                          col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, excluded_offset,
+                          unmasked_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
                           PRECISION_G, False)
     acc = _dot_range(start, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n,
                      0, dim, stride_q, stride_k, BLOCK_K, ACC, PRECISION)
@@ -766,16 +773,16 @@ def _fused_tile_grad(
     return grad * rq[:, None] * rk[None, :]
 
 
-@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules"])
+@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules"])
 def gist_bwd_rows_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
     stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Fused backward row pass of one block (one dimension): ``grad[i] += sum_j F[i, j] * k_raw[j]``.
+    """Fused backward row pass of one column group (one dimension): ``grad[i] += sum_j F[i, j] * k_raw[j]``.
 
     ``F = dL/dcos * rq * rk``; grad (n_rows x dim) is the non-radial part of dL/dq_raw. Recomputes each
     tile and its mask exactly as the forward; each program owns BLOCK_M gradient rows and adds into them
@@ -789,23 +796,23 @@ def gist_bwd_rows_kernel(
         ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
                               partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
                               col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
-                              partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k, stride_kg,
+                              partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k, stride_kg,
                               stride_text, rules,
                               BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         _add_product(grad_ptr, offs_m, mask_m, stride_grad, ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n,
                      stride_k, dim, BLOCK_K // 2, ACC, PRECISION)
 
 
-@triton.jit(do_not_specialize=["partner_start", "self_offset", "keep_offset", "stride_text", "rules"])
+@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules"])
 def gist_bwd_cols_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
     thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start, self_offset, keep_offset,
+    n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
     stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Fused backward column pass of one block (one dimension): ``grad[j] += sum_i F[i, j] * q_raw[i]``.
+    """Fused backward column pass of one column group (one dimension): ``grad[j] += sum_i F[i, j] * q_raw[i]``.
 
     One program per BLOCK_N columns loops over the row tiles; each tile is computed in the same
     orientation and with the same code as the forward, so the masks are bit-identical.
@@ -818,7 +825,7 @@ def gist_bwd_cols_kernel(
         ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
                               partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
                               col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
-                              partner_start, self_offset, keep_offset, stride_q, stride_qg, stride_k, stride_kg,
+                              partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k, stride_kg,
                               stride_text, rules,
                               BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
         _add_product(grad_ptr, offs_n, mask_n, stride_grad, tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr,

@@ -57,7 +57,7 @@ from cgist.numerics import BLOCKS, EPS, addmm_, compute_dtype, default_block_byt
 from cgist.problem import label_terms, prefix_norms, row_losses, row_weights, totals
 
 from .gist import (
-    RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_KEEP, RULE_LABEL, RULE_SELF, RULE_TEXTS, TILE_SETS,
+    RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_UNMASKED, RULE_LABEL, RULE_EXCLUDED, RULE_TEXTS, BACKWARD_METHODS,
     gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
 )
 
@@ -71,13 +71,6 @@ __all__ = [
 
 LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
-#: The backward's methods. "gemm" is the default: score-gradient chunks, then library GEMMs. "fused" (row and column
-#: passes adding into the gradient rows tile by tile: gist_bwd_rows_kernel, gist_bwd_cols_kernel) is parked, one
-#: dimension only, until the first GPU run times both (bench/gpu_check.sh prints the fused passes beside the GEMM
-#: backward per kernel and block): if the fused passes are not faster there at any size, they go. Keeping them costs
-#: about 120 lines of kernels (the two passes, _fused_tile_grad, _add_product), 30 of launcher, two of the four
-#: one-dimension binaries per architecture and pair in the compile table, and their interpreter tests.
-BACKWARD_METHODS = ("gemm", "fused")
 #: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
 GEMM_ROW_FLOOR = 1024
 #: Counter rows of the forward: masked entries per block kind, then unmasked entries other than the label.
@@ -199,8 +192,8 @@ class _Block:
     def kernel_args(self, state: ForwardState) -> dict:
         """The keyword arguments the kernels share, for this block (its partition's state)."""
         rows, cols, spec = self.rows, self.cols, self.spec
-        rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_SELF * (spec.exclude is not None)
-                 | RULE_TEXTS * state.options.mask_duplicates | RULE_KEEP * (spec.keep is not None)
+        rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_EXCLUDED * (spec.excluded_offset is not None)
+                 | RULE_TEXTS * state.options.mask_duplicates | RULE_UNMASKED * (spec.unmasked_offset is not None)
                  | RULE_HARD_OWN * spec.hard_own | RULE_HARD_OTHERS * spec.hard_others)
         return dict(
             q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
@@ -209,7 +202,7 @@ class _Block:
             col_text_ptr=cols.text, row_text_ptr=state.row_texts, stride_text=state.row_texts.stride(0),
             m_ptr=state.run_max[spec.part], l_ptr=state.run_sum[spec.part], scalars_ptr=state.scalars,
             dim=state.top, dim_g=rows.g.shape[1] if state.guided else 0, offset=state.offset,
-            partner_start=self.partner_start, self_offset=spec.exclude or 0, keep_offset=spec.keep or 0,
+            partner_start=self.partner_start, excluded_offset=spec.excluded_offset or 0, unmasked_offset=spec.unmasked_offset or 0,
             stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0), stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0),
             rules=rules,
         )
@@ -238,7 +231,7 @@ class ForwardState:
     flags: dict
     guided: bool = True  # False: no guide masking (the guide pointers are not read)
     row_texts: Tensor | None = None  # (2, B) int32: the text ids of anchor i and of its positive (mask_duplicates)
-    tile_set: str = "gemm"
+    backward: str = "gemm"
     tiles: dict | None = None
 
     @property
@@ -361,11 +354,11 @@ def forward_block(state: ForwardState, block: _Block, count: bool = False) -> No
     with _launch_device(state.pos.device):
         gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
             **block.kernel_args(state), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
-            masked_ptr=state.counts[_COUNTER_ROW[block.kind]], kept_ptr=state.counts[_KEPT_ROW],
+            masked_ptr=state.counts[_COUNTER_ROW[block.kind]], left_ptr=state.counts[_KEPT_ROW],
             n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
             stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=batch,
             b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(state.sides[1].x.shape[0]),
-            tile_set=TILE_SETS.index(state.tile_set), relative=int(state.options.relative), count=int(count),
+            backward=BACKWARD_METHODS.index(state.backward), relative=int(state.options.relative), count=int(count),
             DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
         )
     config = gist_fwd_kernel.best_config
@@ -375,15 +368,15 @@ def forward_block(state: ForwardState, block: _Block, count: bool = False) -> No
 @torch.no_grad()
 def gist_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
-    need_stats: bool = False, tile_set: str = "gemm", text_ids: Sequence[Tensor] | None = None,
+    need_stats: bool = False, backward: str = "gemm", text_ids: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ForwardState]:
     """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs.
 
-    ``tile_set="fused"`` autotunes over the tiles the fused backward compiles without spills (use it
+    ``backward="fused"`` autotunes over the tiles the fused backward compiles without spills (use it
     before ``gist_backward(state, "fused")``); the default, "gemm", over all of them.
     """
     state = prepare_forward(embeddings, guide_embeddings, options, need_stats, text_ids)
-    state.tile_set = tile_set
+    state.backward = backward
     for i, block in enumerate(state.blocks):
         forward_block(state, block, count=need_stats)
         if i == 0:  # AP, first, seeded partition 0 with the positive logits; the other partitions start there too

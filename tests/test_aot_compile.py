@@ -61,8 +61,8 @@ def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int, release: tupl
         torch.set_float32_matmul_precision(previous)
     sets = KERNELS[kernel] if n_dims == 1 else ("gemm",)
     return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-            for tile_set in sets
-            for c in tile_configs(*ops, n_dims, tile_set, ARCH[arch], interpret=False, release=release)}
+            for backward in sets
+            for c in tile_configs(*ops, n_dims, backward, ARCH[arch], interpret=False, release=release)}
 
 
 def parse_table(lines: list[str]) -> list[dict]:

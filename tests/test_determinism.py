@@ -68,7 +68,7 @@ def test_kernel_backwards_are_bitwise_deterministic(variant):
     def run(seed: int) -> list[torch.Tensor]:
         student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, seed)
         loss, state = gist_forward([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
-                                   need_stats=True, tile_set="fused" if backward == "fused" else "gemm")
+                                   need_stats=True, backward="fused" if backward == "fused" else "gemm")
         return [loss, *state.counters(), *gist_backward(state, backward)]
 
     _check(run)

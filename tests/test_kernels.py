@@ -44,7 +44,7 @@ def _run(student, guide, options, backward):
     if backward == "gemm":
         loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
         return loss, grads
-    loss, state = gist_forward(student, guide, options, tile_set="fused")
+    loss, state = gist_forward(student, guide, options, backward="fused")
     return loss, gist_backward(state, "fused")
 
 
@@ -214,7 +214,7 @@ class _FusedBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, options, guide, *student):
-        loss, state = gist_forward(list(student), guide, options, tile_set="fused")
+        loss, state = gist_forward(list(student), guide, options, backward="fused")
         ctx.grads = gist_backward(state, "fused")
         return loss
 

@@ -190,7 +190,7 @@ def _errors(case: Case, pair: str) -> tuple[float, float, dict, dict, tuple, tup
         try:
             loss, state = gist_forward(
                 [s.to(DEVICE) for s in student], None if guide is None else [g.to(DEVICE) for g in guide], options,
-                need_stats=True, tile_set="fused" if case.backward == "fused" else "gemm",
+                need_stats=True, backward="fused" if case.backward == "fused" else "gemm",
                 text_ids=None if texts is None else [i.to(DEVICE) for i in rank_ids(texts)])
             grads = gist_backward(state, case.backward)
         finally:

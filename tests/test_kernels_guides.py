@@ -53,7 +53,7 @@ def _check(source: str, precision: str, *, backward: str = "gemm", **options) ->
         assert torch.isinf(scores[2, N + B + N + 5]) and torch.isinf(scores[7, N + B + N + 11])
 
     loss, state = gist_forward([s.to(DEVICE) for s in student], None if guide is None else [g.to(DEVICE) for g in guide],
-                               options, need_stats=True, tile_set="fused" if backward == "fused" else "gemm",
+                               options, need_stats=True, backward="fused" if backward == "fused" else "gemm",
                                text_ids=[i.to(DEVICE) for i in ids])
     grads = gist_backward(state, backward)
     assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), tolerance("triton", precision))

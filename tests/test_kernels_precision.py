@@ -22,7 +22,7 @@ from helpers import DEVICE, TF32X3_BOUND, one_thread, tf32_addmm  # noqa: F401  
 
 from cgist.kernels import launch
 from cgist.devices import KNOWN_ARCHS, arch_for
-from cgist.kernels.gist import TILE_SETS, _round_tf32, operand_kind, shared_memory_estimate, tile_configs
+from cgist.kernels.gist import BACKWARD_METHODS, _round_tf32, operand_kind, shared_memory_estimate, tile_configs
 from cgist.kernels.launch import input_precision, split_tf32
 
 U = 2.0**-11
@@ -112,9 +112,9 @@ def _launcher_pair(student, guide, precision, arch):
 
 
 def _every_list(pair, arch):
-    """``tile_configs`` for one and five dimensions and both tile sets, as ``(n_dims, tile_set, configs)``."""
-    return [(n_dims, tile_set, tile_configs(*pair, n_dims, tile_set, arch=arch, interpret=False))
-            for n_dims in (1, 5) for tile_set in TILE_SETS]
+    """``tile_configs`` for one and five dimensions and both backward methods' tile sets, as ``(n_dims, backward, configs)``."""
+    return [(n_dims, backward, tile_configs(*pair, n_dims, backward, arch=arch, interpret=False))
+            for n_dims in (1, 5) for backward in BACKWARD_METHODS]
 
 
 @pytest.mark.parametrize("arch", [a for family, a in FAMILIES.items() if family >= 80], ids=lambda a: a.name)
@@ -163,9 +163,9 @@ def test_unknown_capability_takes_the_newest_family_pruned_to_its_shared_memory(
         for precision in ("highest", "high"):
             pair = _launcher_pair(student, guide, precision, arch)
             kind = operand_kind(*pair, arch)
-            for (n_dims, tile_set, configs), (_, _, full) in zip(_every_list(pair, arch), _every_list(pair, newest)):
+            for (n_dims, backward, configs), (_, _, full) in zip(_every_list(pair, arch), _every_list(pair, newest)):
                 fits = [c for c in full if shared_memory_estimate(c, kind) <= arch.shared_bytes]
                 want = fits or [min(full, key=lambda c: shared_memory_estimate(c, kind))]
-                assert configs and [str(c) for c in configs] == [str(c) for c in want], (pair, n_dims, tile_set)
+                assert configs and [str(c) for c in configs] == [str(c) for c in want], (pair, n_dims, backward)
                 pruned_any |= len(configs) < len(full)
     assert pruned_any == (shared_kib < 99)

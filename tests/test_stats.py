@@ -177,12 +177,12 @@ def test_the_direction_cases_exercise_their_blocks():
 def test_the_oracle_masks_equal_the_reference_blocks(name):
     """Two oracles, one per side: the test's counting masks (from DESIGN) and cgist.reference's -inf entries agree
     entry by entry."""
-    from cgist.reference import score_blocks
+    from cgist.reference import score_groups
 
     columns, guide, options, texts = _oracle_inputs(name)
     options = options.replace(matryoshka_dims=None, matryoshka_weights=None)
     ours = [(block, mask) for block, mask, _ in oracle_masks(columns, guide, options, texts)]
-    theirs = [({"dn": "dd"}.get(b.name, b.name), torch.isinf(b.scores)) for b in score_blocks(
+    theirs = [({"dn": "dd"}.get(b.name, b.name), torch.isinf(b.scores)) for b in score_groups(
         [c.double() for c in columns], None if guide is None else [g.double() for g in guide], options, texts)]
     assert_close("masks", theirs, ours)
 
