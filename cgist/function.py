@@ -444,24 +444,16 @@ def gist_loss(
     guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | str | None,
     *,
     temperature: float = 0.01,
-    margin: float = 0.0,
-    margin_strategy: str = "absolute",
-    contrast_anchors: bool = True,
-    contrast_positives: bool = True,
-    mask_self: bool | None = None,
-    mask_duplicates: bool | None = None,
-    text_ids: Sequence[Tensor] | None = None,
-    directions: Sequence[str] = ("query_to_doc",),
-    partition_mode: str = "joint",
-    hardness_mode: str | None = None,
-    hardness_strength: float = 0.0,
+    margin: float = 0.0, margin_strategy: str = "absolute",
+    contrast_anchors: bool = True, contrast_positives: bool = True,
+    mask_self: bool | None = None, mask_duplicates: bool | None = None, text_ids: Sequence[Tensor] | None = None,
+    directions: Sequence[str] = ("query_to_doc",), partition_mode: str = "joint",
+    hardness_mode: str | None = None, hardness_strength: float = 0.0,
     similarity: str = "cos",
-    all_anchors: Tensor | Sequence[Tensor] | None = None,
-    all_anchors_guide: Tensor | Sequence[Tensor] | None = None,
+    all_anchors: Tensor | Sequence[Tensor] | None = None, all_anchors_guide: Tensor | Sequence[Tensor] | None = None,
     all_anchors_text_ids: Tensor | None = None,
     offset: int = 0,
-    matryoshka_dims: Sequence[int] | None = None,
-    matryoshka_weights: Sequence[float] | None = None,
+    matryoshka_dims: Sequence[int] | None = None, matryoshka_weights: Sequence[float] | None = None,
     block_bytes: int | None = None,
     backend: str = "auto",
     return_stats: bool = False,
@@ -511,35 +503,35 @@ def gist_loss(
     source = kind_of(guide_embeddings)
     mask_self, mask_duplicates = masks(source, mask_self, mask_duplicates, text_ids is not None)
     if all_anchors is not None:
-        if not any(direction in ANCHOR_DIRECTIONS for direction in directions):
-            raise ValueError(f"all_anchors is only read by the directions {ANCHOR_DIRECTIONS}")
-        if source == "embeddings" and all_anchors_guide is None:
-            raise ValueError("all_anchors needs all_anchors_guide: the guide's embeddings of the same anchors")
-        if mask_duplicates and all_anchors_text_ids is None:
-            raise ValueError("all_anchors with mask_duplicates needs all_anchors_text_ids")
-        embeddings = [*embeddings, all_anchors]
-        if source == "embeddings":
-            guide_embeddings = [*guide_embeddings, all_anchors_guide]
-        if mask_duplicates and text_ids is not None:
-            text_ids = [*text_ids, all_anchors_text_ids]
+        embeddings, guide_embeddings, text_ids = _with_all_anchors(
+            embeddings, guide_embeddings, text_ids, all_anchors, all_anchors_guide, all_anchors_text_ids,
+            source=source, directions=directions, mask_duplicates=mask_duplicates)
     options = GistOptions(
-        temperature=temperature,
-        margin=margin,
-        margin_strategy=margin_strategy,
-        contrast_anchors=contrast_anchors,
-        contrast_positives=contrast_positives,
-        mask_self=mask_self,
-        mask_duplicates=mask_duplicates,
-        directions=directions,
-        partition_mode=partition_mode,
-        hardness_mode=hardness_mode,
-        hardness_strength=hardness_strength,
-        similarity=similarity,
-        all_anchors=all_anchors is not None,
-        offset=offset,
-        matryoshka_dims=matryoshka_dims,
-        matryoshka_weights=matryoshka_weights,
-        block_bytes=block_bytes,
+        temperature=temperature, margin=margin, margin_strategy=margin_strategy, contrast_anchors=contrast_anchors,
+        contrast_positives=contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
+        directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
+        hardness_strength=hardness_strength, similarity=similarity, all_anchors=all_anchors is not None,
+        offset=offset, matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, block_bytes=block_bytes,
     )
     return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend, return_stats=return_stats,
                                   text_ids=text_ids)
+
+
+def _with_all_anchors(embeddings: Sequence, guide_embeddings: object, text_ids: Sequence[Tensor] | None,
+                      all_anchors: object, all_anchors_guide: object, all_anchors_text_ids: Tensor | None, *,
+                      source: str | None, directions: Sequence[str], mask_duplicates: bool) -> tuple:
+    """``gist_loss``'s columns with every rank's anchors appended as the last column, checked: ``all_anchors`` to the
+    student's, ``all_anchors_guide`` to the guide's when they are embeddings, ``all_anchors_text_ids`` to the text
+    ids when duplicates are masked."""
+    if not any(direction in ANCHOR_DIRECTIONS for direction in directions):
+        raise ValueError(f"all_anchors is only read by the directions {ANCHOR_DIRECTIONS}")
+    if source == "embeddings" and all_anchors_guide is None:
+        raise ValueError("all_anchors needs all_anchors_guide: the guide's embeddings of the same anchors")
+    if mask_duplicates and all_anchors_text_ids is None:
+        raise ValueError("all_anchors with mask_duplicates needs all_anchors_text_ids")
+    embeddings = [*embeddings, all_anchors]
+    if source == "embeddings":
+        guide_embeddings = [*guide_embeddings, all_anchors_guide]
+    if mask_duplicates and text_ids is not None:
+        text_ids = [*text_ids, all_anchors_text_ids]
+    return embeddings, guide_embeddings, text_ids
