@@ -24,8 +24,8 @@ from .options import ANCHOR_DIRECTIONS, GistOptions
 from .stats import GistStats
 
 __all__ = [
-    "BACKENDS", "BACKEND_ENV", "GistLossFunction", "auto_route", "check_embeddings", "gist_loss", "gist_loss_with_options",
-    "requested_backend", "select_backend",
+    "BACKENDS", "BACKEND_ENV", "GistLossFunction", "auto_route", "check_backend", "check_embeddings", "gist_loss",
+    "gist_loss_with_options", "requested_backend", "select_backend",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -333,10 +333,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 BACKEND_ENV = "CGIST_BACKEND"
 
 
+def check_backend(backend: object, name: str = "backend") -> str:
+    """``backend`` if it is one of ``BACKENDS``, else a ValueError that calls it ``name`` (an argument, a flag)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
 def requested_backend(backend: object) -> str:
     """``backend``, validated; ``"auto"`` becomes ``$CGIST_BACKEND`` when that is set (``torch``/``triton``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = check_backend(backend)
     if backend == "auto":
         override = os.environ.get(BACKEND_ENV, "").strip()
         if override:

@@ -138,6 +138,13 @@ def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
     assert function.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
 
 
+def test_check_backend_names_what_it_checks():
+    """One check of a backend name: the loss's argument and the command line's flag get the same message."""
+    assert [function.check_backend(name) for name in function.BACKENDS] == list(function.BACKENDS)
+    with pytest.raises(ValueError, match=r"^--backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'$"):
+        function.check_backend("cuda", "--backend")
+
+
 # Input validation ---------------------------------------------------------------------------------------------
 
 B, W, D, DG, K = 3, 2, 5, 4, 1  # anchors, world size (N = B * W), student dim, guide dim, negative sets

@@ -207,7 +207,7 @@ def _add_output_group(train: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Cheap checks that need no model or data, so a bad option fails in a second."""
-    from ..function import BACKENDS
+    from ..function import check_backend
 
     if args.batch_size < 2:
         raise UsageError(f"--batch-size must be at least 2 (in-batch negatives need a second pair), got {args.batch_size}")
@@ -215,8 +215,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--mini-batch-size must be at least 1, got {args.mini_batch_size}")
     if not 0 <= args.warmup_ratio < 1:
         raise UsageError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
-    if args.backend not in BACKENDS:
-        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    try:
+        check_backend(args.backend, "--backend")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     source = by_cli(args.guide_mode)
     if args.guide is not None and source.kind != "embeddings":
         raise UsageError(f"--guide-mode {args.guide_mode} trains without a guide model; leave out --guide (the student "
