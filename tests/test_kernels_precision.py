@@ -14,6 +14,9 @@ A single tf32 product is ~2u: about 800 times the bound, which the test shows to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
 import pytest
 import torch
 import triton
@@ -82,14 +85,19 @@ def test_tf32x3_products_meet_the_bound(monkeypatch, mode):
     assert ((single - exact).abs() / scale).max().item() > 50 * BOUND, "one tf32 pass should miss the bound"
 
 
+@contextmanager
+def _matmul_precision(precision: str) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(precision)`` for the duration; the setting before is restored after."""
+    with ExitStack() as restore:
+        restore.callback(torch.set_float32_matmul_precision, torch.get_float32_matmul_precision())
+        torch.set_float32_matmul_precision(precision)
+        yield
+
+
 def test_fp32_runs_split_at_highest_and_tf32_below():
-    previous = torch.get_float32_matmul_precision()
-    try:
-        for setting, want in (("highest", "tf32x3"), ("high", "tf32"), ("medium", "tf32")):
-            torch.set_float32_matmul_precision(setting)
+    for setting, want in (("highest", "tf32x3"), ("high", "tf32"), ("medium", "tf32")):
+        with _matmul_precision(setting):
             assert input_precision(torch.float32) == want
-    finally:
-        torch.set_float32_matmul_precision(previous)
     assert input_precision(torch.bfloat16) == "ieee"  # ignored by tl.dot for half operands
 
 
@@ -103,12 +111,8 @@ PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torc
 
 def _launcher_pair(student, guide, precision, arch):
     """The pair as the launcher passes it on ``arch`` at ``torch.set_float32_matmul_precision(precision)``."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
+    with _matmul_precision(precision):
         return student, input_precision(student, arch), guide, input_precision(guide, arch)
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 def _every_list(pair, arch):
