@@ -88,7 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from cgist.compat import MissingExtraError, import_extra  # noqa: E402
-from cgist.streaming import ROW_TARGET  # noqa: E402
+from cgist.workspace import ROW_TARGET  # noqa: E402
 import loss_stage_report  # noqa: E402
 
 #: The default providers.

@@ -1,7 +1,7 @@
 """Numerics shared by the oracle, the PyTorch streaming path and the Triton launcher; imports only torch.
 
-Each rule of the loss that more than one path applies lives here once: the normalisation and its
-backward, the accumulation dtype, the guide threshold, the guide-mask rule and the tie ids.
+Each rule of the loss that more than one path applies lives here once: the normalisation, the accumulation dtype,
+the guide threshold, the guide-mask rule, the tie ids, and the half-precision products (``addmm_``, ``half_rows``).
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "TieIndex", "addmm_", "available_bytes", "compute_dtype", "default_block_bytes", "fingerprint_words", "guide_mask", "rank_ids", "normalize", "normalize_backward_", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
+__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "HalfRows", "TieIndex", "addmm_", "available_bytes", "compute_dtype", "copy_rows", "default_block_bytes", "fingerprint_words", "guide_mask", "half_products", "half_rows", "rank_ids", "normalize", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8
@@ -87,19 +88,16 @@ def normalize(x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tens
     return x / norm.clamp_min(EPS), norm
 
 
+def copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
+    """``out`` (rows x w) filled with the first w components of the row chunks, one after the other."""
+    width = out.shape[1]
+    return torch.cat([c if c.shape[1] == width else c[:, :width] for c in chunks], out=out)
+
+
 def row_dots(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for rows x dim ``a`` and ``b``, as a batch of 1 x dim by dim x 1 products: no rows x
     dim temporary (``vecdot`` makes one)."""
     return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-
-
-def normalize_backward_(x_hat: Tensor, norm: Tensor, grad_hat: Tensor) -> Tensor:
-    """Gradient through ``x / max(||x||, eps)``, in place of ``grad_hat``: ``(g - x_hat (x_hat . g)) / ||x||``.
-
-    Rows whose norm was clamped get ``g / eps``. Shapes: ``x_hat`` and ``grad_hat`` rows x dim, ``norm`` rows x 1.
-    """
-    radial = row_dots(x_hat, grad_hat).unsqueeze(-1).masked_fill_(norm < EPS, 0.0)
-    return grad_hat.addcmul_(x_hat, radial, value=-1.0).div_(norm.clamp_min(EPS))
 
 
 def threshold(theta: Tensor, margin: float, relative: bool) -> Tensor:
@@ -300,3 +298,58 @@ def addmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 1.0, alpha: float = 
         product = torch.mm(a, b, out_dtype=out.dtype)
         return out.copy_(product).mul_(alpha) if beta == 0 else out.mul_(beta).add_(product, alpha=alpha)
     return out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta, alpha=alpha)
+
+
+@dataclass
+class HalfRows:
+    """A column's rows as half-precision operands of the score products (``half_products``).
+
+    ``y`` holds the rows as given, or, as fp16 for bf16 rows, scaled by a power of two; ``inv`` is the factor that
+    normalises them (``x_hat = inv * y``, in fp32), so a product of two ``y`` is exact and the normalisation is
+    applied after it. ``x_hat`` (student only) is the normalised rows rounded to the half dtype, the operand of the
+    gradient products.
+    """
+
+    y: Tensor
+    inv: Tensor
+    x_hat: Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> HalfRows:
+        return HalfRows(*(None if t is None else t[start:stop] for t in (self.y, self.inv, self.x_hat)))
+
+
+def half_rows(x: Tensor, norm: Tensor, dtype: torch.dtype, x_hat: Tensor | None) -> HalfRows:
+    """``x`` (rows x dim, any floating dtype) as a ``HalfRows`` in ``dtype``, with ``norm`` = ||x|| (rows x 1, fp32).
+
+    bf16 rows bound for fp16 are first scaled by a power of two that brings their largest component into
+    [0.5, 1): every component within 2^14 of it converts exactly (bf16's 8 significant bits fit in fp16's 11),
+    a smaller one with an error below 2^-25 of the largest, so a cosine moves by less than 2^-24 sqrt(dim).
+    """
+    inv = 1.0 / norm.squeeze(1).clamp_min(EPS)
+    if x.dtype == torch.bfloat16 and dtype == torch.float16:
+        exponent = torch.frexp(x.abs().amax(dim=1).float())[1]
+        y = torch.ldexp(x.float(), -exponent.unsqueeze(1)).to(dtype)
+        inv = torch.ldexp(inv, exponent)
+    else:
+        y = x.to(dtype)
+    return HalfRows(y, inv, None if x_hat is None else x_hat.to(dtype))
+
+
+def half_products(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The half dtype in which rows of ``dtype`` enter the score products on ``device``, or None (compute dtype).
+
+    On CUDA (and ROCm) a bf16 or fp16 column is multiplied on the tensor cores: fp16 as it is, bf16 as it is where
+    the GPU has bf16 tensor cores (sm_80 and newer) and as fp16 below (``half_rows``), accumulating in float32.
+    This is the path "auto" takes below sm_80, where Triton emits no tensor-core instructions. Elsewhere, and for
+    float32 rows, the products run in the compute dtype.
+
+    The streaming path (one dimension) then multiplies the inputs as given (bf16 as fp16 below sm_80, each row
+    scaled by a power of two), so that every score product is exact, with the normalisation, the scale and the shift
+    applied to the float32 result; its gradient products take the softmax probabilities and the normalised rows
+    rounded to the half dtype (a relative error of one half-ulp each).
+    """
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return dtype

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import problem
 from .numerics import BLOCKS, COUNT_FIELDS, SUM_FIELDS
 from .options import GistOptions
 
@@ -63,23 +64,13 @@ class GistStats:
                       options: GistOptions, guided: bool = True, n_anchors: int | None = None) -> GistStats:
         """Read a backend's counters (``cgist.numerics.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync.
 
-        ``n_anchors``: the anchors the anchor-column directions score against (default: ``batch``).
+        ``n_anchors``: with ``options.all_anchors``, the rows of the last column (every rank's anchors), which the
+        anchor-column directions score against. The candidates of each block follow from the column groups
+        (``cgist.problem.candidates``).
         """
         values = dict(zip(COUNT_FIELDS + SUM_FIELDS, _to_host(counts, sums)))
-        n_anchors = batch if n_anchors is None else n_anchors
-        candidates = {"ap": batch * (n_cand - 1)}
-        if options.contrast_anchors:
-            candidates["aa"] = batch * batch
-        if options.contrast_positives:
-            candidates["pp"] = batch * n_cand
-        if n_negatives:
-            candidates["an"] = n_negatives * batch * n_cand
-        if "query_to_query" in options.directions:
-            candidates["qq"] = batch * n_anchors
-        if "doc_to_query" in options.directions:
-            candidates["dq"] = batch * (n_anchors - 1)  # the pair is never masked, like AP's label
-        if "doc_to_doc" in options.directions:
-            candidates["dd"] = (1 + n_negatives) * batch * n_cand
+        sizes = [batch, n_cand, *[n_cand] * n_negatives] + ([n_anchors or batch] if options.all_anchors else [])
+        candidates = problem.candidates(options, sizes)
         return cls(
             masked={key: int(values[f"masked_{key}"]) for key in candidates},
             candidates=candidates,

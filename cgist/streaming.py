@@ -2,23 +2,20 @@
 
 Anchors are processed in row blocks. A row block is scored against the candidate columns of every column
 group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k and the directions' QQ, DQ, DD,
-DN_1..DN_k) in tiles of up to ``TILE_COLS`` columns: one matrix product for the guide scores, which a float comparison turns into the mask, one for the student logits, then ``exp2``. The gradients
+DN_1..DN_k) in tiles of up to ``cgist.workspace.TILE_COLS`` columns: one matrix product for the guide scores, which a float comparison turns
+into the mask, one for the student logits, then ``exp2``. The gradients
 with respect to the normalised embeddings come from the same tiles (two more products per tile), and one
 normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is ever
-allocated: the tiles live in a workspace (``_Workspace``) whose size is the byte budget (``plan``).
+allocated: the tiles live in a workspace (``cgist.workspace.Workspace``) whose size is the byte budget
+(``cgist.workspace.plan``).
 
-Two schedules, chosen per call by ``plan``:
+Two schedules, chosen per call by ``cgist.workspace.plan``:
 
 * one pass (the usual case): a row block keeps the tiles of all C candidate columns from the softmax
   sums to the gradients, so every score is computed once;
 * two passes, when even ``ROW_FLOOR`` rows against all columns would not fit the budget: the sums first,
   then a second sweep that recomputes each tile (the same products, so the same masks) and forms its
   gradients. Memory is then bounded at any B, for one more set of score products.
-
-Block shape. Fewer rows per block make the products thin (and the gradient of the columns is read and
-written once per row block), so the default budget grows until ``ROW_TARGET`` rows fit, up to an eighth
-of the memory available and 1 GiB. Tiles of ``TILE_COLS`` columns bound the guide scratch. Both were chosen by
-measurement (``plan``). The workspace is kept between calls on a CPU (``_kept_buffer``).
 
 Precision. Logits are in base 2 (``log2(e) / tau`` rides on the product) and shifted by each row's
 positive logit, which the product subtracts itself (``[scale * x_hat, -shift] . [k_hat, 1]``). The label
@@ -35,11 +32,7 @@ before ``exp2`` (to -inf, which ``exp2`` maps to 0 at full speed), so that neith
 products with embedding components down to 2^-23 are subnormal. Each dropped term is below 2^-102 of the
 positive's (fp32), so all of them together change the loss by less than C * 2^-102 relative.
 
-Half products (one dimension, on CUDA: ``half_products``). bf16 and fp16 columns are multiplied on the tensor
-cores instead of in float32: the inputs as given (bf16 as fp16 below sm_80, each row scaled by a power of two), so
-that every score product is exact, with the normalisation, the scale and the shift applied to the float32 result;
-the gradient products take the softmax probabilities and the normalised rows rounded to the half dtype (a
-relative error of one half-ulp each). This is the path of GPUs without Triton tensor-core tiles (below sm_80).
+Half products (one dimension, on CUDA): see ``cgist.numerics.half_products``.
 
 Matryoshka. Student rows are normalised over the largest dimension; dimension d scores the prefix dot
 products, summed segment by segment (the columns between consecutive dimensions) in the top dimension's
@@ -52,7 +45,6 @@ products in all, not one per dimension.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,148 +52,22 @@ import torch
 from torch import Tensor
 
 from .numerics import (
-    COUNT_FIELDS, EPS, SUM_FIELDS, TieIndex, addmm_, compute_dtype, default_block_bytes, guide_mask, normalize_backward_, row_chunks,
-    row_dots, threshold, tie_ids,
+    COUNT_FIELDS, EPS, SUM_FIELDS, HalfRows, TieIndex, addmm_, compute_dtype, copy_rows, guide_mask, half_products,
+    half_rows, row_chunks, row_dots, threshold, tie_ids,
 )
-from .options import ColumnGroup, GistOptions
-from .problem import label_terms, prefix_norms, row_losses, row_weights, totals
+from .options import GistOptions
+from .problem import (
+    BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
+)
+from .workspace import Plan, Workspace, plan
 
-__all__ = ["ROW_FLOOR", "ROW_TARGET", "Plan", "gist_loss_and_grads", "plan", "release_workspace"]
+__all__ = ["gist_loss_and_grads"]
 
-#: Rows per block that the default budget grows to reach (measured, see ``plan``).
-ROW_TARGET = 1024
-#: Fewer rows per block than this in one pass, and the call runs in two passes of this many (see ``plan``).
-ROW_FLOOR = 256
-#: Columns per tile on a CPU (measured, see ``plan``): wide enough that the per-tile overhead is small.
-TILE_COLS = 4096
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 #: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
 LARGEST_SUM = 2.0**64
 #: Masked entries' logits are lowered by this much: far below any logit and the subnormal cutoff.
 MASKED = 2.0**100
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How a call is tiled: ``rows`` per row block, ``cols`` per column tile, and whether in one pass.
-
-    In one pass a row block keeps the tiles of all its columns from the softmax sums to the gradients; in two
-    passes it recomputes them.
-    """
-
-    rows: int
-    cols: int
-    one_pass: bool
-
-
-def plan(batch: int, block_widths: Sequence[int], top: int, n_dims: int, itemsize: int, block_bytes: int | None,
-         device: torch.device = torch.device("cpu"), half: bool = False) -> Plan:
-    """Choose the schedule for B = ``batch`` anchor rows against score blocks of ``block_widths`` columns.
-
-    The budget bounds the workspace (``_Workspace``), per row: the softmax terms of every kept column for
-    each of the ``n_dims`` dimensions, one tile's guide scores (and with ``half`` products its score gradients
-    as a half operand), and the row block's operands and product (a few R x ``top``). One pass keeps all ``sum(block_widths)`` columns. The rows per block are the budget
-    divided by that; with the default budget (``block_bytes=None``) it first grows so that ``ROW_TARGET``
-    rows fit, unless that exceeds an eighth of the available memory or 1 GiB. When fewer than
-    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
-    as many columns per tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
-
-    Measured (``gist_loss_and_grads`` with gradients and statistics, fp32, D = Dg = 384, k = 1, 2 threads,
-    one-pass schedules forced by the budget; median of 5 calls). B = N = 4096: 256 rows per block 981 ms,
-    512 rows 892 ms, 1024 rows 870 ms, 2048 rows 881 ms (the bare GEMMs of the same shapes in blocks of
-    those rows: 748, 726, 704, 697 ms); with 256 rows, tiles of 1024 columns 1067 ms, 2048 1018 ms, 4096
-    988 ms, 8192 or 16384 within 1% of 4096. B = N = 1024: 762 rows 71.0 ms, one block of 1024 rows 66.3 ms.
-    Larger blocks read and write the columns' gradients fewer times and keep the products' inner
-    dimension wide. Hence ``ROW_TARGET`` = 1024 and ``TILE_COLS`` = 4096. ``ROW_FLOOR`` = 256 is the
-    smallest one-pass block: a budget too small for it gets two passes of 256 rows instead, blocks that
-    stay GEMM-efficient at any B for one more set of score products.
-    """
-    # On a GPU one launch per block is better than cache-sized tiles.
-    tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
-    # guide scores per tile column (the mask goes where the logits will), and with half products the tile's
-    # score gradients as a half operand
-    scratch = itemsize + (2 if half else 0)
-    kept = (2 * n_dims - 1) * itemsize  # per kept column: the terms per dim, term x logit but for the top dim
-    operands = (top + 2 * (top + 1) + (2 * top if n_dims == 1 else 0)) * itemsize  # per row: see _Workspace
-    one_pass_row = sum(block_widths) * kept + tile * scratch + operands
-    floor = min(ROW_FLOOR, batch)
-    if block_bytes is None:
-        block_bytes = default_block_bytes(device, min(ROW_TARGET, batch) * one_pass_row)
-    rows = min(batch, block_bytes // one_pass_row)
-    if rows >= floor:
-        return Plan(rows, tile, True)
-    cols = (block_bytes // floor - operands) // (kept + scratch)
-    return Plan(floor, max(1, min(tile, cols)), False)
-
-
-class _Dims:
-    """The Matryoshka dimensions of a call, ascending, and what the student columns need for them.
-
-    Student rows are normalised over the first ``top`` components (the largest dimension). Dimension d
-    scores ``rho_d,i * rho_d,j * (x_hat_i[:d] . x_hat_j[:d])``, where ``rho_d = max(||x[:top]||, eps) /
-    max(||x[:d]||, eps)`` (1 at ``top``), and its prefix dot products are sums over the segments between
-    consecutive dimensions. Without Matryoshka there is one dimension, the full one.
-    """
-
-    def __init__(self, options: GistOptions, full_dim: int) -> None:
-        ascending = options.dims(full_dim)[::-1]
-        self.sizes = [d for d, _ in ascending]
-        self.weights = [w for _, w in ascending]
-        self.top = self.sizes[-1]
-        self.segments = list(zip([0, *self.sizes[:-1]], self.sizes))
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-
-@dataclass
-class _Half:
-    """A column's rows as half-precision operands of the score products (``half_products``).
-
-    ``y`` holds the rows as given, or, as fp16 for bf16 rows, scaled by a power of two; ``inv`` is the factor that
-    normalises them (``x_hat = inv * y``, in fp32), so a product of two ``y`` is exact and the normalisation is
-    applied after it. ``x_hat`` (student only) is the normalised rows rounded to the half dtype, the operand of the
-    gradient products.
-    """
-
-    y: Tensor
-    inv: Tensor
-    x_hat: Tensor | None = None
-
-    def rows(self, start: int, stop: int) -> _Half:
-        return _Half(*(None if t is None else t[start:stop] for t in (self.y, self.inv, self.x_hat)))
-
-
-def _half_operand(x: Tensor, norm: Tensor, dtype: torch.dtype, x_hat: Tensor | None) -> _Half:
-    """``x`` (rows x dim, any floating dtype) as a ``_Half`` in ``dtype``, with ``norm`` = ||x|| (rows x 1, fp32).
-
-    bf16 rows bound for fp16 are first scaled by a power of two that brings their largest component into
-    [0.5, 1): every component within 2^14 of it converts exactly (bf16's 8 significant bits fit in fp16's 11),
-    a smaller one with an error below 2^-25 of the largest, so a cosine moves by less than 2^-24 sqrt(dim).
-    """
-    inv = 1.0 / norm.squeeze(1).clamp_min(EPS)
-    if x.dtype == torch.bfloat16 and dtype == torch.float16:
-        exponent = torch.frexp(x.abs().amax(dim=1).float())[1]
-        y = torch.ldexp(x.float(), -exponent.unsqueeze(1)).to(dtype)
-        inv = torch.ldexp(inv, exponent)
-    else:
-        y = x.to(dtype)
-    return _Half(y, inv, None if x_hat is None else x_hat.to(dtype))
-
-
-def half_products(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
-    """The half dtype in which rows of ``dtype`` enter the score products on ``device``, or None (compute dtype).
-
-    On CUDA (and ROCm) a bf16 or fp16 column is multiplied on the tensor cores: fp16 as it is, bf16 as it is where
-    the GPU has bf16 tensor cores (sm_80 and newer) and as fp16 below (``_half_operand``), accumulating in float32.
-    This is the path "auto" takes below sm_80, where Triton emits no tensor-core instructions. Elsewhere, and for
-    float32 rows, the products run in the compute dtype.
-    """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.float16
-    return dtype
 
 
 @dataclass
@@ -216,103 +82,14 @@ class _Column:
     ids: Tensor | None  # their tie ids
     grad: Tensor | None  # sum over dimensions of dL/d x_hat, segment by segment (rows x top)
     radial: Tensor | None  # per dimension, sum_j dL/dcos_d[row, j] * cos_d[row, j] (n_dims x rows), Matryoshka only
-    half: _Half | None = None  # the student rows as half operands (one dimension, ``half_products``)
-    guide_half: _Half | None = None  # the guide rows likewise
+    half: HalfRows | None = None  # the student rows as half operands (one dimension, ``half_products``)
+    guide_half: HalfRows | None = None  # the guide rows likewise
     text: Tensor | None = None  # int32 text id of each row (``mask_duplicates``)
 
     def __post_init__(self) -> None:
         self.ties = None if self.ids is None else TieIndex(self.ids)
         self.texts = None if self.text is None else TieIndex(self.text)
         self.x = self.x1[:, :-1]  # the normalised rows (rows x top)
-
-
-@dataclass
-class _Group:
-    """A column group (``cgist.options.ColumnGroup``) with the column it scores against."""
-
-    spec: ColumnGroup
-    cols: _Column
-
-    def __getattr__(self, name: str):  # the spec's fields: name, part, row, label, keep, exclude, hard_own, ...
-        return getattr(self.spec, name)
-
-
-_KEPT = threading.local()
-
-
-def _kept_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``numel`` elements of scratch; on a CPU, carved from a buffer that this thread keeps between calls.
-
-    A fresh buffer of many megabytes is paged in by the kernel at its first write, one page fault per 4 KiB
-    (measured at B = 1024: ~7,500 faults per call, about a tenth of the loss stage's time). The kept buffer
-    is the largest workspace this thread has used in ``dtype`` (at most the byte budget of that call),
-    replaced when a call needs more; ``release_workspace`` frees it. CUDA's caching allocator already
-    reuses its blocks.
-    """
-    if device.type != "cpu":
-        return torch.empty(numel, dtype=dtype, device=device)
-    buffers = _KEPT.__dict__.setdefault("buffers", {})
-    kept = buffers.get(dtype)
-    if kept is None or kept.numel() < numel:
-        buffers[dtype] = kept = None  # freed before the larger one is allocated
-        buffers[dtype] = kept = torch.empty(numel, dtype=dtype)
-    return kept[:numel]
-
-
-def release_workspace() -> None:
-    """Free the workspace buffers that the calling thread keeps between CPU calls (``_kept_buffer``)."""
-    _KEPT.__dict__.pop("buffers", None)
-
-
-class _Workspace:
-    """Buffers that every row block reuses, so that its large tiles are neither allocated nor paged in again.
-
-    ``terms``: the softmax terms of every dimension and block of a row block (one pass), or of one column chunk
-    (two passes); ``products``: with several dimensions, each term times its shifted logit, laid out alike,
-    for every dimension but the top one;
-    ``guide``: one tile's guide scores; ``rows``: a row block's R x top product; ``shifted`` and ``weighted``:
-    the anchor and positive rows as the score products and (one dimension) the columns' gradient products
-    take them. All are views of one buffer (``_kept_buffer``).
-    """
-
-    def __init__(self, problem: _Problem, schedule: Plan) -> None:
-        device, dtype = problem.columns[0].x.device, problem.dtype
-        rows, self.one_pass = schedule.rows, schedule.one_pass
-        sizes = [g.cols.x.shape[0] for g in problem.groups]
-        self.starts = dict(zip(map(id, problem.groups), [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]))
-        self.rows = rows
-        self.stride = rows * (sum(sizes) if self.one_pass else schedule.cols)
-        widest = rows * min(schedule.cols, max(sizes))
-        top = problem.dims.top
-        sizes = {"terms": len(problem.dims) * self.stride, "guide": widest, "rows": rows * top,
-                 "shifted": 2 * rows * (top + 1)}
-        if len(problem.dims) == 1:
-            sizes["weighted"] = 2 * rows * top
-        if problem.columns[0].half is not None:  # a tile's score gradients as a half operand: 2 per element
-            sizes["half_tile"] = (widest + 1) // 2
-        if len(problem.dims) > 1:  # each term times its logit, for the smaller dimensions' radial sums
-            sizes["products"] = (len(problem.dims) - 1) * self.stride
-        flat = _kept_buffer(sum(sizes.values()), dtype, device)
-        self.flat, start = {}, 0
-        for name, n in sizes.items():
-            self.flat[name] = flat[start : start + n]
-            start += n
-
-    def view(self, name: str, shape: tuple[int, int], start: int = 0) -> Tensor:
-        """A contiguous ``shape`` view of buffer ``name`` from element ``start``."""
-        return self.flat[name][start : start + shape[0] * shape[1]].view(shape)
-
-    def half_tile(self, shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
-        """A ``shape`` view in the half ``dtype`` of the buffer ``half_tile``."""
-        return self.flat["half_tile"].view(dtype)[: shape[0] * shape[1]].view(shape)
-
-    def terms(self, dim: int, group: _Group, lo: int, shape: tuple[int, int], name: str = "terms") -> Tensor:
-        """The buffer ``name`` ("terms" or "products") of dimension ``dim`` for the tile of ``group`` from ``lo``.
-
-        In one pass every tile of a row block has its own place; in two passes they all share one.
-        """
-        start = self.rows * (self.starts[id(group)] + lo) if self.one_pass else 0
-        return self.view(name, shape, dim * self.stride + start)
 
 
 class _Problem:
@@ -325,7 +102,7 @@ class _Problem:
         self.options = options
         embeddings = [row_chunks(e) for e in embeddings]
         self.dtype = compute_dtype(embeddings[0][0].dtype)
-        self.dims = _Dims(options, embeddings[0][0].shape[1])
+        self.dims = Dims.of(options, embeddings[0][0].shape[1])
         if len(self.dims) > 1:  # half products serve one dimension; Matryoshka's prefixes keep the compute dtype
             products = (None, None)
         self.guided = guide_embeddings is not None
@@ -339,13 +116,13 @@ class _Problem:
         self.columns = [self._column(e, g, i, t, need_grads) for e, (g, _), i, t in zip(embeddings, guide, ids, texts)]
         for i, (column, e) in enumerate(zip(self.columns, embeddings)):
             if products[0] is not None:
-                column.half = _half_operand(torch.cat(e), column.norm, products[0], column.x)
+                column.half = half_rows(torch.cat(e), column.norm, products[0], column.x)
             if products[1] is not None and self.guided:
-                column.guide_half = _half_operand(torch.cat(guide_embeddings[i]), guide[i][1], products[1], None)
-        specs, self.n_parts, self.side_part = options.column_groups(len(self.columns))
-        self.groups = [_Group(spec, self.columns[spec.column]) for spec in specs]
-        anchor, positive = self.columns[0], self.columns[1]
-        self.batch, self.n_cand = anchor.x.shape[0], positive.x.shape[0]
+                column.guide_half = half_rows(torch.cat(guide_embeddings[i]), guide[i][1], products[1], None)
+        self.groups, self.n_parts, self.side_part = bind_groups(options, self.columns,
+                                                                [c.x.shape[0] for c in self.columns])
+        anchor = self.columns[0]
+        self.batch = anchor.x.shape[0]
         self.logit_scale = LOG2E / options.temperature
         # Hardness: a penalised logit is (1 + hardness * tau) times its plain value (the penalty adds
         # hardness * cos to cos / tau), applied to the shifted logits by ``_RowBlock.harden``.
@@ -359,7 +136,7 @@ class _Problem:
 
     def _normalized_guide(self, chunks: list[Tensor]) -> tuple[Tensor, Tensor]:
         """A guide column's rows, normalised in the compute dtype, written straight from its chunks, and their norms."""
-        g = _copy_rows(chunks, torch.empty(sum(c.shape[0] for c in chunks), chunks[0].shape[1], dtype=self.dtype,
+        g = copy_rows(chunks, torch.empty(sum(c.shape[0] for c in chunks), chunks[0].shape[1], dtype=self.dtype,
                                            device=chunks[0].device))
         norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)
         return g.div_(norm.clamp_min(EPS)), norm
@@ -370,7 +147,7 @@ class _Problem:
         dims = self.dims
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
         x1 = torch.ones(sum(c.shape[0] for c in student), dims.top + 1, dtype=self.dtype, device=student[0].device)
-        x = _copy_rows(student, x1[:, :-1])
+        x = copy_rows(student, x1[:, :-1])
         if self.options.similarity == "dot":  # dot products: the rows as they are, every ratio 1, no radial term
             norm = torch.ones(x.shape[0], 1, dtype=self.dtype, device=x.device)
             rho = torch.ones(len(dims), x.shape[0], dtype=self.dtype, device=x.device)
@@ -388,32 +165,26 @@ class _Problem:
 
     def count(self, field: str, value: Tensor) -> None:
         """Add ``value`` to the counter or sum ``field`` (``cgist.numerics.COUNT_FIELDS`` / ``SUM_FIELDS``)."""
-        if field in COUNT_FIELDS:
-            self.counters[0][COUNT_FIELDS.index(field)] += value
-        else:
-            self.counters[1][SUM_FIELDS.index(field)] += value
+        counts, fields = (self.counters[0], COUNT_FIELDS) if field in COUNT_FIELDS else (self.counters[1], SUM_FIELDS)
+        counts[fields.index(field)] += value
 
     def gradients(self, embeddings: Sequence[Tensor]) -> list[Tensor]:
         """d(loss)/d(embeddings) from the accumulated dL/d x_hat and radial sums, in each embedding's dtype.
 
-        Segment s of row i gets ``(grad[s] - x_hat[s] * sum_{d >= d_s} kappa_d c_d) / max(||x[:top]||, eps)``;
-        with one dimension ``c = x_hat . grad`` (``normalize_backward_``). With several, the accumulated
-        ``grad`` is ``sum_d sum_j dL/dcos_d[i, j] rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum
-        of every dimension's radial sum c_d: the top dimension's is that minus the smaller ones' (which the
-        tiles accumulated). Components past ``top`` get 0. Dot products have no normalisation to pass through.
+        Through the normalisation (``cgist.problem.normalization_backward_``, ``kappa = rho^2``), then divided by
+        ``max(||x[:top]||, eps)``. With several dimensions the accumulated ``grad`` is ``sum_d sum_j dL/dcos_d[i, j]
+        rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum of every dimension's radial sum: the top
+        dimension's is that minus the smaller ones' (which the tiles accumulated). Components past ``top`` get 0.
+        Dot products have no normalisation to pass through.
         """
         out = []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
-            if self.options.similarity != "dot":  # dot products have no normalisation to pass through
-                if column.radial is None:
-                    normalize_backward_(column.x, column.norm, grad)
-                else:
+            if self.options.similarity != "dot":
+                if column.radial is not None:
                     column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
-                    suffix = (column.kappa * column.radial).flip(0).cumsum(0).flip(0)  # row s: sum over d >= d_s
-                    for (lo, hi), coefficient in zip(self.dims.segments, suffix):
-                        grad[:, lo:hi].addcmul_(column.x[:, lo:hi], coefficient.unsqueeze(1), value=-1.0)
-                    grad.div_(column.norm.clamp_min(EPS))
+                normalization_backward_(grad, column.x, column.kappa, column.radial, self.dims.segments)
+                grad.div_(column.norm.clamp_min(EPS))
             if e.shape[1] > self.dims.top:
                 grad = torch.cat([grad, grad.new_zeros(grad.shape[0], e.shape[1] - self.dims.top)], dim=1)
             out.append(grad.to(e.dtype))
@@ -430,8 +201,8 @@ class _Rows:
     partner_ids: Tensor | None  # tie id of theta's partner, R (None without a guide)
     grad: Tensor | None
     radial: Tensor | None
-    half: _Half | None = None
-    guide_half: _Half | None = None
+    half: HalfRows | None = None
+    guide_half: HalfRows | None = None
     shifted: Tensor | None = None  # [logit_scale * x, -shift of the top dimension]: the score products' row operand
     shift: Tensor | None = None  # the shift of the side's partition's logits (n_dims x R)
     weight: Tensor | None = None  # the score-gradient weight of the side's partition (n_dims x R)
@@ -477,8 +248,8 @@ class _RowBlock:
         self.ties: dict[int, tuple[Tensor, Tensor]] = {}
         self.exclusions: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def rows_of(self, group: _Group) -> _Rows:
-        return self.positive_rows if group.row == "p" else self.anchor_rows
+    def rows_of(self, group: BoundGroup) -> _Rows:
+        return self.positive_rows if group.spec.row == "p" else self.anchor_rows
 
     def _row_operand(self, name: str, rows: _Rows, extra: int = 0) -> Tensor:
         """The workspace's R x (top + ``extra``) buffer ``name`` for the anchor or the positive rows."""
@@ -523,67 +294,67 @@ class _RowBlock:
         for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
             rows.radial[:-1].add_((rows.weighted_shift[:-1] * side_sums[side][:-1] - label) * scale)
 
-    def tie_pairs(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    def tie_pairs(self, group: BoundGroup, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that tie with theta (cols counted from ``lo``)."""
-        if id(group) not in self.ties:  # the whole group's, looked up once per row block
-            n = group.cols.x.shape[0]
-            self.ties[id(group)] = group.cols.ties.pairs(self.rows_of(group).partner_ids, 0, n)
-        return _within(*self.ties[id(group)], lo, hi)
+        if group.index not in self.ties:  # the whole group's, looked up once per row block
+            n = group.n_cols
+            self.ties[group.index] = group.cols.ties.pairs(self.rows_of(group).partner_ids, 0, n)
+        return _within(*self.ties[group.index], lo, hi)
 
-    def excluded(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    def excluded(self, group: BoundGroup, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the entries of columns ``lo:hi`` that the group's rules exclude.
 
-        Each row's own column where the group excludes it (``group.excluded_offset``: self-pairs, own documents), and
+        Each row's own column where the group excludes it (``group.spec.excluded_offset``: self-pairs, own documents), and
         with ``mask_duplicates`` the columns whose text id is that of the row's anchor or of its positive (found
         like the ties, by binary search). A label or a kept pair among them is restored by the caller.
         """
-        if id(group) not in self.exclusions:  # the whole group's, once per row block
+        if group.index not in self.exclusions:  # the whole group's, once per row block
             parts = []
-            if group.excluded_offset is not None:
-                parts.append(self.own(group.excluded_offset, 0, group.cols.x.shape[0]))
+            if group.spec.excluded_offset is not None:
+                parts.append(self.own(group.spec.excluded_offset, 0, group.n_cols))
             if self.texts is not None:
-                n = group.cols.x.shape[0]
+                n = group.n_cols
                 parts += [group.cols.texts.pairs(text, 0, n) for text in self.texts]
-            self.exclusions[id(group)] = tuple(torch.cat(p) for p in zip(*parts)) if parts else (self.local[:0],) * 2
-        return _within(*self.exclusions[id(group)], lo, hi)
+            self.exclusions[group.index] = tuple(torch.cat(p) for p in zip(*parts)) if parts else (self.local[:0],) * 2
+        return _within(*self.exclusions[group.index], lo, hi)
 
     def own(self, offset: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of each row's column ``offset + i`` among columns ``lo:hi`` (cols counted from ``lo``)."""
         return _within(self.local, self.local + (self.start + offset), lo, hi)
 
-    def labels(self, group: _Group, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    def labels(self, group: BoundGroup, lo: int, hi: int) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``group`` (none unless it is AP)."""
-        if not group.label:
+        if not group.spec.label:
             return self.local[:0], self.local[:0]
         return self.own(self.problem.options.offset, lo, hi)
 
-    def harden(self, group: _Group, lo: int, hi: int, t: Tensor, m: int) -> Tensor:
+    def harden(self, group: BoundGroup, lo: int, hi: int, t: Tensor, m: int) -> Tensor:
         """Add the hardness penalty to dimension m's shifted logits ``t`` of a query-to-document tile, in place,
         where the group says.
 
         A penalised logit is ``factor`` times its plain value z (``_Problem.hard_factor``); on the shifted logit
         ``L = z - shift`` that is ``factor * L + (factor - 1) * shift``. Masked entries stay far below the cutoff.
         """
-        if not (group.hard_own or group.hard_others):
+        if not group.hard:
             return t
         factor = self.problem.hard_factor
         own_rows, own_cols = self.own(self.problem.options.offset, lo, hi)
         lift = ((factor - 1.0) * self.rows_of(group).shift[m]).unsqueeze(1)
-        if group.hard_others:
-            kept = t[own_rows, own_cols]
+        if group.spec.hard_others:
+            plain = t[own_rows, own_cols]
             t.mul_(factor).add_(lift)
-            if not group.hard_own:
-                t[own_rows, own_cols] = kept
+            if not group.spec.hard_own:
+                t[own_rows, own_cols] = plain
         else:
             t[own_rows, own_cols] = t[own_rows, own_cols] * factor + lift[own_rows, 0]
         return t
 
-    def masked_logits(self, group: _Group, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
+    def masked_logits(self, group: BoundGroup, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
         """Per dimension, the base-2 logits minus the shift (``set_shift``) against columns ``lo:hi``.
 
         Masked entries are pushed down by ``MASKED``, far below any logit and the subnormal cutoff. The label
         of row i (AP column ``offset + i``) is never masked, but its logit is carried apart (``self.positive``),
-        so here it is pushed down too; a kept pair (DQ's) is never masked. The hardness penalty is not applied
+        so here it is pushed down too; DQ's pair is never masked. The hardness penalty is not applied
         here (``harden``). ``unmasked``, if given, gets each row's count of entries left (R): the
         statistics, taken on the first sweep only. The results are views of the workspace's term buffers.
         The mask is kept as 0.0 / 1.0 in the compute dtype, written where the logits will be: the first score
@@ -597,7 +368,7 @@ class _RowBlock:
         # A smaller dimension's logits go where their products with the terms will be kept; the top
         # dimension's, where its terms will be (``exp2_`` in place).
         last = len(dims) - 1
-        out = [work.terms(m, group, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
+        out = [work.terms(m, group.index, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
         # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
         prefix = out[-1]
         if problem.guided:
@@ -612,9 +383,9 @@ class _RowBlock:
             mask = prefix.zero_()
         excluded_rows, excluded_cols = self.excluded(group, lo, hi)
         mask[excluded_rows, excluded_cols] = 1.0
-        if group.unmasked_offset is not None:
-            kept_rows, kept_cols = self.own(group.unmasked_offset, lo, hi)
-            mask[kept_rows, kept_cols] = 0.0
+        if group.spec.unmasked_offset is not None:
+            spared_rows, spared_cols = self.own(group.spec.unmasked_offset, lo, hi)
+            mask[spared_rows, spared_cols] = 0.0
         label_rows, label_cols = self.labels(group, lo, hi)
         mask[label_rows, label_cols] = 1.0
         if unmasked is not None:
@@ -640,7 +411,7 @@ class _RowBlock:
                               out=out[m]).mul_(row_rho)
         return out
 
-    def terms(self, group: _Group, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
+    def terms(self, group: BoundGroup, lo: int, hi: int, unmasked: Tensor | None = None) -> list[Tensor]:
         """``2^(logit - shift)`` per dimension, the logit with its hardness penalty; 0 where masked, at the label,
         and below the subnormal cutoff.
 
@@ -649,12 +420,11 @@ class _RowBlock:
         dimension's come from the gradient itself, ``_Problem.gradients``).
         """
         *smaller, top = self.masked_logits(group, lo, hi, unmasked)
-        hard = group.hard_own or group.hard_others
         out = []
         for m, t in enumerate(smaller):
             torch.nn.functional.threshold_(t, self.problem.cutoff, -MASKED)  # finite: 0 * logit stays 0
-            term = self.problem.work.terms(m, group, lo, t.shape)
-            if hard:  # the penalised logits, in the terms' buffer
+            term = self.problem.work.terms(m, group.index, lo, t.shape)
+            if group.hard:  # the penalised logits, in the terms' buffer
                 self.harden(group, lo, hi, term.copy_(t), m)
                 torch.nn.functional.threshold_(term, self.problem.cutoff, -MASKED)
                 out.append(term.exp2_())
@@ -665,7 +435,7 @@ class _RowBlock:
         torch.nn.functional.threshold_(top, self.problem.cutoff, float("-inf"))
         return [*out, top.exp2_()]
 
-    def accumulate(self, group: _Group, lo: int, hi: int, terms: list[Tensor]) -> None:
+    def accumulate(self, group: BoundGroup, lo: int, hi: int, terms: list[Tensor]) -> None:
         """Add one tile's gradients, from its softmax ``terms``, into its rows' and columns' accumulators.
 
         dL/d cos_d = w_d * (softmax_d - onehot) / (P tau B) over the group's partition = ``row_weight[d]`` * terms
@@ -700,7 +470,7 @@ class _RowBlock:
                 # The tile's parts of a smaller dimension's radial sums (``add_radial_rows``): by rows, the sums
                 # of 2^L * L; by columns, those weighted by the rows plus the shift's part. 0 where masked and
                 # at the label.
-                products = self.problem.work.terms(m, group, lo, tile.shape, "products")  # 2^L' * L, ``terms``
+                products = self.problem.work.terms(m, group.index, lo, tile.shape, "products")  # 2^L' * L, ``terms``
                 rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
                 by_cols = torch.addmv(products.T @ row_weight[m], tile.T, rows.weighted_shift[m])
                 cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
@@ -722,35 +492,27 @@ def _within(rows: Tensor, cols: Tensor, lo: int, hi: int) -> tuple[Tensor, Tenso
     return rows[inside], cols[inside] - lo
 
 
-def _copy_rows(chunks: Sequence[Tensor], out: Tensor) -> Tensor:
-    """``out`` (rows x w) filled with the first w components of the row chunks, one after the other."""
-    width = out.shape[1]
-    return torch.cat([c if c.shape[1] == width else c[:, :width] for c in chunks], out=out)
+def _tiles(problem: _Problem, cols: int) -> list[tuple[BoundGroup, int, int]]:
+    """Every tile of a row block, as ``(group, lo, hi)``: each group's columns in ranges ``cols`` wide."""
+    return [(g, lo, min(lo + cols, g.n_cols)) for g in problem.groups for lo in range(0, g.n_cols, cols)]
 
 
-def _spans(group: _Group, cols: int) -> list[tuple[int, int]]:
-    """The column ranges ``(lo, hi)`` of ``group``'s tiles, ``cols`` wide."""
-    n = group.cols.x.shape[0]
-    return [(lo, min(lo + cols, n)) for lo in range(0, n, cols)]
-
-
-def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, keep: bool, count: bool):
+def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, hold: bool, count: bool):
     """Row sums of the softmax terms of every tile per partition (n_parts x n_dims x R), shifted by the partition's
     ``shift``, those of each row side's groups (``"a"``, ``"p"``: n_dims x R each), and the tiles themselves if
-    ``keep``."""
+    ``hold`` (one pass: the gradients reuse them)."""
     rb.set_shift(shift)
     others = torch.zeros_like(shift)
     side_sums = {"a": torch.zeros_like(shift[0]), "p": torch.zeros_like(shift[0])}
     unmasked = torch.zeros_like(shift[0, 0]) if count else None
     tiles = []
-    for g in problem.groups:
-        for lo, hi in _spans(g, cols):
-            terms = rb.terms(g, lo, hi, unmasked)
-            sums = torch.stack([t.sum(dim=1) for t in terms])
-            others[g.part] += sums
-            side_sums[g.row] += sums
-            if keep:
-                tiles.append((g, lo, hi, terms))
+    for g, lo, hi in _tiles(problem, cols):
+        terms = rb.terms(g, lo, hi, unmasked)
+        sums = torch.stack([t.sum(dim=1) for t in terms])
+        others[g.spec.part] += sums
+        side_sums[g.spec.row] += sums
+        if hold:
+            tiles.append((g, lo, hi, terms))
     if count:
         problem.count("positive_only", (unmasked == 0).sum())
     return others, side_sums, tiles
@@ -763,26 +525,22 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     are recomputed for the gradients. Logits are shifted by the positive's, so that the positive's term is
     1 and the loss is usually log1p of the others' sum. Only when a sum exceeds ``2^64`` (a candidate
     64 base-2 units above the positive; its products with the logits or the embeddings could overflow
-    further on) is the shift raised to the row maximum, found by one more sweep, and the sums taken again.
-
-    With P partitions (``per_direction``) a row's loss is ``(1/P) sum_p logsumexp_p - positive``: partition 0
-    holds the label, as with one partition; another's log-sum-exp minus the positive is
-    ``gap + ln(others_p)``. A term's score gradient is ``w (softmax_p - onehot) / (P tau B)`` within its
-    partition, the label's ``-(others_0 + (P - 1) total_0)`` times partition 0's weight.
+    further on) is the shift raised to the row maximum, found by one more sweep, and the sums taken again. The
+    partitioned loss and the gradients' weights follow from the sums (``cgist.problem``).
     """
     one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
     n_parts = problem.n_parts
     shift = rb.positive.expand(n_parts, *rb.positive.shape)
-    others, side_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads,
+    others, side_sums, tiles = _sweep(problem, rb, cols, shift, hold=one_pass and want_grads,
                                       count=problem.counters is not None)
     if not bool((others <= LARGEST_SUM).all()):  # also catches inf and NaN
         peak = torch.zeros_like(shift)
-        for g in problem.groups:
-            for lo, hi in _spans(g, cols):
-                for m, logits in enumerate(rb.masked_logits(g, lo, hi)):
-                    torch.maximum(peak[g.part, m], rb.harden(g, lo, hi, logits, m).amax(dim=1), out=peak[g.part, m])
+        for g, lo, hi in _tiles(problem, cols):
+            for m, logits in enumerate(rb.masked_logits(g, lo, hi)):
+                part = peak[g.spec.part, m]
+                torch.maximum(part, rb.harden(g, lo, hi, logits, m).amax(dim=1), out=part)
         shift = shift + peak
-        others, side_sums, tiles = _sweep(problem, rb, cols, shift, keep=one_pass and want_grads, count=False)
+        others, side_sums, tiles = _sweep(problem, rb, cols, shift, hold=one_pass and want_grads, count=False)
     gaps = (shift - rb.positive) * LN2
     weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
     loss = (weights * row_losses(gaps, others)).sum()
@@ -792,7 +550,7 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
         if len(problem.dims) > 1:
             rb.add_radial_rows(side_sums)
         if not one_pass:
-            tiles = ((g, lo, hi, rb.terms(g, lo, hi)) for g in problem.groups for lo, hi in _spans(g, cols))
+            tiles = ((g, lo, hi, rb.terms(g, lo, hi)) for g, lo, hi in _tiles(problem, cols))
         for g, lo, hi, terms in tiles:
             rb.accumulate(g, lo, hi, terms)
     return loss
@@ -815,7 +573,7 @@ def gist_loss_and_grads(
     columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``.
     ``text_ids`` (with ``options.mask_duplicates``): an int32 text id per row of each column. A column may be a
     list of row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
-    bounds the score buffers held at once (``plan``). The loss is float64 for float64 inputs and float32
+    bounds the score buffers held at once (``cgist.workspace.plan``). The loss is float64 for float64 inputs and float32
     otherwise; the gradients have the dtype of their embedding; the counters are ``(counts, sums)``: int64
     counts in the order of ``cgist.numerics.COUNT_FIELDS`` and sums in the loss's dtype in that of ``SUM_FIELDS``.
 
@@ -829,9 +587,10 @@ def gist_loss_and_grads(
     problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
     itemsize = torch.finfo(problem.dtype).bits // 8
     device = problem.columns[0].x.device
-    schedule = plan(problem.batch, [g.cols.x.shape[0] for g in problem.groups], problem.dims.top, len(problem.dims),
-                    itemsize, options.block_bytes, device, half=problem.columns[0].half is not None)
-    problem.work = _Workspace(problem, schedule)
+    widths, half = [g.n_cols for g in problem.groups], problem.columns[0].half is not None
+    schedule = plan(problem.batch, widths, problem.dims.top, len(problem.dims), itemsize, options.block_bytes, device,
+                    half=half)
+    problem.work = Workspace(schedule, widths, len(problem.dims), problem.dims.top, problem.dtype, device, half)
     loss = torch.zeros((), dtype=problem.dtype, device=device)
     for start in range(0, problem.batch, schedule.rows):
         loss += _row_block(problem, _RowBlock(problem, start, min(start + schedule.rows, problem.batch)),

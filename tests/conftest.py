@@ -47,11 +47,11 @@ def nan_poisoned_allocations(monkeypatch):
 
 
 def _poison_kept_workspace() -> None:
-    """NaN into every workspace buffer that ``cgist.streaming`` keeps for this thread (the one the tests run in;
+    """NaN into every workspace buffer that ``cgist.workspace`` keeps for this thread (the one the tests run in;
     a thread that a test starts takes its buffers with it when it ends)."""
-    streaming = sys.modules.get("cgist.streaming")  # not imported yet: nothing kept
-    if streaming is not None:
-        for buffer in getattr(streaming._KEPT, "buffers", {}).values():
+    workspace = sys.modules.get("cgist.workspace")  # not imported yet: nothing kept
+    if workspace is not None:
+        for buffer in getattr(workspace._THREAD, "buffers", {}).values():
             _poison(buffer)
 
 

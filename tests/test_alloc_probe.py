@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cgist
-from cgist import GistOptions, streaming
+from cgist import GistOptions, streaming, workspace
 from cgist.kernels import gist_loss_and_grads
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
@@ -55,7 +55,7 @@ def _run(backend, student, guide, options):
 @pytest.mark.parametrize("matryoshka", [None, (20, 12, 5)], ids=["one-dim", "dims20.12.5"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_no_allocation_exceeds_the_budget_or_the_embeddings(backend, matryoshka):
-    streaming.release_workspace()  # so that this call allocates its workspace where the probe sees it
+    workspace.release_workspace()  # so that this call allocates its workspace where the probe sees it
     student, guide = make_inputs(BATCH, N_CAND, DIM, DIM_G, K, torch.float32, seed=0)
     student, guide = [s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide]
     options = GistOptions(temperature=0.05, margin=0.05, offset=40, block_bytes=BUDGET, matryoshka_dims=matryoshka)
@@ -124,8 +124,8 @@ def test_loss_stage_holds_one_copy_of_the_embeddings(models, monkeypatch, dim):
     Concatenating the mini-batches into a copy first, or a rows x dim temporary in the normalisation
     backward, exceeds it. Rows per block are lowered to 8, so that B is many row blocks.
     """
-    monkeypatch.setattr(streaming, "ROW_FLOOR", 8)
-    streaming.release_workspace()  # a larger one kept from another test would count as held
+    monkeypatch.setattr(workspace, "ROW_FLOOR", 8)
+    workspace.release_workspace()  # a larger one kept from another test would count as held
     mini, dim_g = 16, 48
     loss = cgist.FusedCachedGISTLoss(*models, mini_batch_size=mini, margin=0.05, block_bytes=BUDGET, backend="torch")
     generator = torch.Generator().manual_seed(0)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import DTYPES, TOL, make_inputs, precision
 
-from cgist.numerics import EPS, TieIndex, compute_dtype, guide_mask, normalize, normalize_backward_, threshold, tie_ids
+from cgist.numerics import EPS, TieIndex, compute_dtype, guide_mask, normalize, threshold, tie_ids
+from cgist.problem import normalization_backward_
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=precision)
@@ -41,13 +42,17 @@ def test_normalize_computes_in_the_requested_dtype():
     assert normalize(x)[0].dtype == torch.float32
 
 
-def test_normalize_backward_is_the_gradient_of_normalize():
-    """Also on the zero row and the row below EPS, where the clamped gradient is g / EPS."""
+def test_normalization_backward_is_the_gradient_of_normalize():
+    """``cgist.problem.normalization_backward_`` with one dimension, as the streaming path calls it (normalised rows,
+    kappa 1 but 0 below EPS, then divided by the norm); also on the zero row and the row below EPS, where the
+    clamped gradient is g / EPS."""
     x = _rows_with_small_ones().requires_grad_()
     grad_hat = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(12))
     x_hat, norm = normalize(x)
     (expected,) = torch.autograd.grad(x_hat, x, grad_hat)
-    got = normalize_backward_(x_hat.detach(), norm.detach(), grad_hat.clone())
+    kappa = (norm.detach() >= EPS).to(x.dtype).T  # 1 x rows
+    got = normalization_backward_(grad_hat.clone(), x_hat.detach(), kappa, None, [(0, x.shape[1])])
+    got = got / norm.detach().clamp_min(EPS)
     torch.testing.assert_close(got, expected, **TOL["embeddings"]["fp64"])
     torch.testing.assert_close(got[2], grad_hat[2] / EPS, **TOL["embeddings"]["fp64"])
 

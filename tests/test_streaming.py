@@ -7,7 +7,7 @@ import torch
 from helpers import Tol, assert_close, make_inputs, precision, shape_id, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgist import GistOptions, streaming
+from cgist import GistOptions, streaming, workspace
 from cgist.reference import gist_loss_reference, gist_scores
 from cgist.streaming import gist_loss_and_grads
 
@@ -15,7 +15,7 @@ from cgist.streaming import gist_loss_and_grads
 def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=(None, None), tol=None):
     """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs.
 
-    ``products`` forces the half products of the student and the guide (``streaming.half_products``), whose
+    ``products`` forces the half products of the student and the guide (``cgist.numerics.half_products``), whose
     results are ``tol`` close (``assert_close``'s (loss, gradients) tolerances; default: TOL["streaming"]).
     """
     options = options.replace(block_bytes=block_bytes)
@@ -218,7 +218,7 @@ def test_allocations_stay_within_the_budget_and_the_inputs(block_bytes, dims):
     B, N, D = 64, 512, 8
     student, guide = make_inputs(B, N, D, D, 1, dtype=torch.float32, seed=8)
     options = GistOptions(block_bytes=block_bytes, matryoshka_dims=dims)
-    streaming.release_workspace()  # so that this call allocates its workspace where the probe sees it
+    workspace.release_workspace()  # so that this call allocates its workspace where the probe sees it
     with _LargestAllocation() as probe:
         gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
     inputs = max(t.numel() for t in student + guide)
@@ -242,20 +242,18 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     monkeypatch.setattr(streaming._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
     assert float(expected.detach()) > 100  # the case is what it claims
-    n_tiles = sum(len(streaming._spans(b, streaming.TILE_COLS if block_bytes is None else 1))
-                  for b in streaming._Problem(student, guide, GistOptions(offset=6), True, False).groups)
+    problem = streaming._Problem(student, guide, GistOptions(offset=6), True, False)
+    n_tiles = len(streaming._tiles(problem, workspace.TILE_COLS if block_bytes is None else 1))
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
 
 
 @pytest.mark.parametrize("dims", [None, (16, 9, 4)], ids=["flat", "matryoshka"])
 def test_one_pass_over_many_tiles(dims, monkeypatch):
-    """Tiles of 5 columns in one pass: every block spans several tiles, each with its own place in the workspace."""
-    from cgist import streaming
-
-    monkeypatch.setattr(streaming, "TILE_COLS", 5)
+    """Tiles of 5 columns in one pass: every group spans several tiles, each with its own place in the workspace."""
+    monkeypatch.setattr(workspace, "TILE_COLS", 5)
     student, guide = make_inputs(13, 26, 16, 12, 2, seed=13)
     options = GistOptions(offset=13, margin=0.1, matryoshka_dims=dims)
-    schedule = streaming.plan(13, [26, 13, 26, 26, 26], 16, 1 if dims is None else 3, 8, None)
+    schedule = workspace.plan(13, [26, 13, 26, 26, 26], 16, 1 if dims is None else 3, 8, None)
     assert schedule.one_pass and schedule.cols == 5
     if dims is None:
         _check(student, guide, options)
@@ -281,27 +279,27 @@ def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
         loss, grads, counters = gist_loss_and_grads(*inputs, options, need_grads=True, need_stats=True)
         return [loss, *grads, *counters]
 
-    streaming.release_workspace()
+    workspace.release_workspace()
     fresh = run(first)
-    kept = streaming._KEPT.buffers[torch.float32]
+    kept = workspace._THREAD.buffers[torch.float32]
     run(other)  # leaves its own values in the buffer
     again = run(first)
-    assert streaming._KEPT.buffers[torch.float32] is kept
+    assert workspace._THREAD.buffers[torch.float32] is kept
     assert all(torch.equal(a, b) for a, b in zip(fresh, again))
 
     in_thread = {}
 
     def worker():
         in_thread["result"] = run(first)
-        in_thread["buffer"] = streaming._KEPT.buffers[torch.float32]
+        in_thread["buffer"] = workspace._THREAD.buffers[torch.float32]
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
     assert in_thread["buffer"].data_ptr() != kept.data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(fresh, in_thread["result"]))
-    streaming.release_workspace()
-    assert not getattr(streaming._KEPT, "buffers", None)
+    workspace.release_workspace()
+    assert not getattr(workspace._THREAD, "buffers", None)
 
 
 def test_the_kept_workspace_is_poisoned_between_tests():
@@ -311,14 +309,14 @@ def test_the_kept_workspace_is_poisoned_between_tests():
 
     student, guide = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=23)
     options = GistOptions(offset=3, margin=0.05, block_bytes=4096)
-    streaming.release_workspace()
+    workspace.release_workspace()
     fresh = gist_loss_and_grads(student, guide, options, need_grads=True)
-    kept = streaming._KEPT.buffers[torch.float32]
+    kept = workspace._THREAD.buffers[torch.float32]
     assert not kept.isnan().all()
     _poison_kept_workspace()
     assert kept.isnan().all()
     again = gist_loss_and_grads(student, guide, options, need_grads=True)
-    assert streaming._KEPT.buffers[torch.float32] is kept
+    assert workspace._THREAD.buffers[torch.float32] is kept
     assert_close("poisoned workspace", fresh[:2], again[:2])
 
 
@@ -330,18 +328,18 @@ def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to
 
     widths, top, item = [4096] * 4, 384, 4
     monkeypatch.setattr(numerics, "available_bytes", lambda device: 2**40)
-    full = streaming.plan(4096, widths, top, 1, item, None)
-    assert full == streaming.Plan(streaming.ROW_TARGET, streaming.TILE_COLS, True)
-    assert streaming.plan(300, [300] * 4, top, 1, item, None) == streaming.Plan(300, 300, True)
+    full = workspace.plan(4096, widths, top, 1, item, None)
+    assert full == workspace.Plan(workspace.ROW_TARGET, workspace.TILE_COLS, True)
+    assert workspace.plan(300, [300] * 4, top, 1, item, None) == workspace.Plan(300, 300, True)
     # Four Matryoshka dimensions at B = 16k: 1024 rows would need 1.75 GiB; the default stops at 1 GiB.
-    matryoshka = streaming.plan(16384, [16384] * 4, top, 4, item, None)
-    assert matryoshka.one_pass and streaming.ROW_FLOOR <= matryoshka.rows < streaming.ROW_TARGET
+    matryoshka = workspace.plan(16384, [16384] * 4, top, 4, item, None)
+    assert matryoshka.one_pass and workspace.ROW_FLOOR <= matryoshka.rows < workspace.ROW_TARGET
     assert matryoshka.rows * 16384 * 4 * (2 * 4 - 1) * item <= numerics.MAX_BLOCK_BYTES  # terms, products
     per_row = 4 * 4096 * item  # the kept terms alone
     monkeypatch.setattr(numerics, "available_bytes", lambda device: 8 * 450 * per_row)
-    capped = streaming.plan(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
-    assert capped.one_pass and streaming.ROW_FLOOR <= capped.rows < 450
-    middle = streaming.plan(4096, widths, top, 1, item, 600 * per_row)
-    assert middle.one_pass and streaming.ROW_FLOOR < middle.rows < 600
-    small = streaming.plan(4096, widths, top, 1, item, 100 * per_row)
-    assert not small.one_pass and small.rows == streaming.ROW_FLOOR and 1 <= small.cols < streaming.TILE_COLS
+    capped = workspace.plan(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
+    assert capped.one_pass and workspace.ROW_FLOOR <= capped.rows < 450
+    middle = workspace.plan(4096, widths, top, 1, item, 600 * per_row)
+    assert middle.one_pass and workspace.ROW_FLOOR < middle.rows < 600
+    small = workspace.plan(4096, widths, top, 1, item, 100 * per_row)
+    assert not small.one_pass and small.rows == workspace.ROW_FLOOR and 1 <= small.cols < workspace.TILE_COLS

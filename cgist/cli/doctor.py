@@ -82,7 +82,7 @@ def _tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -
 
 def _routes(device: torch.device) -> list[str]:
     from ..function import auto_route
-    from ..streaming import half_products
+    from ..numerics import half_products
 
     lines = ['backend "auto" per dtype pair (student, guide):']
     for name, dtype, guide_dtype in PAIRS:
@@ -168,7 +168,7 @@ def _bare_gemms(student: list[torch.Tensor], guide: list[torch.Tensor], rows: in
 def timing(device: torch.device, use_triton: bool) -> str:
     """The loss stage (forward and backward) at a size that fits the device, on each path it has."""
     from ..function import auto_route
-    from ..streaming import ROW_TARGET
+    from ..workspace import ROW_TARGET
 
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
