@@ -83,7 +83,7 @@ from common import (  # noqa: E402
 import cgist  # noqa: E402
 from cgist import streaming  # noqa: E402
 from cgist.kernels.launch import (  # noqa: E402
-    BackwardWork, chunk_plan, forward_block, gist_forward, gist_loss_and_grads,
+    BackwardWork, chunk_plan, forward_group, gist_forward, gist_loss_and_grads,
 )
 from cgist.numerics import normalize, tie_ids  # noqa: E402
 from cgist.options import GistOptions  # noqa: E402
@@ -356,33 +356,33 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
         work = BackwardWork(state)
         totals = {"fwd": 0.0, "bwd": 0.0, "est_fwd": 0.0, "est_bwd": 0.0}
-        for block in state.blocks:
-            scores = block.rows.x.shape[0] * block.cols.x.shape[0]
-            fwd = add(f"triton/{name}", f"fwd {block.kind}", timed(lambda: forward_block(state, block)), "fwd",
+        for group in state.groups:
+            scores = state.batch * group.n_cols
+            fwd = add(f"triton/{name}", f"fwd {group.name}", timed(lambda: forward_group(state, group)), "fwd",
                       scores, tiles, note=f"pick={pick}")
             totals["fwd"] += fwd["median_ms"]
             totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC, dims)[0]
             if method == "gemm":
-                chunks = work.chunks(block)
+                chunks = work.chunks(group)
                 chunk_rows = work.buffers()[0].rows
 
                 def score_grads():
                     for chunk in chunks:
-                        work.score_grad_chunk(block, *chunk)
+                        work.score_grad_chunk(group, *chunk)
 
                 def gemms():
                     for chunk in chunks:
-                        work.chunk_gemms(block, *chunk)
+                        work.chunk_gemms(group, *chunk)
 
-                parts = [add(f"triton/{name}", f"bwd {block.kind} score-grad", timed(score_grads), "score_grad",
+                parts = [add(f"triton/{name}", f"bwd {group.name} score-grad", timed(score_grads), "score_grad",
                              scores, tiles, chunk_rows,
                              note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
-                         add(f"triton/{name}", f"bwd {block.kind} gemms", timed(gemms), "gemms", scores, tiles,
+                         add(f"triton/{name}", f"bwd {group.name} gemms", timed(gemms), "gemms", scores, tiles,
                              chunk_rows)]
                 ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, dims)[0]
                         for kind in ("score_grad", "gemms")]
             else:
-                parts = [add("triton/fused", f"bwd {block.kind} {side} pass", timed(lambda f=f: f(block)), kind, scores,
+                parts = [add("triton/fused", f"bwd {group.name} {side} pass", timed(lambda f=f: f(group)), kind, scores,
                              tiles) for side, kind, f in (("row", "fused_rows", work.fused_rows),
                                                           ("column", "fused_cols", work.fused_cols))]
                 ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC)[0]

@@ -2,19 +2,19 @@
 
 ``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
-launches of one block with ``forward_block`` / ``BackwardWork``). It launches the kernels of
+launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
 ``gist.py`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
 directions' QQ, DQ, DD, DN_1..DN_k):
 
 * forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
   and the first running max/sum of each row (one row of state per Matryoshka dimension); the other
-  blocks fold into that state. Guide ties are decided by identity: equal normalised guide rows get
+  groups fold into that state. Guide ties are decided by identity: equal normalised guide rows get
   equal int32 ids (``cgist.numerics.tie_ids``), and each launch reads the ids of its columns and of
   its rows' partners. The label is kept out of the running sum ``l`` (base 2, shifted by the running
   max ``m``, which starts at the positive logit ``pos``), so each row's loss is
   ``(m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2))``: a small loss keeps its relative precision.
   With ``need_stats`` the forward also counts the guide's mask in per-row int32 counters, reduced once.
-* backward, ``method="gemm"`` (the default): for each chunk of a block (rows x columns sized by the
+* backward, ``method="gemm"`` (the default): for each chunk of a group (rows x columns sized by the
   byte budget ``options.block_bytes``), ``gist_score_grad_kernel`` recomputes the chunk's tiles with
   the forward's code and tile config (so the masks are bit-identical) and writes the score gradient
   with both inverse norms folded in, ``F = dL/dcos * rq * rk``, as a GEMM operand (the student's dtype;
@@ -22,12 +22,10 @@ directions' QQ, DQ, DD, DN_1..DN_k):
   ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are ``torch`` GEMMs (cuBLAS on a GPU), in a
   fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one
   operand per segment between consecutive dimensions, and the GEMMs cover each segment once.
-* backward, ``method="fused"``: the row and the column pass of each block add ``F @ k`` and
+* backward, ``method="fused"``: the row and the column pass of each group add ``F @ k`` and
   ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Parked until the
   first GPU run decides (``BACKWARD_METHODS``); not reachable from ``cgist.gist_loss``.
-* both end in the normalisation backward: ``dL/dx[:, s] = h[:, s] - x[:, s] * sum_{u >= s} r_u^2 c_u``
-  with ``h`` the summed products, ``r_u`` the inverse prefix norms and ``c_u = sum_j dL/dcos_u * cos_u``
-  (``x . h`` with one dimension).
+* both end in the normalisation backward (``cgist.problem.normalization_backward_``) on the summed products ``h``.
 
 fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every product of the loss stage
 as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
@@ -54,7 +52,9 @@ from torch import Tensor
 
 from cgist.devices import Arch, gpu_arch
 from cgist.numerics import BLOCKS, EPS, addmm_, compute_dtype, default_block_bytes, stack_rows, tie_ids
-from cgist.problem import label_terms, prefix_norms, row_losses, row_weights, totals
+from cgist.problem import (
+    BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
+)
 
 from .gist import (
     RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_UNMASKED, RULE_LABEL, RULE_EXCLUDED, RULE_TEXTS, BACKWARD_METHODS,
@@ -62,10 +62,10 @@ from .gist import (
 )
 
 if TYPE_CHECKING:
-    from cgist.options import ColumnGroup, GistOptions
+    from cgist.options import GistOptions
 
 __all__ = [
-    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "chunk_plan", "forward_block", "gist_backward",
+    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "chunk_plan", "forward_group", "gist_backward",
     "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32",
 ]
 
@@ -73,9 +73,9 @@ LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 #: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
 GEMM_ROW_FLOOR = 1024
-#: Counter rows of the forward: masked entries per block kind, then unmasked entries other than the label.
+#: Counter rows of the forward: masked entries per statistics block, then the entries left unmasked, the label aside.
 _COUNTER_ROW = {name: row for row, name in enumerate(BLOCKS)}
-_KEPT_ROW = len(_COUNTER_ROW)
+_LEFT_ROW = len(_COUNTER_ROW)
 
 
 def input_precision(dtype: torch.dtype, arch: Arch | None = None) -> str:
@@ -157,8 +157,8 @@ def _rows_contiguous(x: Tensor) -> Tensor:
 
 
 @dataclass
-class _Side:
-    """Student and guide vectors of one side of a block, with their inverse norms and guide tie ids."""
+class _Column:
+    """One column's student and guide vectors, with their inverse norms and guide tie ids, or some of its rows."""
 
     x: Tensor
     g: Tensor  # without a guide, ``x`` (a pointer the kernels do not read)
@@ -166,59 +166,49 @@ class _Side:
     rg: Tensor
     ids: Tensor  # int32 tie id of each guide row
     text: Tensor  # int32 text id of each row (mask_duplicates), or the tie ids (not read)
-    grad: int  # index of the embedding whose gradient this side feeds
+    grad: int  # index of the embedding whose gradient this column feeds
     start: int = 0  # first row of that embedding
 
-    def rows(self, start: int, stop: int) -> _Side:
-        return _Side(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
-                     self.ids[start:stop], self.text[start:stop], self.grad, start)
+    def rows(self, start: int, stop: int) -> _Column:
+        return _Column(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
+                       self.ids[start:stop], self.text[start:stop], self.grad, start)
 
 
-@dataclass
-class _Block:
-    """One column group (``cgist.options.ColumnGroup``): rows against columns; row i's partner id is
-    ``partner[partner_start + i]``."""
+def _rows(group: BoundGroup[_Column], batch: int) -> _Column:
+    """The B rows of ``group``: the anchors, or their positives from ``offset``."""
+    return group.rows.rows(group.row_start, group.row_start + batch)
 
-    spec: ColumnGroup
-    rows: _Side
-    cols: _Side
-    partner: Tensor
-    partner_start: int
 
-    @property
-    def kind(self) -> str:
-        return self.spec.name
-
-    def kernel_args(self, state: ForwardState) -> dict:
-        """The keyword arguments the kernels share, for this block (its partition's state)."""
-        rows, cols, spec = self.rows, self.cols, self.spec
-        rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_EXCLUDED * (spec.excluded_offset is not None)
-                 | RULE_TEXTS * state.options.mask_duplicates | RULE_UNMASKED * (spec.unmasked_offset is not None)
-                 | RULE_HARD_OWN * spec.hard_own | RULE_HARD_OTHERS * spec.hard_others)
-        return dict(
-            q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
-            rq_ptr=rows.rx, rqg_ptr=rows.rg, rk_ptr=cols.rx, rkg_ptr=cols.rg,
-            col_id_ptr=cols.ids, partner_id_ptr=self.partner, thr_ptr=state.thr, theta_masked_ptr=state.theta_masked,
-            col_text_ptr=cols.text, row_text_ptr=state.row_texts, stride_text=state.row_texts.stride(0),
-            m_ptr=state.run_max[spec.part], l_ptr=state.run_sum[spec.part], scalars_ptr=state.scalars,
-            dim=state.top, dim_g=rows.g.shape[1] if state.guided else 0, offset=state.offset,
-            partner_start=self.partner_start, excluded_offset=spec.excluded_offset or 0, unmasked_offset=spec.unmasked_offset or 0,
-            stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0), stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0),
-            rules=rules,
-        )
+def _kernel_args(state: ForwardState, group: BoundGroup[_Column]) -> dict:
+    """The keyword arguments the kernels share, for this column group (its partition's state)."""
+    rows, cols, spec = _rows(group, state.batch), group.cols, group.spec
+    rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_EXCLUDED * (spec.excluded_offset is not None)
+             | RULE_TEXTS * state.options.mask_duplicates | RULE_UNMASKED * (spec.unmasked_offset is not None)
+             | RULE_HARD_OWN * spec.hard_own | RULE_HARD_OTHERS * spec.hard_others)
+    return dict(
+        q_ptr=rows.x, qg_ptr=rows.g, k_ptr=cols.x, kg_ptr=cols.g,
+        rq_ptr=rows.rx, rqg_ptr=rows.rg, rk_ptr=cols.rx, rkg_ptr=cols.rg,
+        col_id_ptr=cols.ids, partner_id_ptr=group.partner.ids, thr_ptr=state.thr, theta_masked_ptr=state.theta_masked,
+        col_text_ptr=cols.text, row_text_ptr=state.row_texts, stride_text=state.row_texts.stride(0),
+        m_ptr=state.run_max[spec.part], l_ptr=state.run_sum[spec.part], scalars_ptr=state.scalars,
+        dim=state.dims.top, dim_g=rows.g.shape[1] if state.guided else 0, offset=state.offset,
+        partner_start=group.partner_start, excluded_offset=spec.excluded_offset or 0,
+        unmasked_offset=spec.unmasked_offset or 0, stride_q=rows.x.stride(0), stride_qg=rows.g.stride(0),
+        stride_k=cols.x.stride(0), stride_kg=cols.g.stride(0), rules=rules,
+    )
 
 
 @dataclass
 class ForwardState:
-    """What the backward needs from the forward: the blocks, the per-row state and the tile config."""
+    """What the backward needs from the forward: the column groups, the per-row state and the tile config."""
 
     options: GistOptions
     embeddings: list[Tensor]
-    sides: list[_Side]
+    columns: list[_Column]
     norms: list[Tensor]  # prefix norms of each embedding per dimension (n_dims x rows)
-    blocks: list[_Block]
-    dims: list[int]  # the Matryoshka dimensions, ascending ([D] without)
-    weights: Tensor  # their weights (n_dims x 1)
+    groups: list[BoundGroup[_Column]]
+    dims: Dims
+    weights: Tensor  # the dimensions' weights (n_dims x 1)
     dims_tensor: Tensor  # int32 dims on the device, for the kernels
     thr: Tensor
     theta: Tensor
@@ -226,17 +216,13 @@ class ForwardState:
     pos: Tensor  # base-2 positive logit of each row, per dimension (n_dims x B)
     run_max: Tensor  # running max m (at least the positive), per partition (n_parts x n_dims x B)
     run_sum: Tensor  # sum of 2^(z - m) over the unmasked entries other than the label, per partition
-    counts: Tensor  # int32 counters (masked per block kind, then unmasked others) x B
+    counts: Tensor  # int32 counters (masked per statistics block, then the entries left) x B
     scalars: Tensor
     flags: dict
     guided: bool = True  # False: no guide masking (the guide pointers are not read)
     row_texts: Tensor | None = None  # (2, B) int32: the text ids of anchor i and of its positive (mask_duplicates)
     backward: str = "gemm"
     tiles: dict | None = None
-
-    @property
-    def top(self) -> int:
-        return self.dims[-1]
 
     @property
     def offset(self) -> int:
@@ -246,38 +232,40 @@ class ForwardState:
     def batch(self) -> int:
         return self.pos.shape[1]
 
-    @property
-    def segments(self) -> list[tuple[int, int]]:
-        """Columns ``(lo, hi)`` of each segment between consecutive dimensions, ascending."""
-        return list(zip([0, *self.dims[:-1]], self.dims))
-
     def loss(self) -> Tensor:
-        """``sum_u w_u mean_i ((m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2)))``, 0-dim.
-
-        With P partitions, the mean over them of each one's log-sum-exp minus the positive; for partition 0, which
-        holds the label, as above, for another ``(m_p - pos) ln 2 + ln(l_p)``.
-        """
+        """The weighted mean over rows of each row's loss (``cgist.problem.row_losses``), 0-dim."""
         return (self.weights * row_losses((self.run_max - self.pos) * LN2, self.run_sum)).sum() / self.batch
 
-    def totals(self) -> Tensor:
-        """Each partition's softmax denominator over ``2^m`` (n_parts x n_dims x B): ``l``, plus ``2^(pos - m)``, the
-        label's term, in partition 0."""
-        return totals(self.run_sum, torch.exp2(self.pos - self.run_max[0]))
-
-    def row_weight(self, totals: Tensor) -> Tensor:
-        """``w_u / (P * tau * B * total_p)`` per partition p (n_parts x n_dims x B)."""
-        return row_weights(self.weights, 1.0 / (self.options.temperature * self.batch), totals)
-
-    def label_terms(self, totals: Tensor) -> Tensor:
-        """The label's term for the score-gradient kernel: its score gradient is minus this times partition 0's row
-        weight, ``l_0 + (P - 1) total_0`` (n_dims x B)."""
-        return label_terms(self.run_sum, totals)
+    def gradient_weights(self) -> tuple[Tensor, Tensor]:
+        """Each partition's row weights (n_parts x n_dims x B) and the label's term (n_dims x B), from the
+        partitions' softmax denominators over ``2^m`` (``cgist.problem``)."""
+        denominators = totals(self.run_sum, torch.exp2(self.pos - self.run_max[0]))
+        scale = 1.0 / (self.options.temperature * self.batch)
+        return row_weights(self.weights, scale, denominators), label_terms(self.run_sum, denominators)
 
     def counters(self) -> tuple[Tensor, Tensor]:
         """The mask counters: int64 counts (``cgist.numerics.COUNT_FIELDS``) and the sums of theta and T_i."""
         counts = self.counts.sum(dim=1, dtype=torch.int64)
-        positive_only = (self.counts[_KEPT_ROW] == 0).sum()
-        return torch.cat([counts[:_KEPT_ROW], positive_only[None]]), torch.stack([self.theta.sum(), self.thr.sum()])
+        positive_only = (self.counts[_LEFT_ROW] == 0).sum()
+        return torch.cat([counts[:_LEFT_ROW], positive_only[None]]), torch.stack([self.theta.sum(), self.thr.sum()])
+
+
+def _guide_operands(guide_embeddings: Sequence[Tensor] | None, embeddings: list[Tensor], inverse: list[Tensor],
+                    acc: torch.dtype) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The guide's rows as the kernels read them, their inverse norms and their tie ids. Without a guide, the
+    student's rows and all-zero ids (pointers the kernels do not read), so a call without a guide runs the same
+    binaries."""
+    if guide_embeddings is None:
+        ids = [torch.zeros(x.shape[0], dtype=torch.int32, device=x.device) for x in embeddings]
+        return embeddings, [r[-1] for r in inverse], ids
+    guide_embeddings = [stack_rows(g) for g in guide_embeddings]
+    guide_dtype = guide_embeddings[0].dtype
+    if acc == torch.float64 or guide_dtype == torch.float64:
+        guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
+    guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
+    guide_inverse = [1.0 / torch.linalg.vector_norm(g, dim=1, dtype=acc).clamp_min(EPS) for g in guide_embeddings]
+    # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
+    return guide_embeddings, guide_inverse, tie_ids(guide_embeddings, acc)
 
 
 @torch.no_grad()
@@ -285,79 +273,49 @@ def prepare_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
     need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
 ) -> ForwardState:
-    """Norms, tie ids, blocks and the per-row buffers of one call; launches nothing.
-
-    Without a guide (``guide_embeddings=None``) the guide operands are the student's (the kernels skip them), so a
-    call without a guide compiles and runs the same binaries.
-    """
+    """Norms, tie ids, the bound column groups (``cgist.problem.bind_groups``) and the per-row buffers of one call;
+    launches nothing."""
     embeddings = [_rows_contiguous(stack_rows(x)) for x in embeddings]
-    acc = compute_dtype(embeddings[0].dtype)
-    device = embeddings[0].device
-    batch = embeddings[0].shape[0]
-    offset = options.offset
-    pairs = options.dims(embeddings[0].shape[1])[::-1]  # ascending
-    dims = [d for d, _ in pairs]
-    norms = [prefix_norms(x, dims, acc) for x in embeddings]
+    acc, device, batch = compute_dtype(embeddings[0].dtype), embeddings[0].device, embeddings[0].shape[0]
+    dims = Dims.of(options, embeddings[0].shape[1])
+    norms = [prefix_norms(x, dims.sizes, acc) for x in embeddings]
     # Dot products: no normalisation, every inverse norm 1 (and no radial term in ``gradients``).
     inverse = [torch.ones_like(n) if options.similarity == "dot" else 1.0 / n.clamp_min(EPS) for n in norms]
-
-    guided = guide_embeddings is not None
-    if guided:
-        guide_embeddings = [stack_rows(g) for g in guide_embeddings]
-        guide_dtype = guide_embeddings[0].dtype
-        if acc == torch.float64 or guide_dtype == torch.float64:
-            guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
-        guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
-        guide_inverse = [1.0 / torch.linalg.vector_norm(g, dim=1, dtype=acc).clamp_min(EPS) for g in guide_embeddings]
-        # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
-        ids = tie_ids(guide_embeddings, acc)
-    else:
-        guide_dtype = embeddings[0].dtype
-        guide_embeddings, guide_inverse = embeddings, [r[-1] for r in inverse]
-        ids = [torch.zeros(x.shape[0], dtype=torch.int32, device=device) for x in embeddings]
+    guide, guide_inverse, ids = _guide_operands(guide_embeddings, embeddings, inverse, acc)
     texts = text_ids if options.mask_duplicates else ids
-    sides = [_Side(x, g, r, rg, tid, text, i)
-             for i, (x, g, r, rg, tid, text) in enumerate(zip(embeddings, guide_embeddings, inverse, guide_inverse,
-                                                              ids, texts))]
-    anchor, positive = sides[0], sides[1]
-    # The column groups in the order of the loss (``GistOptions.column_groups``). The partner of an anchor row is
-    # its positive offset + i; the positive rows are the positives offset + i, whose partner is anchor i.
-    specs, n_parts, _ = options.column_groups(len(sides))
-    local_positives = positive.rows(offset, offset + batch)
-    blocks = [_Block(spec, anchor, sides[spec.column], positive.ids, offset) if spec.row == "a" else
-              _Block(spec, local_positives, sides[spec.column], anchor.ids, 0) for spec in specs]
-    # Each row's two texts, whatever the block: its anchor's and its positive's.
-    row_texts = torch.stack([anchor.text, positive.text[offset : offset + batch]])
-
+    columns = [_Column(*parts, i) for i, parts in enumerate(zip(embeddings, guide, inverse, guide_inverse, ids, texts))]
+    groups, n_parts, _ = bind_groups(options, columns, [x.shape[0] for x in embeddings])
+    # Each row's two texts, whatever the group: its anchor's and its positive's.
+    row_texts = torch.stack([columns[0].text, columns[1].text[options.offset : options.offset + batch]])
     n_dims = len(dims)
-    pos = torch.empty(n_dims, batch, dtype=acc, device=device)
-    run_max, run_sum = (torch.empty(n_parts, n_dims, batch, dtype=acc, device=device) for _ in range(2))
     return ForwardState(
-        options=options, embeddings=embeddings, sides=sides, norms=norms, blocks=blocks, dims=dims,
-        weights=_device_constant(tuple(w for _, w in pairs), acc, device).unsqueeze(1),
-        dims_tensor=_device_constant(tuple(dims), torch.int32, device),
+        options=options, embeddings=embeddings, columns=columns, norms=norms, groups=groups, dims=dims,
+        weights=_device_constant(dims.weights, acc, device).unsqueeze(1),
+        dims_tensor=_device_constant(dims.sizes, torch.int32, device),
         thr=torch.empty(batch, dtype=acc, device=device), theta=torch.empty(batch, dtype=acc, device=device),
         theta_masked=torch.empty(batch, dtype=torch.int8, device=device),
-        pos=pos, run_max=run_max, run_sum=run_sum,
+        pos=torch.empty(n_dims, batch, dtype=acc, device=device),
+        run_max=torch.empty(n_parts, n_dims, batch, dtype=acc, device=device),
+        run_sum=torch.empty(n_parts, n_dims, batch, dtype=acc, device=device),
         counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
                                                             device=device),
         scalars=_device_constant(pack_scalars(options.temperature, options.margin, options.hardness), acc, device),
         flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype, _arch(device)),
-                   PRECISION_G=input_precision(guide_dtype, _arch(device)), N_DIMS=n_dims),
-        guided=guided, row_texts=row_texts,
+                   PRECISION_G=input_precision(guide[0].dtype, _arch(device)), N_DIMS=n_dims),
+        guided=guide_embeddings is not None, row_texts=row_texts,
     )
 
 
-def forward_block(state: ForwardState, block: _Block, count: bool = False) -> None:
-    """Launch the forward row pass of one block (the AP block first); records the autotuner's pick."""
+def forward_group(state: ForwardState, group: BoundGroup[_Column], count: bool = False) -> None:
+    """Launch the forward row pass of one group (the AP group first); records the autotuner's pick."""
     batch = state.batch
     with _launch_device(state.pos.device):
         gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
-            **block.kernel_args(state), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
-            masked_ptr=state.counts[_COUNTER_ROW[block.kind]], left_ptr=state.counts[_KEPT_ROW],
-            n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
-            stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=batch,
-            b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(state.sides[1].x.shape[0]),
+            **_kernel_args(state, group), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
+            masked_ptr=state.counts[_COUNTER_ROW[group.name]], left_ptr=state.counts[_LEFT_ROW],
+            n_rows=state.batch, n_cols=group.n_cols,
+            stride_rq=group.rows.rx.stride(0), stride_rk=group.cols.rx.stride(0), stride_state=batch,
+            b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(state.groups[0].n_cols),
             backward=BACKWARD_METHODS.index(state.backward), relative=int(state.options.relative), count=int(count),
             DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
         )
@@ -377,8 +335,8 @@ def gist_forward(
     """
     state = prepare_forward(embeddings, guide_embeddings, options, need_stats, text_ids)
     state.backward = backward
-    for i, block in enumerate(state.blocks):
-        forward_block(state, block, count=need_stats)
+    for i, group in enumerate(state.groups):
+        forward_group(state, group, count=need_stats)
         if i == 0:  # AP, first, seeded partition 0 with the positive logits; the other partitions start there too
             state.run_max[1:] = state.pos
             state.run_sum[1:] = 0.0
@@ -387,7 +345,7 @@ def gist_forward(
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Rows and columns of one chunk of the GEMM backward (multiples of the tile, or a whole block)."""
+    """Rows and columns of one chunk of the GEMM backward (multiples of the tile, or a whole group)."""
 
     rows: int
     cols: int
@@ -428,7 +386,7 @@ def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: i
 class BackwardWork:
     """The buffers of one backward: summed products ``h`` and radial sums per embedding, and the chunk operands.
 
-    ``run(method)`` computes everything; ``gemm_block`` / ``fused_block`` do one block (benchmarks).
+    ``run(method)`` computes everything; ``gemm_group`` / ``fused_group`` do one group (benchmarks).
     """
 
     def __init__(self, state: ForwardState, block_bytes: int | None = None) -> None:
@@ -439,9 +397,7 @@ class BackwardWork:
         n_dims = len(state.dims)
         self.radial = [torch.zeros(n_dims, x.shape[0], dtype=acc, device=device) for x in state.embeddings] \
             if n_dims > 1 else None
-        totals = state.totals()
-        self.row_weight = state.row_weight(totals)
-        self.label_terms = state.label_terms(totals)
+        self.row_weight, self.label_terms = state.gradient_weights()
         self.split = state.flags["PRECISION"] == "tf32x3"
         self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
         self._operands = None
@@ -452,7 +408,7 @@ class BackwardWork:
     def operands(self) -> list[tuple[Tensor, ...]]:
         """Each embedding's first ``top`` columns as GEMM operands: ``(x,)``, or its tf32 split for tf32x3."""
         if self._operands is None:
-            top = self.state.top
+            top = self.state.dims.top
             xs = [x[:, :top] for x in self.state.embeddings]
             self._operands = [split_tf32(x) if self.split else (x,) for x in xs]
         return self._operands
@@ -463,7 +419,7 @@ class BackwardWork:
             state = self.state
             x = state.embeddings[0]
             parts = 2 if self.split else 1
-            widest = max(b.cols.x.shape[0] for b in state.blocks)
+            widest = max(g.n_cols for g in state.groups)
             n_dims = len(state.dims)
             acc_bytes = state.pos.element_size()
             plan = chunk_plan(state.batch, widest, state.tiles, n_dims, parts * x.element_size(), acc_bytes,
@@ -480,39 +436,39 @@ class BackwardWork:
             self._buffers = plan, f, row_part, col_part
         return self._buffers
 
-    def kernel_args(self, block: _Block) -> dict:
-        """The block's kernel arguments with its partition's row weights and, read at the label only, the label's
-        term (``ForwardState.label_terms``) in place of the running sum."""
-        return dict(block.kernel_args(self.state), rw_ptr=self.row_weight[block.spec.part], l_ptr=self.label_terms)
+    def kernel_args(self, group: BoundGroup[_Column]) -> dict:
+        """The group's kernel arguments with its partition's row weights and, read at the label only, the label's
+        term (``ForwardState.gradient_weights``) in place of the running sum."""
+        return dict(_kernel_args(self.state, group), rw_ptr=self.row_weight[group.spec.part], l_ptr=self.label_terms)
 
-    def score_grad_chunk(self, block: _Block, r0: int, r1: int, c0: int, c1: int) -> None:
-        """Launch the score-gradient kernel for rows r0:r1 and columns c0:c1 of ``block``."""
+    def score_grad_chunk(self, group: BoundGroup[_Column], r0: int, r1: int, c0: int, c1: int) -> None:
+        """Launch the score-gradient kernel for rows r0:r1 and columns c0:c1 of ``group``."""
         state = self.state
         _, f, row_part, col_part = self.buffers()
         tiles = state.tiles
         grid = (triton.cdiv(r1 - r0, tiles["BLOCK_M"]), triton.cdiv(c1 - c0, tiles["BLOCK_N"]))
         with _launch_device(f.device):
             gist_score_grad_kernel[grid](
-                **self.kernel_args(block), dims_ptr=state.dims_tensor, f_ptr=f, row_part_ptr=row_part,
+                **self.kernel_args(group), dims_ptr=state.dims_tensor, f_ptr=f, row_part_ptr=row_part,
                 col_part_ptr=col_part, row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,
-                stride_rq=block.rows.rx.stride(0), stride_rk=block.cols.rx.stride(0), stride_state=state.batch,
+                stride_rq=group.rows.rx.stride(0), stride_rk=group.cols.rx.stride(0), stride_state=state.batch,
                 stride_f_seg=f.stride(0), stride_f_part=f.stride(1), stride_f_row=f.stride(2),
                 stride_rp_dim=row_part.stride(0), stride_rp_tile=row_part.stride(1) if row_part.dim() == 3 else 0,
                 stride_cp_dim=col_part.stride(0), stride_cp_tile=col_part.stride(1) if col_part.dim() == 3 else 0,
                 SPLIT=self.split, **state.flags, **tiles,
             )
 
-    def chunk_gemms(self, block: _Block, r0: int, r1: int, c0: int, c1: int) -> None:
+    def chunk_gemms(self, group: BoundGroup[_Column], r0: int, r1: int, c0: int, c1: int) -> None:
         """Add the products of the chunk's operands (left by ``score_grad_chunk``) into ``h`` and the radial sums."""
         state = self.state
         _, f, row_part, col_part = self.buffers()
-        rows, cols = block.rows, block.cols
+        rows, cols = _rows(group, state.batch), group.cols
         operands = self.operands()
         row_x = tuple(t[rows.start + r0 : rows.start + r1] for t in operands[rows.grad])
         col_x = tuple(t[c0:c1] for t in operands[cols.grad])
         h_rows = self.h[rows.grad][rows.start + r0 : rows.start + r1]
         h_cols = self.h[cols.grad][c0:c1]
-        for s, (lo, hi) in enumerate(state.segments):
+        for s, (lo, hi) in enumerate(state.dims.segments):
             operand = tuple(f[s, p, : r1 - r0, : c1 - c0] for p in range(f.shape[1]))
             _gemm_acc(h_rows[:, lo:hi], operand, tuple(t[:, lo:hi] for t in col_x))
             _gemm_acc(h_cols[:, lo:hi], tuple(t.T for t in operand), tuple(t[:, lo:hi] for t in row_x))
@@ -522,42 +478,42 @@ class BackwardWork:
             self.radial[rows.grad][:, rows.start + r0 : rows.start + r1] += row_part[:, :n_col_tiles, : r1 - r0].sum(1)
             self.radial[cols.grad][:, c0:c1] += col_part[:, :n_row_tiles, : c1 - c0].sum(1)
 
-    def chunks(self, block: _Block) -> list[tuple[int, int, int, int]]:
-        """The chunks ``(r0, r1, c0, c1)`` of ``block``, in their fixed order."""
+    def chunks(self, group: BoundGroup[_Column]) -> list[tuple[int, int, int, int]]:
+        """The chunks ``(r0, r1, c0, c1)`` of ``group``, in their fixed order."""
         plan = self.buffers()[0]
-        n_rows, n_cols = block.rows.x.shape[0], block.cols.x.shape[0]
+        n_rows, n_cols = self.state.batch, group.n_cols
         return [(r0, min(r0 + plan.rows, n_rows), c0, min(c0 + plan.cols, n_cols))
                 for r0 in range(0, n_rows, plan.rows) for c0 in range(0, n_cols, plan.cols)]
 
-    def gemm_block(self, block: _Block) -> None:
-        for chunk in self.chunks(block):
-            self.score_grad_chunk(block, *chunk)
-            self.chunk_gemms(block, *chunk)
+    def gemm_group(self, group: BoundGroup[_Column]) -> None:
+        for chunk in self.chunks(group):
+            self.score_grad_chunk(group, *chunk)
+            self.chunk_gemms(group, *chunk)
 
     # -- the fused backward -----------------------------------------------------------------------------------
 
-    def fused_rows(self, block: _Block) -> None:
-        """The fused row pass of one block: ``h[rows] += F @ k``."""
-        self._fused_pass(block, gist_bwd_rows_kernel, block.rows, "BLOCK_M")
+    def fused_rows(self, group: BoundGroup[_Column]) -> None:
+        """The fused row pass of one group: ``h[rows] += F @ k``."""
+        self._fused_pass(group, gist_bwd_rows_kernel, _rows(group, self.state.batch), "BLOCK_M")
 
-    def fused_cols(self, block: _Block) -> None:
-        """The fused column pass of one block: ``h[cols] += F^T @ q``."""
-        self._fused_pass(block, gist_bwd_cols_kernel, block.cols, "BLOCK_N")
+    def fused_cols(self, group: BoundGroup[_Column]) -> None:
+        """The fused column pass of one group: ``h[cols] += F^T @ q``."""
+        self._fused_pass(group, gist_bwd_cols_kernel, group.cols, "BLOCK_N")
 
-    def fused_block(self, block: _Block) -> None:
-        """The fused row and column passes of one block, adding into ``h``."""
-        self.fused_rows(block)
-        self.fused_cols(block)
+    def fused_group(self, group: BoundGroup[_Column]) -> None:
+        """The fused row and column passes of one group, adding into ``h``."""
+        self.fused_rows(group)
+        self.fused_cols(group)
 
-    def _fused_pass(self, block: _Block, kernel, side: _Side, tile: str) -> None:
+    def _fused_pass(self, group: BoundGroup[_Column], kernel, side: _Column, tile: str) -> None:
         state = self.state
         if len(state.dims) > 1:
             raise NotImplementedError("the fused backward computes one dimension; Matryoshka runs on the GEMM backward")
         out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
         with _launch_device(state.pos.device):
             kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                **self.kernel_args(block), grad_ptr=out, stride_grad=out.stride(0),
-                n_rows=block.rows.x.shape[0], n_cols=block.cols.x.shape[0],
+                **self.kernel_args(group), grad_ptr=out, stride_grad=out.stride(0),
+                n_rows=state.batch, n_cols=group.n_cols,
                 ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"], PRECISION_G=state.flags["PRECISION_G"],
                 **state.tiles,
             )
@@ -567,28 +523,20 @@ class BackwardWork:
     def run(self, method: str = "gemm") -> list[Tensor]:
         if method not in BACKWARD_METHODS:
             raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
-        for block in self.state.blocks:
-            (self.gemm_block if method == "gemm" else self.fused_block)(block)
+        for group in self.state.groups:
+            (self.gemm_group if method == "gemm" else self.fused_group)(group)
         return self.gradients()
 
     def gradients(self) -> list[Tensor]:
-        """Through the normalisation: ``h[:, s] - x[:, s] * sum_{u >= s} kappa_u c_u``, in each embedding's dtype.
-
-        ``kappa_u = r_u^2``, or 0 where ``||x[:d_u]|| < eps`` (the clamped norm has no gradient), and
-        ``c_u = sum_j dL/dcos_u * cos_u``: the radial sums, or ``x . h`` with one dimension.
-        """
-        state = self.state
+        """Through the normalisation (``cgist.problem.normalization_backward_`` on the raw rows, ``kappa_u = r_u^2``,
+        0 where ``||x[:d_u]|| < eps``), in each embedding's dtype. Past ``top``, ``h`` is 0 and stays 0."""
+        state, top = self.state, self.state.dims.top
         out = []
-        for i, (x, side, norm, h) in enumerate(zip(state.embeddings, state.sides, state.norms, self.h)):
+        for i, (x, column, norm, h) in enumerate(zip(state.embeddings, state.columns, state.norms, self.h)):
             if state.options.similarity != "dot":  # dot products have no normalisation to pass through
-                kappa = (side.rx**2).masked_fill_(norm < EPS, 0.0)
-                if self.radial is None:
-                    xa, ha = x[:, : state.top].to(h.dtype), h[:, : state.top]  # past top, h is 0 and stays 0
-                    ha.addcmul_(xa, (kappa[0] * torch.linalg.vecdot(xa, ha)).unsqueeze(1), value=-1.0)
-                else:
-                    suffix = (kappa * self.radial[i]).flip(0).cumsum(0).flip(0)  # row s: sum over u >= s
-                    for (lo, hi), coefficient in zip(state.segments, suffix):
-                        h[:, lo:hi].addcmul_(x[:, lo:hi].to(h.dtype), coefficient.unsqueeze(1), value=-1.0)
+                kappa = (column.rx**2).masked_fill_(norm < EPS, 0.0)
+                radial = None if self.radial is None else self.radial[i]
+                normalization_backward_(h[:, :top], x[:, :top].to(h.dtype), kappa, radial, state.dims.segments)
             out.append(h.to(x.dtype))
         return out
 
