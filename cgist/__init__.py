@@ -1,9 +1,15 @@
 """cgist: a fused, streaming drop-in for sentence-transformers' CachedGISTEmbedLoss.
 
 ``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. ``FusedCachedGISTLoss`` and
-``FusedCachedMultipleNegativesRankingLoss`` subclass sentence-transformers losses, ``GuideStatsCallback`` a transformers callback, and ``add_guide_embeddings`` runs a
-sentence-transformers model over a ``datasets.Dataset``, so they (and with them sentence-transformers) are imported
-on first use.
+``FusedCachedMultipleNegativesRankingLoss`` subclass sentence-transformers losses, ``GuideStatsCallback`` a
+transformers callback, and ``add_guide_embeddings`` runs a sentence-transformers model over a ``datasets.Dataset``,
+so they (and with them sentence-transformers) are imported on first use.
+
+A call reads downward: ``options`` (what was asked: ``GistOptions`` and its column groups) -> ``problem`` (the groups
+bound to the call's columns, the Matryoshka dimensions, and how each row's softmax ends, written once) -> one
+backend, ``streaming`` (with ``workspace``) or ``kernels.launch`` over ``kernels.gist``, which scores tiles and
+accumulates. ``numerics`` holds the rules every path shares (threshold, guide mask, tie ids, half products). The
+README's Layout section lists each concept with the module that owns it.
 """
 
 from __future__ import annotations

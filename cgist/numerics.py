@@ -59,7 +59,7 @@ def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
 
     At least ``MIN_BLOCK_BYTES``, grown to ``floor_bytes`` (what a backend needs for blocks of an
     efficient shape), but never above an eighth of the memory available on ``device``, nor above
-    ``MAX_BLOCK_BYTES`` (a CPU keeps its buffers between calls: ``cgist.streaming.release_workspace``).
+    ``MAX_BLOCK_BYTES`` (a CPU keeps its buffers between calls: ``cgist.workspace.release_workspace``).
     """
     cap = min(available_bytes(device) // MEMORY_SHARE, MAX_BLOCK_BYTES)
     return max(min(max(MIN_BLOCK_BYTES, floor_bytes), cap), 1)

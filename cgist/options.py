@@ -95,8 +95,9 @@ class GistOptions:
             and the guide is untouched. Distinct positive ints, in any order; at most the student dimension
             (checked with the shapes).
         matryoshka_weights: the weights ``w_d``, one finite number per dimension (default: all 1).
-        block_bytes: bytes of score buffers the loss stage may hold at once, a positive int; None picks a
-            default for the device (see ``cgist.streaming.plan``).
+        block_bytes: the workspace budget: bytes of score buffers the loss stage may hold at once, a positive int
+            (the streaming path's row-block tiles, ``cgist.workspace.plan``; the Triton backward's chunk operands,
+            ``cgist.kernels.launch.chunk_plan``); None picks a default for the device.
 
     Raises:
         TypeError, ValueError: naming the first bad option.

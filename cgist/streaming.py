@@ -1,12 +1,11 @@
 """Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
 
-Anchors are processed in row blocks. A row block is scored against the candidate columns of every column
-group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k and the directions' QQ, DQ, DD,
-DN_1..DN_k) in tiles of up to ``cgist.workspace.TILE_COLS`` columns: one matrix product for the guide scores, which a float comparison turns
-into the mask, one for the student logits, then ``exp2``. The gradients
-with respect to the normalised embeddings come from the same tiles (two more products per tile), and one
-normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is ever
-allocated: the tiles live in a workspace (``cgist.workspace.Workspace``) whose size is the byte budget
+Anchors are processed in row blocks. A row block is scored against the columns of every column group bound to
+the call (``cgist.problem.bind_groups``) in tiles of up to ``cgist.workspace.TILE_COLS`` columns: one matrix
+product for the guide scores, which a float comparison turns into the mask, one for the student logits, then
+``exp2``. The gradients with respect to the normalised embeddings come from the same tiles (two more products per
+tile), and one normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is
+ever allocated: the tiles live in a workspace (``cgist.workspace.Workspace``) whose size is the byte budget
 (``cgist.workspace.plan``).
 
 Two schedules, chosen per call by ``cgist.workspace.plan``:
