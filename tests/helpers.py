@@ -9,7 +9,7 @@ API:
     make_inputs(...)              random student and guide columns [anchor, positive, *negatives].
     shape_id(...)                 the readable test id of a shape, ``B13-N26-D40-Dg24-k1``.
     loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
-    oracle_masks(...)             every column group's mask, written from DESIGN's masking rules (not the package's).
+    oracle_masks(...)             every column group's mask: the call's groups, each rule written from DESIGN.
     oracle_stats(...)             the GistStats counted on those masks, every block (AP, AA, PP, AN, QQ, DQ, DD).
     oracle_counters(...)          the same counts as a backend's counters (``cgist.numerics.COUNT_FIELDS``).
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
@@ -278,24 +278,22 @@ def oracle_masks(
     embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
     text_ids: list[torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor, int]]:
-    """Every column group's mask (True: left out of row i's softmax) as ``(block, B x columns mask, candidates)``,
-    written from DESIGN sections 2 and 2b, not from the package.
+    """Every column group's mask (True: left out of row i's softmax) as ``(block, B x columns mask, candidates)``.
 
-    Columns ``[anchor, positive, *negatives]`` and, with ``options.all_anchors``, every rank's anchors last. Row i is
-    anchor i, or its positive ``offset + i`` (PP, DQ, DD). Guide rule, in every group: masked where the guide's
-    cosine of (row, column) is strictly above T_i; a column whose normalised guide vector equals the row's partner
-    (anchor rows: the positive ``offset + i``; positive rows: anchor i) scores exactly theta_i, a tie. Then the
-    exclusions: ``mask_duplicates`` (a column with the text of anchor i or of its positive), ``mask_self`` (AA[i, i],
-    PP[i, offset + i]), QQ's anchor i and DD's column ``offset + i`` of every document column. Never masked, and not
-    a candidate: AP's label ``offset + i`` and DQ's pair (anchor i). Matryoshka dimensions do not change the masks.
+    The groups are the call's (``options.column_groups``: the block, row side, column and which of row i's columns
+    is the label, excluded or never masked); what each rule means is written here from DESIGN sections 2 and 2b, not
+    from the package, on dense masks. Columns ``[anchor, positive, *negatives]`` and, with ``options.all_anchors``,
+    every rank's anchors last. Row i is anchor i (``row="a"``) or its positive ``offset + i`` (``"p"``); a rule's
+    offset names row i's column ``i + offset``. Guide rule, in every group: masked where the guide's cosine of (row,
+    column) is strictly above T_i; a column whose normalised guide vector equals the row's partner (anchor rows: the
+    positive ``offset + i``; positive rows: anchor i) scores exactly theta_i, a tie. Then the exclusions:
+    ``mask_duplicates`` (a column with the text of anchor i or of its positive) and the group's excluded column.
+    Never masked, and not a candidate: the label ``offset + i`` (AP) and the group's unmasked column (DQ's pair).
+    Matryoshka dimensions do not change the masks.
     """
     batch = embeddings[0].shape[0]
-    n_columns = len(embeddings)
-    negatives = list(range(2, n_columns - options.all_anchors))
-    everyone = n_columns - 1 if options.all_anchors else 0  # the anchors QQ and DQ score against
     rows = torch.arange(batch)
     labels = rows + options.offset
-    own_anchor = labels if options.all_anchors else rows
     guided = guide_embeddings is not None
     if guided:
         unit = [_unit(g) for g in guide_embeddings]
@@ -303,36 +301,23 @@ def oracle_masks(
         partner = {"a": unit[1][labels], "p": unit[0]}
         theta, limit = (t[:, None] for t in _thresholds(guide_embeddings, options))
 
-    def group(row: str, column: int, *, keep=None, exclude=None) -> torch.Tensor:
+    blocks = []
+    for spec in options.column_groups(len(embeddings))[0]:
+        column = spec.column
         mask = torch.zeros(batch, embeddings[column].shape[0], dtype=torch.bool)
         if guided:
-            tie = (unit[column][None, :, :] == partner[row][:, None, :]).all(dim=2)
-            scores = torch.where(tie, theta, row_vectors[row] @ unit[column].T)
+            tie = (unit[column][None, :, :] == partner[spec.row][:, None, :]).all(dim=2)
+            scores = torch.where(tie, theta, row_vectors[spec.row] @ unit[column].T)
             mask |= scores > limit
         if options.mask_duplicates:
             texts = text_ids[column].cpu()[None, :]
             mask |= (texts == text_ids[0].cpu()[:, None]) | (texts == text_ids[1].cpu()[labels][:, None])
-        if exclude is not None:
-            mask[rows, exclude] = True
-        if keep is not None:
-            mask[rows, keep] = False
-        return mask
-
-    def counted(name: str, mask: torch.Tensor, kept: torch.Tensor | None = None) -> tuple[str, torch.Tensor, int]:
-        return name, mask, mask.numel() - (0 if kept is None else batch)
-
-    blocks = [counted("ap", group("a", 1, keep=labels), labels)]
-    if options.contrast_anchors:
-        blocks.append(counted("aa", group("a", 0, exclude=rows if options.mask_self else None)))
-    if options.contrast_positives:
-        blocks.append(counted("pp", group("p", 1, exclude=labels if options.mask_self else None)))
-    blocks += [counted("an", group("a", c)) for c in negatives]
-    if "query_to_query" in options.directions:
-        blocks.append(counted("qq", group("a", everyone, exclude=own_anchor)))
-    if "doc_to_query" in options.directions:
-        blocks.append(counted("dq", group("p", everyone, keep=own_anchor), own_anchor))
-    if "doc_to_doc" in options.directions:
-        blocks += [counted("dd", group("p", c, exclude=labels)) for c in (1, *negatives)]
+        if spec.excluded_offset is not None:
+            mask[rows, rows + spec.excluded_offset] = True
+        kept = [o for o in (options.offset if spec.label else None, spec.unmasked_offset) if o is not None]
+        for offset in kept:  # the label, the pair never masked
+            mask[rows, rows + offset] = False
+        blocks.append((spec.name, mask, mask.numel() - batch * len(kept)))
     return blocks
 
 
