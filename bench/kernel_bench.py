@@ -463,13 +463,13 @@ def _chunk_rows(batch: int, tiles: dict, n_dims: int, dtype: torch.dtype) -> int
 
 
 def block_columns(batch: int, k: int, directions: tuple[str, ...] | None = None) -> list[int]:
-    """Columns of each score block at B = N (every block has B rows): GIST's AP, AA, PP, AN_1..AN_k, or with
-    ``directions`` (both contrast flags off) their blocks: AP and AN_1..AN_k for query-to-document, QQ,
-    DQ, and DD over the positives and each negative set for document-to-document."""
-    if directions is None:
-        return [batch] * (3 + k)
-    blocks = {"query_to_doc": 1 + k, "query_to_query": 1, "doc_to_query": 1, "doc_to_doc": 1 + k}
-    return [batch] * sum(blocks[d] for d in directions)
+    """Columns of each score block at B = N (every block has B rows), one per column group of the call
+    (``GistOptions.column_groups``): GIST's AP, AA, PP, AN_1..AN_k, or with ``directions`` (both contrast flags
+    off) their blocks: AP and AN_1..AN_k for query-to-document, QQ, DQ, and DD over the positives and each
+    negative set for document-to-document."""
+    options = GistOptions() if directions is None else GistOptions(
+        contrast_anchors=False, contrast_positives=False, directions=directions)
+    return [batch] * len(options.column_groups(2 + k)[0])
 
 
 def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: tuple[int, ...] | None = None,

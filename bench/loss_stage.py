@@ -289,29 +289,21 @@ def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
 
 
 def score_blocks(n_columns: int, directions: Sequence[str] | None = None) -> list[tuple[str, int]]:
-    """The score blocks of a loss stage on ``n_columns`` columns (anchor, positive, negatives), as
-    ``(queries, keys)`` pairs: queries ``"a"`` (the B anchors) or ``"p"`` (positives 0..B-1, the anchors'
-    own), keys a column index (0 the anchors, 1 the positives, 2.. the negatives).
+    """The score blocks of a loss stage on ``n_columns`` columns (anchor, positive, negatives): its column groups
+    (``GistOptions.column_groups``) as ``(queries, keys)`` pairs, queries ``"a"`` (the B anchors) or ``"p"``
+    (positives 0..B-1, the anchors' own), keys a column index (0 the anchors, 1 the positives, 2.. the negatives).
 
-    ``directions`` None: GIST's blocks with both contrast flags on, AP, AA, PP, AN_1..AN_k. Otherwise
-    sentence-transformers' ``MultipleNegativesRankingLoss`` blocks of those directions, in this order:
-    query-to-document (AP, AN_1..AN_k), query-to-query (AA), document-to-query (PA) and document-to-document
-    (PP, PN_1..PN_k). Every block counts whole, as ST computes it: AA is not halved for its symmetry, nor PA
-    taken from AP's transpose.
+    ``directions`` None: GIST's blocks with both contrast flags on, AP, AA, PP, AN_1..AN_k. Otherwise (both
+    contrast flags off) sentence-transformers' ``MultipleNegativesRankingLoss`` blocks of those directions, which
+    include ``"query_to_doc"``, in this order: query-to-document (AP, AN_1..AN_k), query-to-query (AA),
+    document-to-query (PA) and document-to-document (PP, PN_1..PN_k). Every block counts whole, as ST computes it:
+    AA is not halved for its symmetry, nor PA taken from AP's transpose.
     """
-    negatives = range(2, n_columns)
-    if directions is None:
-        return [("a", 1), ("a", 0), ("p", 1), *(("a", c) for c in negatives)]
-    blocks = []
-    if "query_to_doc" in directions:
-        blocks += [("a", 1), *(("a", c) for c in negatives)]
-    if "query_to_query" in directions:
-        blocks.append(("a", 0))
-    if "doc_to_query" in directions:
-        blocks.append(("p", 0))
-    if "doc_to_doc" in directions:
-        blocks += [("p", 1), *(("p", c) for c in negatives)]
-    return blocks
+    from cgist.options import GistOptions
+
+    options = GistOptions() if directions is None else GistOptions(
+        contrast_anchors=False, contrast_positives=False, directions=tuple(directions))
+    return [(group.row, group.column) for group in options.column_groups(n_columns)[0]]
 
 
 def gemm_step(student: Sequence, guide: Sequence | None, *, directions: Sequence[str] | None = None, seed: int = 0,
