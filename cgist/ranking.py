@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import warnings
@@ -134,15 +133,6 @@ class _FusedRanking(FusedDropIn):
         self.resolve()
 
 
-def _signature_for(parent: type, init: Callable[..., None]) -> inspect.Signature:
-    """``init``'s signature cut to the parameters of ``parent.__init__``, in their order, then cgist's own
-    (``FusedDropIn.OWN_DEFAULTS``): one written signature serves a drop-in whose sentence-transformers class takes
-    fewer of the same arguments."""
-    ours = inspect.signature(init).parameters
-    names = [*inspect.signature(parent.__init__).parameters, *FusedDropIn.OWN_DEFAULTS]
-    return inspect.signature(init).replace(parameters=[ours[name] for name in names if name in ours])
-
-
 class FusedCachedMultipleNegativesRankingLoss(_FusedRanking, CachedMultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultipleNegativesRankingLoss`` with a fused, streaming loss stage."""
 
@@ -205,7 +195,18 @@ with warnings.catch_warnings():
     class FusedCachedMultipleNegativesSymmetricRankingLoss(_FusedRanking, CachedMultipleNegativesSymmetricRankingLoss):
         """sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss`` with a fused, streaming loss stage."""
 
-        def __init__(self, *args: object, **kwargs: object) -> None:
+        def __init__(
+            self,
+            model: SentenceTransformer,
+            scale: float = 20.0,
+            similarity_fct: Callable[[Tensor, Tensor], Tensor] = cos_sim,
+            mini_batch_size: int = 32,
+            mini_batch_num_tokens: int | None = None,
+            gather_across_devices: bool = False,
+            show_progress_bar: bool = False,
+            backend: Literal["auto", "torch", "triton"] = "auto",
+            block_bytes: int | None = None,
+        ) -> None:
             """
             A drop-in for :class:`CachedMultipleNegativesSymmetricRankingLoss`: the same arguments, defaults,
             attributes, loss and gradients (query-to-document and document-to-query, one softmax each, averaged),
@@ -219,24 +220,15 @@ with warnings.catch_warnings():
                 model, scale, similarity_fct, mini_batch_size, mini_batch_num_tokens, gather_across_devices,
                     show_progress_bar: as in sentence-transformers.
                 backend, block_bytes: as for ``FusedCachedMultipleNegativesRankingLoss``.
-
-            Its signature, as ``inspect.signature`` reports it, is ``FusedCachedMultipleNegativesRankingLoss``'s cut
-            to these arguments, in sentence-transformers' order.
             """
-            init = FusedCachedMultipleNegativesSymmetricRankingLoss.__init__
-            try:
-                arguments = inspect.signature(init).bind(self, *args, **kwargs)
-            except TypeError as error:  # named as Python names a call that its parameters do not take
-                raise TypeError(f"{init.__qualname__}() {error}") from None
-            arguments.apply_defaults()
             warnings.warn(
                 "CachedMultipleNegativesSymmetricRankingLoss is deprecated by sentence-transformers; use "
                 "cgist.FusedCachedMultipleNegativesRankingLoss(model, directions=('query_to_doc', 'doc_to_query'), "
                 "partition_mode='per_direction'), which computes the same loss",
                 DeprecationWarning, stacklevel=2,
             )
-            self._construct(CachedMultipleNegativesSymmetricRankingLoss,
-                            **{name: value for name, value in arguments.arguments.items() if name != "self"})
-
-        __init__.__signature__ = _signature_for(
-            CachedMultipleNegativesSymmetricRankingLoss, FusedCachedMultipleNegativesRankingLoss.__init__)
+            self._construct(
+                CachedMultipleNegativesSymmetricRankingLoss, model, scale, mini_batch_size, mini_batch_num_tokens,
+                gather_across_devices, backend, block_bytes, similarity_fct=similarity_fct,
+                show_progress_bar=show_progress_bar,
+            )
