@@ -28,7 +28,7 @@ bench/results/aot_compile_triton-X.Y.Z.txt the table of ``--arch 80 86 89 90 --d
 release the launcher supports, and tests/test_triton_versions.py fails when one no longer matches the sources. It runs
 under Triton 3.4 and newer: for another release, install its wheel beside the environment
 (``pip install --no-deps --target DIR triton==X.Y.Z``) and run with ``PYTHONPATH=DIR``; the tile tables follow the
-release (``cgist.kernels.gist._OLDER_TRITON``).
+release (``cgist.kernels.tiles._OLDER_TRITON``).
 
     python bench/aot_compile.py [--arch 70 75 80 86 89 90 100 120] [--dtypes fp32 tf32 bf16 ...]
                                 [--dims 384 768 1024 4096] [--guide-dims 384 1024] [--no-matryoshka] [--jobs N]
@@ -81,9 +81,9 @@ except ImportError:  # Triton 3.4 and 3.5: in Python, through the backend's ``ge
 import compile_table  # noqa: E402  (bench/, this script's folder)
 from cgist.devices import Arch, arch_for  # noqa: E402
 from cgist.kernels.gist import (  # noqa: E402
-    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, operand_kind,
-    shared_memory_estimate, tile_configs,
+    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel,
 )
+from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs  # noqa: E402
 from cgist.kernels.launch import TL_DTYPES, input_precision  # noqa: E402
 from cgist.numerics import compute_dtype  # noqa: E402
 

@@ -3,8 +3,8 @@
 A table's first line records the Triton release it was compiled with and a hash of the sources that decide its
 binaries: the parsed code (comments, layout and docstrings aside) of
 
-- ``kernels/gist.py``, all of it: the kernels and their helpers, the tile tables, ``tile_configs``,
-  ``operand_kind`` and ``shared_memory_estimate``;
+- ``kernels/gist.py`` and ``kernels/tiles.py``, all of them: the kernels and their helpers, the tile tables,
+  ``tile_configs``, ``operand_kind`` and ``shared_memory_estimate``;
 - the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``kernels/launch.py``),
   ``compute_dtype`` (``cgist/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
   ``arch_for`` in ``cgist/devices.py``);
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: File -> the top-level names whose definitions are hashed (None: the whole module).
 SOURCES: dict[str, tuple[str, ...] | None] = {
     "kernels/gist.py": None,
+    "kernels/tiles.py": None,
     "kernels/launch.py": ("TL_DTYPES", "input_precision"),
     "cgist/numerics.py": ("compute_dtype",),
     "cgist/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),

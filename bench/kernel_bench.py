@@ -480,7 +480,7 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
     With ``directions``, also the GEMM backward over those directions' blocks (``block_columns``), each entry
     counted as a query-to-document one, and its ratio to GIST's blocks.
     """
-    from cgist.kernels.gist import tile_configs
+    from cgist.kernels.tiles import tile_configs
     from cgist.kernels.launch import input_precision
 
     dtype, guide_dtype = PAIRS[pair]

@@ -57,9 +57,10 @@ from cgist.problem import (
 )
 
 from .gist import (
-    RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_UNMASKED, RULE_LABEL, RULE_EXCLUDED, RULE_TEXTS, BACKWARD_METHODS,
+    RULE_EXCLUDED, RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_LABEL, RULE_TEXTS, RULE_UNMASKED,
     gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
 )
+from .tiles import BACKWARD_METHODS
 
 if TYPE_CHECKING:
     from cgist.options import GistOptions

@@ -117,20 +117,22 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
     _copy_sources(tmp_path)
     compile_table.check_table(table, tmp_path)  # the copy is what the table was built from
 
-    gist = tmp_path / "kernels" / "gist.py"
-    source = gist.read_text()
+    tiles = tmp_path / "kernels" / "tiles.py"
+    source = tiles.read_text()
     # the second config of sm_80's tf32x3 tiles, in the fused backward's set: a smaller tile
     changed = source.replace("_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]",
                              "_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 32, 16, 4, 3)]")
     assert changed != source
-    gist.write_text(changed)
+    tiles.write_text(changed)
     with pytest.raises(AssertionError,
                        match="kernels changed: rerun python bench/aot_compile.py and commit its output"):
         compile_table.check_table(table, tmp_path)
 
     # a comment or a docstring does not change what compiles
-    gist.write_text(source.replace("_MMA_TF32X3 = [", "# a note\n_MMA_TF32X3 = [").replace(
-        '"""Triton kernels for the GIST loss', '"""The Triton kernels of the GIST loss'))
+    tiles.write_text(source.replace("_MMA_TF32X3 = [", "# a note\n_MMA_TF32X3 = [").replace(
+        '"""The tile configs of the GIST kernels', '"""The GIST kernels\' tile configs'))
+    gist = tmp_path / "kernels" / "gist.py"
+    gist.write_text(gist.read_text().replace('"""Triton kernels for the GIST loss', '"""The Triton kernels of the GIST loss'))
     compile_table.check_table(table, tmp_path)
 
 
@@ -138,7 +140,7 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
     ("kernels/launch.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
     ("cgist/devices.py", "(8, 6): (86, 99)", "(8, 6): (80, 99)"),  # the tile family of sm_86
     # which release takes which tables
-    ("kernels/gist.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
+    ("kernels/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
 ])
 def test_the_hash_covers_the_config_choice(tmp_path, file, old, new):
     _copy_sources(tmp_path)

@@ -70,7 +70,7 @@ def _describe_device(device: torch.device) -> str:
 def _tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
     """The tile configs the forward autotunes over for this pair on ``device``."""
     from ..devices import gpu_arch
-    from ..kernels.gist import tile_configs
+    from ..kernels.tiles import tile_configs
     from ..kernels.launch import input_precision
 
     arch = gpu_arch(device)
