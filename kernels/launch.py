@@ -31,9 +31,10 @@ fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every pro
 as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
 "medium" run plain tf32, as ``torch.mm`` does.
 
-At run time this module imports only torch, triton and the leaf modules ``cgist.numerics`` (normalisation, tie
-ids, the budget, half-precision products), ``cgist.problem`` (how each row's softmax ends) and ``cgist.devices``
-(the architecture); the options arrive as a ``cgist.GistOptions``.
+At run time this module imports only torch, triton, the kernels' modules and the leaf modules ``cgist.numerics``
+(normalisation, tie ids, the budget, half-precision products), ``cgist.problem`` (the bound column groups, the
+dimensions, how each row's softmax ends) and ``cgist.devices`` (the architecture); the options arrive as a
+``cgist.GistOptions``.
 """
 
 from __future__ import annotations
