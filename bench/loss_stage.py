@@ -236,7 +236,7 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 
     import cgist
     from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
-    from cgist.loss import FusedMatryoshka
+    from cgist.dropin import FusedMatryoshka
     from cgist.options import GistOptions
     from cgist.reference import gist_loss_reference
 

@@ -1,32 +1,27 @@
-"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with a fused loss stage; and what every
-drop-in shares: the loss stage of a GradCache step, its options read off the loss's attributes at each call
-(``FusedDropIn``), and the takeover of ``MatryoshkaLoss``'s decoration (``FusedMatryoshka``)."""
+"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with the fused loss stage of
+``cgist.dropin``; and what only it reads: the guide's source, the label column's guide embeddings, GIST's scalar
+hyperparameters checked, the settings it leaves to sentence-transformers' own loss computation, and its citations."""
 
 from __future__ import annotations
 
 import logging
 import math
-import numbers
-import random
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num_tokens
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .function import gist_loss_with_options, requested_backend
+from .dropin import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints
+from .function import requested_backend
 from .guide import LABELS, MODEL, NONE, SELF, GuideSource
-from .numerics import token_fingerprints
 from .options import MARGIN_STRATEGIES, GistOptions, _check_real
 from .stats import GistStats
 
-__all__ = ["FusedCachedGISTLoss", "FusedDropIn", "FusedMatryoshka"]
+__all__ = ["FusedCachedGISTLoss"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,166 +73,6 @@ def batch_rows(feature: dict[str, Tensor]) -> int:
         raise ValueError("guide='labels' checks the label tensor against the batch's rows, but these features hold "
                          "no tensor")
     return tensor.shape[0]
-
-
-def text_fingerprints(feature: dict[str, Tensor]) -> Tensor:
-    """A key per text of one column's features, from its token ids and attention mask (or packed lengths)."""
-    if "input_ids" not in feature:
-        raise ValueError("mask_duplicates compares texts by their token ids, but these features have no 'input_ids'; "
-                         "pass mask_duplicates=False")
-    input_ids = feature["input_ids"]
-    if "cu_seq_lens_q" in feature:  # packed: one row of all tokens, with cumulative lengths
-        bounds = feature["cu_seq_lens_q"].tolist()
-        input_ids = torch.nn.utils.rnn.pad_sequence([input_ids[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                                                    batch_first=True, padding_value=0)
-        lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=input_ids.device)
-        mask = torch.arange(input_ids.shape[1], device=input_ids.device) < lengths.unsqueeze(1)
-        return token_fingerprints(input_ids, mask)
-    return token_fingerprints(input_ids, feature.get("attention_mask"))
-
-
-def fused_loss_stage(
-    reps: list[list[Tensor]], guide: list | str | None, text_ids: list[Tensor] | None, options: GistOptions, *,
-    backend: str, gather: bool, with_backward: bool, dims: tuple[tuple[int, float], ...] | None = None,
-) -> tuple[Tensor, GistStats]:
-    """The loss stage of a GradCache step: the loss over the cached mini-batch embeddings ``reps`` and its statistics.
-
-    Each column stays a list of its mini-batches (the loss stage takes them as row chunks, so the embeddings are not
-    concatenated into a copy). With ``gather`` the candidates are gathered with gradients from every rank, as
-    sentence-transformers does, and so are the anchors when a direction scores against them; the guide's columns
-    (``guide``: a list of the guide's columns, "self" or None) and the text ids go with them. ``dims`` are Matryoshka
-    ``(d, w_d)`` pairs. With ``with_backward`` the embedding gradients are accumulated into the leaves' ``.grad``
-    and the loss is returned detached.
-    """
-    anchors, *candidates = (list(r) for r in reps)
-    if gather:
-        batch = sum(r.shape[0] for r in anchors)
-        check_equal_batches(batch, anchors[0].device)
-        everyone = options.reads_anchors
-        candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
-        if everyone:  # every rank's anchors, as one more column
-            candidates.append(all_gather_with_grad(torch.cat(anchors)))
-        if isinstance(guide, list):  # the guide model's mini-batches, or the label column's whole columns
-            whole = [torch.cat(c) if isinstance(c, (list, tuple)) else c for c in guide]
-            gathered = [all_gather_with_grad(c) for c in whole[1:]]
-            guide = [guide[0], *gathered, *([all_gather_with_grad(whole[0])] if everyone else [])]
-        if text_ids is not None:
-            text_ids = [text_ids[0], *(all_gather(t) for t in text_ids[1:]), *([all_gather(text_ids[0])] if everyone else [])]
-        options = options.replace(offset=get_rank() * batch, all_anchors=everyone)
-    if dims is not None:
-        # MatryoshkaLoss scores normalised prefixes (its ``shrink``), so even a dot-product loss scores cosines.
-        options = options.replace(matryoshka_dims=tuple(d for d, _ in dims), matryoshka_weights=tuple(w for _, w in dims),
-                                  similarity="cos")
-    loss, stats = gist_loss_with_options([anchors, *candidates], guide, options, backend=backend, return_stats=True,
-                                         text_ids=text_ids)
-    if with_backward:
-        loss.backward()
-        loss = loss.detach()
-    return loss, stats
-
-
-def check_embedding_stage(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
-    """The embedding stage's attributes of every drop-in, checked; sentence-transformers' own check of
-    ``mini_batch_num_tokens`` keeps its message."""
-    for name, value, expected in (
-        ("mini_batch_size", mini_batch_size, "an int"),
-        ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
-    ):
-        if value is None and name == "mini_batch_num_tokens":
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-    if mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
-    try:
-        _validate_mini_batch_num_tokens(mini_batch_num_tokens)
-    except ValueError as error:
-        raise ValueError(f"{error} Got {mini_batch_num_tokens!r}.") from None
-    if not isinstance(gather_across_devices, bool):
-        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
-
-
-def attribute_key(obj: object, names: Iterable[str]) -> tuple:
-    """The values of the attributes ``names`` of ``obj`` (None where one is missing), each with its type, so that
-    ``1`` and ``True`` or ``0`` and ``0.0`` differ: what a drop-in's options are rebuilt on."""
-    return tuple((type(value), value) for value in (getattr(obj, name, None) for name in names))
-
-
-class FusedDropIn:
-    """What the fused drop-ins share: sentence-transformers' attributes are the options.
-
-    The subclass (a sentence-transformers loss) keeps every hyperparameter as the attribute that
-    sentence-transformers defines, and cgist's own (``backend``, ``block_bytes``, ...) beside them, with class-level
-    defaults so that a loss built by ``__new__`` with its attributes set by hand has them too. At each call,
-    ``resolve`` reads them: the ``GistOptions`` of the fused loss stage, validated and cached, rebuilt only when one
-    of the attributes in ``options_key`` changed; or None when the fused stage does not compute what they ask for,
-    and sentence-transformers' own loss computation runs instead (with one warning per loss object).
-    """
-
-    backend: str = "auto"
-    block_bytes: int | None = None
-    last_stats: GistStats | None = None
-    #: cgist's own constructor arguments and their defaults: ``get_config_dict`` lists those that differ.
-    OWN_DEFAULTS: dict[str, object] = {"backend": "auto", "block_bytes": None}
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
-        # dimensions; take that decoration over and compute the dimensions in one pass instead.
-        if name == "calculate_loss":
-            value = FusedMatryoshka.take_over(self, value)
-        super().__setattr__(name, value)
-
-    def options_key(self) -> tuple:
-        """The attribute values the options are built from (``attribute_key``)."""
-        raise NotImplementedError
-
-    def build_options(self) -> tuple[GistOptions | None, str | None]:
-        """The attributes checked: the fused stage's options, or None and the reason it does not compute them."""
-        raise NotImplementedError
-
-    def resolve(self) -> GistOptions | None:
-        """The options of the next loss stage, from the attributes as they are now; None when sentence-transformers'
-        own loss computation runs instead. A bad attribute raises here, with the constructor's error."""
-        key = self.options_key()
-        cached = self.__dict__.get("_resolved")
-        if cached is None or cached[0] != key:
-            cached = (key, self.build_options())
-            self.__dict__["_resolved"] = cached  # past nn.Module.__setattr__: the cache is no attribute
-        options, reason = cached[1]
-        if options is None and not self.__dict__.get("_warned_unfused"):
-            self.__dict__["_warned_unfused"] = True
-            logger.warning("%s runs sentence-transformers' own loss computation instead of the fused loss stage "
-                           "(the same loss and gradients, with its time and memory): %s. This warning is shown once.",
-                           type(self).__name__, reason)
-        return options
-
-    @property
-    def options(self) -> GistOptions | None:
-        """The fused loss stage's options for the attributes as they are now (None when it does not run)."""
-        return self.resolve()
-
-    def own_config(self) -> dict[str, object]:
-        """cgist's own arguments that differ from their defaults, for ``get_config_dict``."""
-        return {name: getattr(self, name) for name, default in self.OWN_DEFAULTS.items()
-                if getattr(self, name) != default}
-
-
-def check_equal_batches(batch_size: int, device: torch.device) -> None:
-    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong.
-
-    The sizes travel on ``device``, the embeddings' own, which the process group can reach.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor(batch_size, device=device))
-    sizes = [int(s) for s in sizes]
-    if len(set(sizes)) > 1:
-        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-        raise ValueError(
-            f"gather_across_devices=True needs the same local batch size on every rank, got {listing} rows; "
-            "use a sampler that gives every rank full batches (e.g. drop_last / dataloader_drop_last=True)"
-        )
 
 
 #: The attributes ``FusedCachedGISTLoss`` reads at each call, sentence-transformers' and cgist's own (besides the guide,
@@ -674,54 +509,3 @@ _QWEN3_CITATION = _arxiv_entry(
     "            and An Yang and Dayiheng Liu and Junyang Lin and Fei Huang and Jingren Zhou",
     2025, "2506.05176", "cs.CL")
 
-
-class FusedMatryoshka:
-    """``calculate_loss`` of a fused drop-in under ``MatryoshkaLoss``: every dimension in one pass.
-
-    It stands in for sentence-transformers' ``CachedLossDecorator`` and reads its attributes (``fn``,
-    ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``) at each call. Each call picks the dimensions
-    with the same random call as that decorator (``random.sample`` over the dimension indices when
-    ``n_dims_per_step`` is below their number), then computes ``sum_d w_d * L_d`` and its gradients in one loss-stage
-    call. When the loss's attributes ask for what the fused stage does not compute, the decorator itself runs, a
-    loss per dimension, as in sentence-transformers.
-    """
-
-    def __init__(self, loss: FusedDropIn, decorator: object) -> None:
-        self.loss = loss
-        self.decorator = decorator
-
-    def __getattr__(self, name: str) -> object:
-        if name in ("fn", "matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
-            return getattr(self.decorator, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @staticmethod
-    def take_over(loss: FusedDropIn, value: object) -> object:
-        """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
-
-        Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then
-        runs once per dimension, as in sentence-transformers, which is slower but the same.
-        """
-        try:
-            from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
-        except ImportError:
-            return value
-        fn = getattr(value, "fn", None)
-        if not (isinstance(value, CachedLossDecorator) and getattr(fn, "__self__", None) is loss
-                and getattr(fn, "__func__", None) is getattr(type(loss), "calculate_loss", None)
-                and all(hasattr(value, a) for a in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"))):
-            return value
-        return FusedMatryoshka(loss, value)
-
-    def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]] | Tensor | None = None, *,
-                 with_backward: bool = False) -> Tensor:
-        """``calculate_loss`` over the sampled dimensions; ``reps_guided`` is the GIST loss's guide embeddings, or the
-        labels of the ranking losses (unused)."""
-        if self.loss.resolve() is None:
-            return self.decorator(reps, reps_guided, with_backward=with_backward)
-        dims, weights = self.decorator.matryoshka_dims, self.decorator.matryoshka_weights
-        indices: range | list[int] = range(len(dims))
-        if 0 < self.decorator.n_dims_per_step < len(indices):
-            indices = random.sample(indices, self.decorator.n_dims_per_step)
-        chosen = tuple((dims[i], float(weights[i])) for i in indices)
-        return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=chosen)

@@ -22,7 +22,7 @@ from sentence_transformers.util import cos_sim, dot_score, similarity_fct_name
 from torch import Tensor
 
 from .function import requested_backend
-from .loss import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage
+from .dropin import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage
 from .options import GistOptions, _check_real
 
 __all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",

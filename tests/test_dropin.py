@@ -168,8 +168,8 @@ def test_cgist_own_attributes_take_effect(own, student):
 
 def test_the_backend_and_budget_assigned_reach_the_loss_stage(student, monkeypatch):
     seen = []
-    real = cgist.loss.gist_loss_with_options
-    monkeypatch.setattr(cgist.loss, "gist_loss_with_options",
+    real = cgist.dropin.gist_loss_with_options
+    monkeypatch.setattr(cgist.dropin, "gist_loss_with_options",
                         lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
     loss = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch")
     loss.backend, loss.block_bytes = "auto", 1 << 20

@@ -18,7 +18,7 @@ from test_loss import MINI_BATCH, _texts
 
 import cgist
 from cgist import FusedCachedGISTLoss, GistOptions
-from cgist.loss import FusedMatryoshka
+from cgist.dropin import FusedMatryoshka
 from cgist.reference import gist_loss_reference
 
 
@@ -37,13 +37,13 @@ class _Counting:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = cgist.loss.gist_loss_with_options
+        real = cgist.dropin.gist_loss_with_options
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(cgist.loss, "gist_loss_with_options", counted)
+        monkeypatch.setattr(cgist.dropin, "gist_loss_with_options", counted)
 
 
 def _compare(student, guide, columns, *, dims, weights=None, n_dims_per_step=-1, train=False, **options):

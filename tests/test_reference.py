@@ -22,7 +22,7 @@ from helpers_models import tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
-import cgist.loss
+import cgist.dropin
 from cgist import FusedCachedGISTLoss, GistOptions, gist_loss, streaming
 from cgist.reference import gist_loss_reference
 
@@ -166,7 +166,7 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     fused_loss, fused_grads = _run_loss_object(
         FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
-        cgist.loss, monkeypatch, case, local, local_guide, gathered, gathered_guide,
+        cgist.dropin, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     assert all(torch.isfinite(fused).all() for fused in fused_grads)
     assert_close("fused vs ST", (st_loss, dict(zip(names, st_grads))), (fused_loss, dict(zip(names, fused_grads))),
