@@ -1,5 +1,6 @@
 """The ranking drop-ins: sentence-transformers' ``CachedMultipleNegativesRankingLoss`` and
-``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage of ``FusedCachedGISTLoss``, without a guide.
+``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage every drop-in shares (``cgist.dropin``), without
+a guide.
 """
 
 from __future__ import annotations
