@@ -91,6 +91,11 @@ class BoundGroup(Generic[C]):
         ``"dd"``)."""
         return self.spec.name
 
+    def entries(self, batch: int) -> int:
+        """The entries the statistics count for this group: each of its ``batch`` rows against every column, but the
+        label (AP) and the pair never masked (DQ)."""
+        return batch * (self.n_cols - (self.spec.label or self.spec.unmasked_offset is not None))
+
     @property
     def hard(self) -> bool:
         """Whether the hardness penalty applies anywhere in the group."""
@@ -113,12 +118,11 @@ def bind_groups(options: GistOptions, columns: Sequence[C], sizes: Sequence[int]
 
 
 def candidates(options: GistOptions, sizes: Sequence[int]) -> dict[str, int]:
-    """The entries each statistics block counts, for a call whose columns have ``sizes`` rows (the anchors
-    first): every row against every column of its groups, but the label (AP) and the pair never masked (DQ)."""
+    """The entries each statistics block counts (``BoundGroup.entries``, summed over its groups), for a call whose
+    columns have ``sizes`` rows (the anchors first)."""
     out: dict[str, int] = {}
     for group in bind_groups(options, [None] * len(sizes), sizes)[0]:
-        spared = group.spec.label or group.spec.unmasked_offset is not None
-        out[group.name] = out.get(group.name, 0) + sizes[0] * (group.n_cols - spared)
+        out[group.name] = out.get(group.name, 0) + group.entries(sizes[0])
     return out
 
 
