@@ -74,18 +74,26 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node`` that can run: anywhere (in functions too) but in the body of
+    ``if TYPE_CHECKING:``."""
+    children = node.orelse if isinstance(node, ast.If) and _is_type_checking(node.test) else ast.iter_child_nodes(node)
+    for child in children:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        yield from import_nodes(child)
+
+
 def runtime_imports(node: ast.AST) -> Iterator[tuple[int, str]]:
-    """(line, module) of every import under ``node`` that can run: anywhere but in the body of ``if TYPE_CHECKING:``.
+    """(line, module) of every import under ``node`` that can run (``import_nodes``).
 
     A relative import is its module with its leading dots (``from . import x`` is ".").
     """
-    children = node.orelse if isinstance(node, ast.If) and _is_type_checking(node.test) else ast.iter_child_nodes(node)
-    for child in children:
+    for child in import_nodes(node):
         if isinstance(child, ast.Import):
             yield from ((child.lineno, alias.name) for alias in child.names)
-        elif isinstance(child, ast.ImportFrom):
+        else:
             yield child.lineno, "." * child.level + (child.module or "")
-        yield from runtime_imports(child)
 
 
 def allowed(module: str) -> bool:
@@ -134,3 +142,75 @@ def test_kernels_import_only_torch_triton_stdlib_and_leaf_modules():
         assert forbidden_imports(source) == [], f"{path.name} imports more than torch, triton, stdlib and cgist's leaf modules"
         seen |= {module for _, module in runtime_imports(ast.parse(source))}
     assert {"torch", "triton"} <= seen  # the parse sees the real imports
+
+
+# No import circle among cgist's modules -------------------------------------------------------------------------
+
+PACKAGE = Path(cgist.__file__).parent
+
+
+def _module_files() -> dict[str, Path]:
+    """cgist's modules by dotted name (kernels/ is installed as cgist.kernels)."""
+    files = {}
+    for root, prefix in ((PACKAGE, "cgist"), (KERNELS, "cgist.kernels")):
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            files[".".join((prefix, *parts))] = path
+    return files
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the cgist modules it can import when it runs, inside functions too (``import_nodes``); a
+    ``from PKG import name`` counts as an import of the submodule ``PKG.name`` where there is one, else of PKG."""
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in import_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module
+                           for alias in node.names]
+            edges |= {t for t in targets if t in files and t != name}
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of ``graph``, each once, as the modules around it."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                circle = path[path.index(nxt):]
+                if frozenset(circle) not in done:
+                    done.add(frozenset(circle))
+                    found.append(circle + [nxt])
+            elif len(path) < len(graph):
+                visit(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    return found
+
+
+def test_the_cycle_check_finds_a_circle_hidden_inside_a_function():
+    graph = {"cgist.a": {"cgist.b"}, "cgist.b": {"cgist.a"}, "cgist.c": {"cgist.a"}}
+    assert cycles(graph) == [["cgist.a", "cgist.b", "cgist.a"]]
+    source = "def f():\n    from . import b\nif TYPE_CHECKING:\n    from . import c\n"
+    assert [m for _, m in runtime_imports(ast.parse(source))] == ["."]
+
+
+def test_no_import_circle_among_the_package_modules():
+    """Also through imports inside functions (what hides a circle from a plain import at start-up). A module's
+    import of its own package's ``__init__`` (the lazy names) is an edge like any other."""
+    files = _module_files()
+    graph = import_graph(files)
+    assert {"cgist.problem", "cgist.kernels.launch", "cgist.cli.run"} <= set(graph)
+    assert "cgist.problem" in graph["cgist.kernels.launch"] and "cgist.numerics" in graph["cgist.problem"]
+    assert cycles(graph) == []
