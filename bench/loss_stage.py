@@ -206,6 +206,9 @@ class EmbeddingWidth:
     def get_embedding_dimension(self) -> int:
         return self.dim
 
+    def _get_untruncated_embedding_dimension(self) -> int:  # what sentence-transformers 6.3 and later ask
+        return self.dim
+
 
 def on_concatenated(loss_of: Callable[[list, list], object]) -> Callable[[list[list], list[list]], object]:
     """A step computing ``loss_of(student columns, guide columns)`` on the concatenated leaves, then its backward."""

@@ -214,9 +214,10 @@ def test_bad_options(argv, message, pairs, tmp_path, capsys):
     _check(["--data", str(data), *argv], capsys, code=2, out_dir=tmp_path / "out", message=message)
 
 
-def test_direction_options_reach_the_loss_and_resume():
+def test_direction_options_reach_the_loss_and_resume(tmp_path, monkeypatch):
     """--directions and the other MultipleNegativesRankingLoss flags become the loss's options; a checkpoint that
     predates them (no record of them) resumes as one trained with their defaults, and a different value is named."""
+    monkeypatch.chdir(tmp_path)  # the default --output-dir is relative: not the one a user's own run left here
     parser = build_parser()
     args = parser.parse_args(["train", "--no-contrast-anchors", "--no-contrast-positives", "--directions",
                               "query_to_doc", "query_to_query", "doc_to_doc", "--hardness-mode", "hard_negatives",
