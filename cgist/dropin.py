@@ -17,6 +17,7 @@ from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
+from .compat import note_untested_release
 from .function import gist_loss_with_options
 from .numerics import token_fingerprints
 from .options import GistOptions
@@ -27,11 +28,19 @@ __all__ = ["FusedDropIn", "FusedMatryoshka"]
 logger = logging.getLogger(__name__)
 
 
-def text_fingerprints(feature: dict[str, Tensor]) -> Tensor:
-    """A key per text of one column's features, from its token ids and attention mask (or packed lengths)."""
-    if "input_ids" not in feature:
-        raise ValueError("mask_duplicates compares texts by their token ids, but these features have no 'input_ids'; "
-                         "pass mask_duplicates=False")
+def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
+    """A key per text of each column's features, from its token ids and attention mask (or packed lengths): what
+    decides the guide's ties and the duplicates (``cgist.numerics.tie_ids``). None when a column has no token ids
+    (then equal guide vectors decide the ties), which is an error when ``needed`` (``mask_duplicates``)."""
+    if not all("input_ids" in feature for feature in features):
+        if needed:
+            raise ValueError("mask_duplicates compares texts by their token ids, but these features have no "
+                             "'input_ids'; pass mask_duplicates=False")
+        return None
+    return [_column_fingerprints(feature) for feature in features]
+
+
+def _column_fingerprints(feature: dict[str, Tensor]) -> Tensor:
     input_ids = feature["input_ids"]
     if "cu_seq_lens_q" in feature:  # packed: one row of all tokens, with cumulative lengths
         bounds = feature["cu_seq_lens_q"].tolist()
@@ -147,6 +156,8 @@ class FusedDropIn:
         own loss computation runs instead. A bad attribute raises here, with the constructor's error."""
         key = self.options_key()
         cached = self.__dict__.get("_resolved")
+        if cached is None:  # this drop-in's first options: name an untested sentence-transformers, once per process
+            note_untested_release()
         if cached is None or cached[0] != key:
             cached = (key, self.build_options())
             self.__dict__["_resolved"] = cached  # past nn.Module.__setattr__: the cache is no attribute

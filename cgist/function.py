@@ -425,7 +425,8 @@ def gist_loss_with_options(
     student, guide = check_embeddings(embeddings, guide_embeddings if source == "embeddings" else None, options)
     if options.mask_duplicates and text_ids is None:
         raise ValueError("mask_duplicates=True needs text_ids: one id per row of each column, equal for equal texts")
-    ids = check_text_ids(text_ids, student, options.all_anchors) if options.mask_duplicates else None
+    # Text ids decide the guide's ties (cgist.numerics.tie_ids) as well as the duplicates that mask_duplicates masks.
+    ids = check_text_ids(text_ids, student, options.all_anchors) if text_ids is not None else None
     if source == "self":  # the student's own vectors, detached, are the guide
         guide = student
     guide_dtype = guide[0][0].dtype if guide is not None else student[0][0].dtype
@@ -478,13 +479,15 @@ def gist_loss(
             than ``theta_i - margin`` ("absolute") or ``theta_i - |theta_i| * margin`` ("relative"), where
             ``theta_i`` is the guide score of anchor i with its positive.
         contrast_anchors, contrast_positives: add the anchor-anchor and positive-positive blocks.
-        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i] (default: on for ``"self"`` and
-            None, off with guide embeddings, where the guide masks them as in sentence-transformers).
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i] (default: on, the rule of
+            sentence-transformers 6.3 and later; False leaves them to the guide, as 6.2 does).
         mask_duplicates: exclude every candidate whose text is that of anchor i or of its positive, whatever the
             scores (the label stays); needs ``text_ids``. Default: on for ``"self"`` and None when ``text_ids``
             are given, else off.
         text_ids: one integer tensor per column, one id per row, equal exactly for equal texts (e.g.
-            ``cgist.numerics.token_fingerprints`` of the token ids); gathered like the candidates.
+            ``cgist.numerics.token_fingerprints`` of the token ids); gathered like the candidates. When given, they
+            also decide the guide's ties: a candidate with the text of theta_i's partner scores theta_i exactly,
+            however its guide vector was rounded (``cgist.numerics.tie_ids``); without them, equal guide vectors do.
         directions, partition_mode, hardness_mode, hardness_strength: sentence-transformers'
             ``MultipleNegativesRankingLoss`` options, with the guide's mask on every block: see
             ``cgist.GistOptions``. ``"query_to_query"`` and ``"doc_to_query"`` score against every rank's
@@ -511,7 +514,7 @@ def gist_loss(
     if all_anchors is not None:
         embeddings, guide_embeddings, text_ids = _with_all_anchors(
             embeddings, guide_embeddings, text_ids, all_anchors, all_anchors_guide, all_anchors_text_ids,
-            source=source, directions=directions, mask_duplicates=mask_duplicates)
+            source=source, directions=directions)
     options = GistOptions(
         temperature=temperature, margin=margin, margin_strategy=margin_strategy, contrast_anchors=contrast_anchors,
         contrast_positives=contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
@@ -525,19 +528,19 @@ def gist_loss(
 
 def _with_all_anchors(embeddings: Sequence, guide_embeddings: object, text_ids: Sequence[Tensor] | None,
                       all_anchors: object, all_anchors_guide: object, all_anchors_text_ids: Tensor | None, *,
-                      source: str | None, directions: Sequence[str], mask_duplicates: bool) -> tuple:
+                      source: str | None, directions: Sequence[str]) -> tuple:
     """``gist_loss``'s columns with every rank's anchors appended as the last column, checked: ``all_anchors`` to the
     student's, ``all_anchors_guide`` to the guide's when they are embeddings, ``all_anchors_text_ids`` to the text
-    ids when duplicates are masked."""
+    ids when they are given."""
     if not any(direction in ANCHOR_DIRECTIONS for direction in directions):
         raise ValueError(f"all_anchors is only read by the directions {ANCHOR_DIRECTIONS}")
     if source == "embeddings" and all_anchors_guide is None:
         raise ValueError("all_anchors needs all_anchors_guide: the guide's embeddings of the same anchors")
-    if mask_duplicates and all_anchors_text_ids is None:
-        raise ValueError("all_anchors with mask_duplicates needs all_anchors_text_ids")
+    if text_ids is not None and all_anchors_text_ids is None:
+        raise ValueError("all_anchors with text_ids needs all_anchors_text_ids: the text ids of the same anchors")
     embeddings = [*embeddings, all_anchors]
     if source == "embeddings":
         guide_embeddings = [*guide_embeddings, all_anchors_guide]
-    if mask_duplicates and text_ids is not None:
+    if text_ids is not None:
         text_ids = [*text_ids, all_anchors_text_ids]
     return embeddings, guide_embeddings, text_ids

@@ -46,9 +46,10 @@ class GuideSource:
         """The guide's embeddings are the batch's label column."""
         return self is LABELS
 
-    def masks(self, mask_self: bool | None, mask_duplicates: bool | None, have_text_ids: bool) -> tuple[bool, bool]:
+    def masks(self, mask_self: bool | None, mask_duplicates: bool | None, have_text_ids: bool, *,
+              self_pairs_excluded: bool = True) -> tuple[bool, bool]:
         """``mask_self`` and ``mask_duplicates`` with this source's defaults for those left None (see ``masks``)."""
-        return masks(self.kind, mask_self, mask_duplicates, have_text_ids)
+        return masks(self.kind, mask_self, mask_duplicates, have_text_ids, self_pairs_excluded=self_pairs_excluded)
 
 
 MODEL = GuideSource("model", "model", "embeddings")
@@ -78,16 +79,18 @@ def kind_of(guide_embeddings: object) -> str | None:
     return "embeddings"
 
 
-def masks(kind: str | None, mask_self: bool | None, mask_duplicates: bool | None,
-          have_text_ids: bool) -> tuple[bool, bool]:
+def masks(kind: str | None, mask_self: bool | None, mask_duplicates: bool | None, have_text_ids: bool, *,
+          self_pairs_excluded: bool = True) -> tuple[bool, bool]:
     """``mask_self`` and ``mask_duplicates`` with their defaults for a guide of ``kind`` (None: the default).
 
-    With the guide's own embeddings both are off, which is sentence-transformers' rule (self-pairs and duplicates
-    drop out only when the guide scores them above the threshold). With the student as its own guide, or no
-    guide, nothing masks them otherwise: ``mask_self`` defaults to on, and so does ``mask_duplicates`` when text
-    ids are given.
+    With the guide's own embeddings, ``mask_self`` defaults to ``self_pairs_excluded``: the rule of the
+    sentence-transformers release a drop-in follows (``cgist.compat.release_rules``: on from 6.3, where the self-pairs
+    are always excluded; off before, where they drop out only when the guide scores them above the threshold), and on
+    for ``gist_loss``, the newest rule. ``mask_duplicates`` is then off (sentence-transformers' rule: duplicates drop
+    out by their guide scores). With the student as its own guide, or no guide, nothing masks them otherwise: both
+    default to on, ``mask_duplicates`` when text ids are given.
     """
     unguided = kind != "embeddings"
-    mask_self = unguided if mask_self is None else mask_self
+    mask_self = (unguided or self_pairs_excluded) if mask_self is None else mask_self
     mask_duplicates = (unguided and have_text_ids) if mask_duplicates is None else mask_duplicates
     return mask_self, mask_duplicates

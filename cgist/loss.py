@@ -16,6 +16,7 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 from torch import Tensor
 
 from .dropin import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints
+from .compat import release_rules
 from .function import requested_backend
 from .guide import LABELS, MODEL, NONE, SELF, GuideSource
 from .options import MARGIN_STRATEGIES, GistOptions, _check_real
@@ -164,11 +165,14 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
         block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
             device (at most an eighth of its free memory and 1 GiB).
-        mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: off with a guide model or
-            ``"labels"`` (the guide masks them, as in sentence-transformers), on with ``"self"`` and None.
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: with a guide model or
+            ``"labels"``, the rule of the installed sentence-transformers (``cgist.compat.release_rules``: on from
+            6.3, which always excludes them; off under 6.2, where the guide masks them when it scores them above the
+            threshold); on with ``"self"`` and None.
         mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
             the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
-            so duplicates are found also under dropout. Default as for ``mask_self``.
+            so duplicates are found also under dropout. Default: off with a guide model or ``"labels"``
+            (sentence-transformers' rule), on with ``"self"`` and None.
         directions: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, each block masked by the
             guide as GIST's are: ``"query_to_doc"`` (required; GIST's AP and AN blocks), ``"query_to_query"``
             (anchors against every anchor, under ``gather_across_devices`` every rank's: GIST's
@@ -331,7 +335,9 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
         source = self.guide_source
-        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True)
+        release_excludes = release_rules().self_pairs_excluded  # the installed sentence-transformers' rule
+        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True,
+                                                  self_pairs_excluded=release_excludes)
         options = GistOptions(
             margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
             contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
@@ -344,7 +350,8 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         if reason is None:
             return options.replace(temperature=self.temperature, margin=self.margin), None
         beyond = [f"guide={self.guide!r}"] if source is NONE else []
-        beyond += [f"{name}=True" for name in ("mask_self", "mask_duplicates") if getattr(options, name)]
+        beyond += [f"mask_self={options.mask_self}"] if options.mask_self != release_excludes else []
+        beyond += ["mask_duplicates=True"] if options.mask_duplicates else []
         beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
                    if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
         if beyond:
@@ -360,8 +367,8 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         batch = {}
         if self.guide_source.reads_labels:
             batch["guide"] = label_guide(labels, len(sentence_features), batch_rows(sentence_features[0]))
-        if options is not None and options.mask_duplicates:
-            batch["text_ids"] = [text_fingerprints(feature) for feature in sentence_features]
+        if options is not None:
+            batch["text_ids"] = text_fingerprints(sentence_features, needed=options.mask_duplicates)
         self._batch = batch
         try:
             return super().forward(sentence_features, labels)

@@ -221,23 +221,28 @@ def _fingerprint(rows: Tensor) -> Tensor:
     return fingerprint_words((rows + 0.0).view(torch.int32))  # -0.0 and 0.0 compare equal, so they must hash equal
 
 
-def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool = False) -> list[Tensor]:
-    """An int32 id per row of each guide column: equal ids for rows whose normalised vectors are equal.
+def tie_ids(columns: Sequence[Tensor], dtype: torch.dtype, *, normalized: bool = False,
+            text_ids: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """An integer id per row of each guide column: equal ids for rows that tie, the same text or the same vector.
 
-    sentence-transformers computes every guide score by one element-wise formula, so a candidate whose
-    guide vector equals theta's partner scores exactly theta. Matrix products give no such promise (BLAS
-    kernels differ with shape and position), so the tie is decided by identity instead of by the rounding
-    of two different products.
+    A candidate ties with theta_i when its guide score is theta_i itself: when it is the same text as theta_i's
+    partner. sentence-transformers computes every guide score by one element-wise formula, so there a bitwise equal
+    guide vector scores exactly theta_i, and a duplicate embedded with other padding (another mini-batch) differs by
+    rounding, on either side. cgist decides the tie by identity instead of by the rounding of two different products:
 
-    Each row of a column, normalised in ``dtype`` (``normalize``; pass ``normalized=True`` for columns that
-    already are, in ``dtype``), gets a 64-bit fingerprint of its bits,
-    computed a few thousand rows at a time; the id is the rank of the fingerprint among all of them
-    (sorted on the device, no host sync). Memory is O(rows). Two given different rows get equal
-    fingerprints with probability about 2^-62 (``fingerprint_words``); over the ~10^12 row pairs of a
-    million-row step that is about 2 * 10^-7. A collision
-    would make one candidate count as a tie with theta_i: it would be masked exactly when theta_i > T_i
-    instead of by its own guide score, in one step.
+    * with ``text_ids`` (one id per row of each column, equal for equal texts: the drop-ins pass the fingerprints of
+      the token ids), those are the tie ids, so that a duplicate text ties wherever and however it was embedded;
+    * without, each row of a column, normalised in ``dtype`` (``normalize``; pass ``normalized=True`` for columns
+      that already are, in ``dtype``), gets a 64-bit fingerprint of its bits, computed a few thousand rows at a
+      time; the id is the rank of the fingerprint among all of them (sorted on the device, no host sync). Memory is
+      O(rows). Two given different rows get equal fingerprints with probability about 2^-62
+      (``fingerprint_words``); over the ~10^12 row pairs of a million-row step that is about 2 * 10^-7. A
+      collision would make one candidate count as a tie with theta_i: it would be masked exactly when
+      theta_i > T_i instead of by its own guide score, in one step.
     """
+    if text_ids is not None:
+        return list(text_ids)
+
     def chunk_rows(column: Tensor) -> int:
         span = min(_FINGERPRINT_SPAN, column.shape[1] * torch.finfo(dtype).bits // 8)
         return max(1, min(_FINGERPRINT_ROWS, column.numel() // span))

@@ -64,8 +64,8 @@ class GistOptions:
             (``T_i = theta_i - |theta_i| * margin``).
         contrast_anchors: add the anchor-anchor block.
         contrast_positives: add the positive-positive block.
-        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i] (otherwise they drop out only when
-            the guide scores them above the threshold, as in sentence-transformers).
+        mask_self: always exclude the self-pairs AA[i, i] and PP[i, offset + i], as sentence-transformers 6.3 and
+            later do (False: they drop out only when the guide scores them above the threshold, the rule of 6.2).
         mask_duplicates: exclude every candidate whose text is anchor i's or its positive's, whatever the scores
             (the call then needs a text id per row); the label stays.
         directions: the blocks of sentence-transformers' ``MultipleNegativesRankingLoss``, each masked by the guide
@@ -108,7 +108,7 @@ class GistOptions:
     margin_strategy: Literal["absolute", "relative"] = "absolute"
     contrast_anchors: bool = True
     contrast_positives: bool = True
-    mask_self: bool = False
+    mask_self: bool = True
     mask_duplicates: bool = False
     directions: tuple[str, ...] = ("query_to_doc",)
     partition_mode: Literal["joint", "per_direction"] = "joint"

@@ -67,7 +67,7 @@ def score_groups(
     guided = guide_embeddings is not None
     if guided:
         g = [normalize(e)[0] for e in guide_embeddings]
-        ids = tie_ids(guide_embeddings, g[0].dtype)
+        ids = tie_ids(guide_embeddings, g[0].dtype, text_ids=text_ids)
         theta = (g[0] @ g[1].T)[rows, labels].unsqueeze(1)
         limit = threshold(theta, options.margin, options.relative)
         theta_masked = theta > limit

@@ -108,7 +108,7 @@ class _Problem:
         if self.guided:
             guide_embeddings = [row_chunks(g) for g in guide_embeddings]
             guide = [self._normalized_guide(g) for g in guide_embeddings]
-            ids = tie_ids([g for g, _ in guide], self.dtype, normalized=True)
+            ids = tie_ids([g for g, _ in guide], self.dtype, normalized=True, text_ids=text_ids)
         else:
             guide, ids = [(None, None)] * len(embeddings), [None] * len(embeddings)
         texts = text_ids if options.mask_duplicates else [None] * len(embeddings)

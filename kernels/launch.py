@@ -8,8 +8,9 @@ directions' QQ, DQ, DD, DN_1..DN_k):
 
 * forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
   and the first running max/sum of each row (one row of state per Matryoshka dimension); the other
-  groups fold into that state. Guide ties are decided by identity: equal normalised guide rows get
-  equal int32 ids (``cgist.numerics.tie_ids``), and each launch reads the ids of its columns and of
+  groups fold into that state. Guide ties are decided by identity: equal texts (the text ids, when given) or
+  else equal normalised guide rows get equal int32 ids (``cgist.numerics.tie_ids``), and each launch reads the ids
+  of its columns and of
   its rows' partners. The label is kept out of the running sum ``l`` (base 2, shifted by the running
   max ``m``, which starts at the positive logit ``pos``), so each row's loss is
   ``(m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2))``: a small loss keeps its relative precision.
@@ -253,8 +254,9 @@ class ForwardState:
 
 
 def _guide_operands(guide_embeddings: Sequence[Tensor] | None, embeddings: list[Tensor], inverse: list[Tensor],
-                    acc: torch.dtype) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """The guide's rows as the kernels read them, their inverse norms and their tie ids. Without a guide, the
+                    acc: torch.dtype, text_ids: Sequence[Tensor] | None) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The guide's rows as the kernels read them, their inverse norms and their tie ids (the text ids when given,
+    ``cgist.numerics.tie_ids``). Without a guide, the
     student's rows and all-zero ids (pointers the kernels do not read), so a call without a guide runs the same
     binaries."""
     if guide_embeddings is None:
@@ -266,8 +268,8 @@ def _guide_operands(guide_embeddings: Sequence[Tensor] | None, embeddings: list[
         guide_dtype = acc  # tl.dot needs both operands, and the accumulator, to agree on float64
     guide_embeddings = [_rows_contiguous(g.to(guide_dtype)) for g in guide_embeddings]
     guide_inverse = [1.0 / torch.linalg.vector_norm(g, dim=1, dtype=acc).clamp_min(EPS) for g in guide_embeddings]
-    # Fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
-    return guide_embeddings, guide_inverse, tie_ids(guide_embeddings, acc)
+    # The text ids, or fingerprints of the normalised guide rows, as the oracle and the streaming path take them.
+    return guide_embeddings, guide_inverse, tie_ids(guide_embeddings, acc, text_ids=text_ids)
 
 
 @torch.no_grad()
@@ -283,7 +285,7 @@ def prepare_forward(
     norms = [prefix_norms(x, dims.sizes, acc) for x in embeddings]
     # Dot products: no normalisation, every inverse norm 1 (and no radial term in ``gradients``).
     inverse = [torch.ones_like(n) if options.similarity == "dot" else 1.0 / n.clamp_min(EPS) for n in norms]
-    guide, guide_inverse, ids = _guide_operands(guide_embeddings, embeddings, inverse, acc)
+    guide, guide_inverse, ids = _guide_operands(guide_embeddings, embeddings, inverse, acc, text_ids)
     texts = text_ids if options.mask_duplicates else ids
     columns = [_Column(*parts, i) for i, parts in enumerate(zip(embeddings, guide, inverse, guide_inverse, ids, texts))]
     groups, n_parts, _ = bind_groups(options, columns, [x.shape[0] for x in embeddings])

@@ -8,7 +8,9 @@ import pytest
 from test_selfcheck import _wrong_count
 
 import cgist.kernels.launch  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
+from cgist import compat
 from cgist.cli import main
+from cgist.cli.doctor import sentence_transformers_line
 
 
 def _doctor(capsys) -> tuple[int, list[str]]:
@@ -21,9 +23,12 @@ def test_doctor_without_the_interpreter_says_what_it_checked(capsys, monkeypatch
     status, lines = _doctor(capsys)
     assert status == 0
     assert lines[0].startswith("device: cpu; torch ")
-    assert lines[1] == 'backend "auto" per dtype pair (student, guide):'
-    assert [line.split()[0] for line in lines[2:6]] == ["fp32", "bf16", "fp16", "bf16"]
-    assert all(" torch " in line for line in lines[2:6])
+    installed = compat.installed_version("sentence-transformers")
+    assert lines[1].startswith(f"sentence-transformers {installed}: in the tested range (tested: "
+                               f"{compat.SENTENCE_TRANSFORMERS_OLDEST} to {compat.NEWEST_TESTED}")
+    assert lines[2] == 'backend "auto" per dtype pair (student, guide):'
+    assert [line.split()[0] for line in lines[3:7]] == ["fp32", "bf16", "fp16", "bf16"]
+    assert all(" torch " in line for line in lines[3:7])
     assert any(line.startswith("kernels: not run (cpu tensors; TRITON_INTERPRET=1 cgist doctor") for line in lines)
     assert any(line.startswith("loss stage, forward and backward (B=N=1024") and "bare GEMMs" in line for line in lines)
     assert lines[-1].startswith("verdict: ok: the PyTorch path runs on cpu; the Triton kernels were not checked")
@@ -75,3 +80,16 @@ def test_doctor_prints_the_first_use_check(capsys, monkeypatch):
         assert loss <= 1e-4 and grads <= 1e-4
         kernels, torch_path = map(int, re.search(r"mask counts masked_an (\d+) vs (\d+) \(", line).groups())
         assert kernels == torch_path + 1
+
+
+@pytest.mark.parametrize("version, says", [
+    ("6.2.0", "6.2.0: in the tested range"), ("6.3.0", "6.3.0: in the tested range"),
+    ("6.4.0", "6.4.0: newer than the newest tested (6.3.0)"), ("7.0.0", "7.0.0: beyond the supported range"),
+])
+def test_doctor_says_which_release_a_result_belongs_to(version, says, monkeypatch):
+    monkeypatch.setattr(compat, "NEWEST_TESTED", "6.3.0")
+    monkeypatch.setattr(compat, "installed_version", lambda distribution: version)
+    line = sentence_transformers_line()
+    assert line.startswith(f"sentence-transformers {says}")
+    rule = "always excluded" if compat.release_rules(version).self_pairs_excluded else "left to the guide"
+    assert f"GIST self-pairs {rule}" in line

@@ -496,7 +496,7 @@ def _text_ids(features: list[dict]) -> list[torch.Tensor]:
 
 def _oracle(embeddings: list[torch.Tensor], guide: str | None, options, features) -> torch.Tensor:
     """The dense oracle; with ``guide="self"`` the student's own embeddings, detached, are the guide."""
-    text_ids = _text_ids(features) if options.mask_duplicates else None
+    text_ids = _text_ids(features)  # the drop-in's text ids: they decide the ties, and the duplicates when masked
     guide_embeddings = [e.detach() for e in embeddings] if guide == "self" else None
     return gist_loss_reference(embeddings, guide_embeddings, options, text_ids)
 

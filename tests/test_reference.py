@@ -1,7 +1,7 @@
 """cgist.reference: the dense oracle against sentence-transformers' ``CachedGISTEmbedLoss.calculate_loss``.
 
 The streaming path, ``gist_loss`` and ``FusedCachedGISTLoss.calculate_loss`` are compared on the same
-inputs, all in float64.
+inputs, all in float64, with the installed release's rule for the self-pairs (``cgist.compat.release_rules``).
 
 Embeddings are random, with positives and negatives drawn near their anchors so that the guide masks
 some candidates and keeps others. They are passed as uneven mini-batches of leaf tensors, as the
@@ -24,6 +24,7 @@ from sentence_transformers.sentence_transformer.losses import cached_gist_embed 
 
 import cgist.dropin
 from cgist import FusedCachedGISTLoss, GistOptions, gist_loss, streaming
+from cgist.compat import release_rules
 from cgist.reference import gist_loss_reference
 
 D, DG = 24, 16
@@ -158,7 +159,9 @@ def _check(case: Case, models, monkeypatch) -> None:
     candidates = [_insert(g, s, case) for g, s in zip(gathered, student[1:])] if case.gather else student[1:]
     guide = [local_guide[0], *(gathered_guide if case.gather else local_guide[1:])]
     offset = case.rank * case.batch if case.gather else 0
-    options = case.options.replace(offset=offset)
+    # The installed release's rule for the self-pairs (cgist.compat.RELEASE_RULES), which the drop-in follows by default.
+    mask_self = release_rules().self_pairs_excluded
+    options = case.options.replace(offset=offset, mask_self=mask_self)
     ref_loss = gist_loss_reference([student[0], *candidates], guide, options)
     ref_loss.backward()
     assert_close("oracle vs ST", (st_loss, dict(zip(names, st_grads))),
@@ -174,7 +177,8 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     # The functional form and the streaming path with one-row blocks, on the already gathered inputs.
     candidates = [c.detach() for c in candidates]
-    functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", **loss_kwargs(case.options))
+    functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", mask_self=mask_self,
+                           **loss_kwargs(case.options))
     assert_close("functional vs ST", st_loss, functional, tol[0])
     stream_loss, stream_grads, _ = streaming.gist_loss_and_grads(
         [local[0], *candidates], guide, options.replace(block_bytes=1), need_grads=True

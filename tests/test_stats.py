@@ -79,8 +79,9 @@ DIRECTION_CASES = {
         margin=0.0, margin_strategy="relative", partition_mode="per_direction", hardness_mode="all_negatives",
         hardness_strength=5.0, **NO_GIST)),
     "q2d+d2q-AA+PP-rank1of2-m0.05-ties": (ALL[::2], 2, "guide", True, dict(margin=0.05)),
-    "q2d+q2q+d2q+d2d-rank1of2-duplicates-m0-ties": (ALL, 2, "guide", True, dict(margin=0.0, mask_duplicates=True,
-                                                                              **NO_GIST)),
+    # With text ids, texts decide the ties (a copied guide vector of another text is no tie): none copied here.
+    "q2d+q2q+d2q+d2d-rank1of2-duplicates-m0": (ALL, 2, "guide", False, dict(margin=0.0, mask_duplicates=True,
+                                                                         **NO_GIST)),
     "q2d+q2q+d2q+d2d-rank1of2-self-m-0.1": (ALL, 2, "self", False, dict(margin=-0.1, mask_self=True, **NO_GIST)),
     "q2d+q2q+d2q+d2d-rank1of2-noguide-duplicates": (ALL, 2, "none", False, dict(mask_duplicates=True, **NO_GIST)),
     "q2d+q2q+d2d-rank1of2-m3-matryoshka": (ALL[:2] + ALL[3:], 2, "guide", False, dict(

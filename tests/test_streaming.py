@@ -124,10 +124,11 @@ def test_ties_across_blocks_of_many_shapes(seed, shape, dtype):
 
 
 def test_negative_margin_keeps_self_pairs():
-    """With m = -2.5 every T_i >= 1.5 exceeds the guide self-similarity (1), so AA[i,i] and PP[i,o+i] stay in the softmax."""
+    """With m = -2.5 every T_i >= 1.5 exceeds the guide self-similarity (1), so without mask_self (the rule of
+    sentence-transformers 6.2) AA[i,i] and PP[i,o+i] stay in the softmax."""
     B, N, offset = 5, 10, 5
     student, guide = make_inputs(B, N, 12, 12, 0, seed=4)
-    options = GistOptions(offset=offset, margin=-2.5)
+    options = GistOptions(offset=offset, margin=-2.5, mask_self=False)
     _check(student, guide, options)
     scores = gist_scores(student, guide, options)
     rows = torch.arange(B)

@@ -103,3 +103,47 @@ def test_importing_cgist_with_an_older_release_fails_with_the_message(tmp_path, 
                     f"sentence-transformers 5.7.0 is installed; upgrade it with: "
                     f'pip install "sentence-transformers[train]{RANGE}"')
     assert "get_rank" not in proc.stderr and f"{os.sep}sentence_transformers{os.sep}" not in proc.stderr
+
+
+@pytest.mark.parametrize("version, excluded", [("6.2.0", False), ("6.2.9", False), ("6.3.0", True), ("6.3.1", True),
+                                               ("6.9.0", True)])
+def test_each_release_has_its_rules(version, excluded):
+    """A release takes the rules of the newest entry of RELEASE_RULES at or below it."""
+    rules = compat.release_rules(version)
+    assert rules.self_pairs_excluded is excluded
+    assert rules.matryoshka_upcasts_half is excluded and rules.matryoshka_follows_wrappers is excluded
+
+
+def test_the_rules_table_starts_at_the_oldest_supported_release():
+    releases = [Version(since) for since, _ in compat.RELEASE_RULES]
+    assert releases == sorted(releases) and str(releases[0]) == compat.SENTENCE_TRANSFORMERS_OLDEST
+    assert Version(compat.RELEASE_RULES[-1][0]) <= Version(compat.NEWEST_TESTED)
+
+
+@pytest.mark.parametrize("version, logged", [("6.3.0", False), ("6.2.0", False), ("6.4.0", True), ("6.3.1", True)])
+def test_a_release_newer_than_tested_is_named_once(version, logged, monkeypatch, caplog):
+    monkeypatch.setattr(compat, "NEWEST_TESTED", "6.3.0")
+    monkeypatch.setattr(compat, "installed_version", lambda distribution: version)
+    monkeypatch.setattr(compat, "_noted", [])
+    with caplog.at_level("WARNING", logger="cgist.compat"):
+        compat.note_untested_release()
+        compat.note_untested_release()
+    records = [r.getMessage() for r in caplog.records if r.name == "cgist.compat"]
+    assert len(records) == int(logged)
+    if logged:
+        assert records[0].startswith(f"sentence-transformers {version} is installed, newer than 6.3.0")
+
+
+def test_the_first_drop_in_names_a_newer_release(monkeypatch, caplog, tmp_path):
+    from helpers_models import tiny_model
+
+    import cgist
+
+    monkeypatch.setattr(compat, "installed_version", lambda distribution: "6.99.0")
+    monkeypatch.setattr(compat, "_noted", [])
+    model = tiny_model(tmp_path / "model")
+    with caplog.at_level("WARNING", logger="cgist.compat"):
+        cgist.FusedCachedMultipleNegativesRankingLoss(model)
+        cgist.FusedCachedGISTLoss(model, None)
+    assert [r.getMessage().split(",")[0] for r in caplog.records if r.name == "cgist.compat"] == [
+        "sentence-transformers 6.99.0 is installed"]

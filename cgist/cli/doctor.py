@@ -67,6 +67,27 @@ def _describe_device(device: torch.device) -> str:
     return f"device: {device}; {versions}"
 
 
+def sentence_transformers_line() -> str:
+    """The installed sentence-transformers, where it lies against the releases cgist is tested with, and the rules
+    the drop-ins follow (``cgist.compat``)."""
+    from ..compat import NEWEST_TESTED, SENTENCE_TRANSFORMERS, SENTENCE_TRANSFORMERS_OLDEST, installed_version, \
+        release_rules, tested_range_status
+
+    version = installed_version("sentence-transformers")
+    status = tested_range_status(version)
+    tested = f"tested: {SENTENCE_TRANSFORMERS_OLDEST} to {NEWEST_TESTED}, supported: {SENTENCE_TRANSFORMERS}"
+    if version is None:
+        return f"sentence-transformers: not installed ({tested}); the drop-ins need it, gist_loss does not"
+    rule = "always excluded" if release_rules(version).self_pairs_excluded else "left to the guide"
+    note = {"tested": "in the tested range",
+            "newer than tested": f"newer than the newest tested ({NEWEST_TESTED}): the drop-ins follow its rules, "
+                                 "and a loss changed upstream since would not be matched",
+            "beyond the range": "beyond the supported range: not expected to match",
+            "older than supported": "older than supported: import cgist fails"}[status]
+    return (f"sentence-transformers {version}: {note} ({tested}); GIST self-pairs {rule} "
+            "(cgist.compat.RELEASE_RULES)")
+
+
 def _tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
     """The tile configs the forward autotunes over for this pair on ``device``."""
     from ..devices import gpu_arch
@@ -197,6 +218,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     device = resolve_device(args.device)
     print(_describe_device(device))
+    print(sentence_transformers_line())
     for line in _routes(device):
         print(line)
 
