@@ -1,6 +1,6 @@
 """Compile every GIST kernel ahead of time for every GPU architecture the tile tables know, on a machine without a GPU.
 
-For each architecture (``--arch``: compute capabilities, each through ``cgist.devices.arch_for``; by default one per
+For each architecture (``--arch``: compute capabilities, each through ``cgist.stage.devices.arch_for``; by default one per
 tile family and sm_70), each kernel (the forward, the chunk score-gradient kernel of the GEMM backward, and
 the fused backward's row and column passes), each student/guide dtype pair the launcher can meet on a GPU, with the
 input precisions the launcher passes there (``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee"
@@ -19,7 +19,7 @@ config (``shared_memory_estimate``, which prunes the tables on GPUs they do not 
 warpgroup MMA (``wgmma``: HGMMA, sm_90 only) and which tensor-core instructions it uses (``mma``: HMMA for
 mma.sync on sm_80 to sm_89 and sm_120, HGMMA on sm_90, UTCHMMA for tcgen05 on sm_100; "-" for the FMA loops below
 sm_80; "?" where the disassembler cannot read the architecture). Then one summary line per architecture: binaries, the largest spill, the largest shared memory against
-the architecture's limit (``cgist.devices.KNOWN_ARCHS``) and the largest ratio of shared memory to estimate.
+the architecture's limit (``cgist.stage.devices.KNOWN_ARCHS``) and the largest ratio of shared memory to estimate.
 Exits non-zero on a compile error, any spill, shared memory over the limit, or shared memory over the estimate.
 
 The table's first line records the arguments, the Triton version and a hash of the sources the binaries are built
@@ -79,13 +79,12 @@ except ImportError:  # Triton 3.4 and 3.5: in Python, through the backend's ``ge
         return impl(arg, is_const, specialize_value, align)
 
 import compile_table  # noqa: E402  (bench/, this script's folder)
-from cgist.devices import Arch, arch_for  # noqa: E402
-from cgist.kernels.gist import (  # noqa: E402
-    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel,
-)
-from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs  # noqa: E402
+
+from cgist.kernels.gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel
 from cgist.kernels.launch import TL_DTYPES, input_precision  # noqa: E402
-from cgist.numerics import compute_dtype  # noqa: E402
+from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs  # noqa: E402
+from cgist.stage.devices import Arch, arch_for  # noqa: E402
+from cgist.stage.numerics import compute_dtype  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP, NVDISASM = TOOLS / "cuobjdump", TOOLS / "nvdisasm"

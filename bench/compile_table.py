@@ -6,8 +6,8 @@ binaries: the parsed code (comments, layout and docstrings aside) of
 - ``kernels/gist.py`` and ``kernels/tiles.py``, all of them: the kernels and their helpers, the tile tables,
   ``tile_configs``, ``operand_kind`` and ``shared_memory_estimate``;
 - the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``kernels/launch.py``),
-  ``compute_dtype`` (``cgist/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
-  ``arch_for`` in ``cgist/devices.py``);
+  ``compute_dtype`` (``cgist/stage/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
+  ``arch_for`` in ``cgist/stage/devices.py``);
 - what ``bench/aot_compile.py`` builds from them: its dtype pairs, kernels, Matryoshka configuration and the
   argument values it specialises the kernels with;
 
@@ -28,8 +28,8 @@ SOURCES: dict[str, tuple[str, ...] | None] = {
     "kernels/gist.py": None,
     "kernels/tiles.py": None,
     "kernels/launch.py": ("TL_DTYPES", "input_precision"),
-    "cgist/numerics.py": ("compute_dtype",),
-    "cgist/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
+    "cgist/stage/numerics.py": ("compute_dtype",),
+    "cgist/stage/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
     "bench/aot_compile.py": ("PAIRS", "MATRYOSHKA_DIMS", "MATRYOSHKA_PAIRS", "KERNELS", "MATRYOSHKA_KERNELS",
                              "RULES_ALL", "operands", "launch_values", "specialise"),
 }

@@ -10,7 +10,7 @@ The check measures, on one GPU:
 * calibrations: the GEMM ceiling (``torch.mm`` 8192^3 in bf16 and tf32), the device copy bandwidth, and
   the L2 bandwidth (a kernel that re-reads a resident buffer of about 25 MB);
 * tie ids: ``torch.unique`` over the normalised guide rows against the fingerprint ids
-  (``cgist.numerics.tie_ids``): the same partition, the time and the peak memory of each;
+  (``cgist.stage.ties.tie_ids``): the same partition, the time and the peak memory of each;
 * at B = N = 16k and 64k, k = 1, D = 768, Dg = 384, for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32:
   every kernel per block (forward row pass; the GEMM backward's score-gradient kernel and its GEMMs; the
   fused backward's row and column passes), the loss stage with each backward, the autotuner's pick and
@@ -81,12 +81,12 @@ from common import (  # noqa: E402
 )
 
 import cgist  # noqa: E402
-from cgist import streaming  # noqa: E402
-from cgist.kernels.launch import (  # noqa: E402
-    BackwardWork, chunk_plan, forward_group, gist_forward, gist_loss_and_grads,
-)
-from cgist.numerics import normalize, tie_ids  # noqa: E402
-from cgist.options import GistOptions  # noqa: E402
+from cgist.kernels.launch import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
+from cgist.stage.budget import backward_chunks  # noqa: E402
+from cgist.stage.numerics import normalize  # noqa: E402
+from cgist.stage.pytorch import streaming  # noqa: E402
+from cgist.stage.spec.options import GistOptions  # noqa: E402
+from cgist.stage.ties import tie_ids  # noqa: E402
 
 #: Student/guide dtype pairs of the check (fp32 at torch's default matmul precision: tf32x3).
 PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
@@ -458,7 +458,7 @@ def reference_rows(batch, dim, dim_g, k, pair, student, guide) -> list[dict]:
 def _chunk_rows(batch: int, tiles: dict, n_dims: int, dtype: torch.dtype) -> int:
     """Rows of a GEMM-backward chunk at B = N by the launcher's own plan, with the default budget on an H200 (1 GiB)."""
     parts = 2 if _passes(dtype) == 3 else 1
-    return chunk_plan(batch, batch, tiles, n_dims, parts * torch.finfo(dtype).bits // 8, 4, 2**30, DEVICE,
+    return backward_chunks(batch, batch, tiles, n_dims, parts * torch.finfo(dtype).bits // 8, 4, 2**30, DEVICE,
                       (2**31 - 1) // (n_dims * parts)).rows
 
 
@@ -480,8 +480,8 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
     With ``directions``, also the GEMM backward over those directions' blocks (``block_columns``), each entry
     counted as a query-to-document one, and its ratio to GIST's blocks.
     """
-    from cgist.kernels.tiles import tile_configs
     from cgist.kernels.launch import input_precision
+    from cgist.kernels.tiles import tile_configs
 
     dtype, guide_dtype = PAIRS[pair]
     rows, totals = [], {}

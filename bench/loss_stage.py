@@ -16,7 +16,7 @@ guide dim 384) cut into GradCache mini-batch leaves, and runs one loss-stage ste
 * ``st-cos_sim``    the same with its ``sim_matrix`` replaced by ``sentence_transformers.util.cos_sim``;
 * ``cgist-torch``   ``FusedCachedGISTLoss(backend="torch").calculate_loss(..., with_backward=True)``;
 * ``cgist-triton``  the same with ``backend="triton"`` (CUDA, or the Triton interpreter with ``--interpret``);
-* ``dense``         ``cgist.reference.gist_loss_reference`` in float32 with an autograd backward;
+* ``dense``         ``cgist.stage.reference.gist_loss_reference`` in float32 with an autograd backward;
 * ``gemm``          only the matrix products that any loss stage must do for these shapes (``gemm_step``):
                     the limit that the ``x gemm`` column divides by.
 
@@ -87,9 +87,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from cgist.compat import MissingExtraError, import_extra  # noqa: E402
-from cgist.workspace import ROW_TARGET  # noqa: E402
 import loss_stage_report  # noqa: E402
+
+from cgist.compat import MissingExtraError, import_extra  # noqa: E402
+from cgist.stage.budget import ROW_TARGET  # noqa: E402
 
 #: The default providers.
 PROVIDERS = ("st", "st-cos_sim", "cgist-torch", "cgist-triton", "dense", "gemm")
@@ -233,15 +234,17 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 
     from sentence_transformers import util
     from sentence_transformers.sentence_transformer.losses import (
-        CachedGISTEmbedLoss, CachedMultipleNegativesRankingLoss, MatryoshkaLoss,
+        CachedGISTEmbedLoss,
+        CachedMultipleNegativesRankingLoss,
+        MatryoshkaLoss,
     )
     from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
 
     import cgist
     from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
-    from cgist.dropin import FusedMatryoshka
-    from cgist.options import GistOptions
-    from cgist.reference import gist_loss_reference
+    from cgist.losses.base import FusedMatryoshka
+    from cgist.stage.reference import gist_loss_reference
+    from cgist.stage.spec.options import GistOptions
 
     options = dict(margin=MARGIN, mini_batch_size=MINI_BATCH_SIZE)
     if impl == "mnrl-st":
@@ -284,8 +287,8 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
     """A callable running the streaming path on the whole columns: loss, gradients and statistics, as
     ``cgist-torch`` computes them, without mini-batch chunks, input checks or autograd."""
-    from cgist import streaming
-    from cgist.options import GistOptions
+    from cgist.stage.pytorch import streaming
+    from cgist.stage.spec.options import GistOptions
 
     options = GistOptions(margin=MARGIN)
     return functools.partial(streaming.gist_loss_and_grads, student, guide, options, need_grads=True, need_stats=True)
@@ -302,7 +305,7 @@ def score_blocks(n_columns: int, directions: Sequence[str] | None = None) -> lis
     document-to-query (PA) and document-to-document (PP, PN_1..PN_k). Every block counts whole, as ST computes it:
     AA is not halved for its symmetry, nor PA taken from AP's transpose.
     """
-    from cgist.options import GistOptions
+    from cgist.stage.spec.options import GistOptions
 
     options = GistOptions() if directions is None else GistOptions(
         contrast_anchors=False, contrast_positives=False, directions=tuple(directions))

@@ -18,9 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 import common
+import torch
 from torchrun_train import build_student
 
 
@@ -40,8 +39,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=384)
     args = parser.parse_args()
 
-    import cgist
     from sentence_transformers import SentenceTransformer
+
+    import cgist
 
     with tempfile.TemporaryDirectory() as directory:
         build_student(Path(directory) / "student")

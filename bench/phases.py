@@ -2,11 +2,11 @@
 
     python bench/phases.py [--threads 2] [--batch 1024 4096] [--dim 384] [--calls 10]
 
-The call is ``cgist.streaming.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
+The call is ``cgist.stage.pytorch.streaming.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
 margin 0.05, one negative column, N = B, float32), as ``loss_stage.py``'s ``cgist-torch-core`` runs it.
-Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_Problem``: normalised
+Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_StreamingCall``: normalised
 copies, norms, tie ids; work that grows with B x D), the row blocks (``_row_block``: the score tiles'
-GEMMs and element-wise passes, growing with B x N), the gradients (``_Problem.gradients``: the
+GEMMs and element-wise passes, growing with B x N), the gradients (``_StreamingCall.gradients``: the
 normalisation's backward) and the rest (planning, the workspace, the loss). ``gemm`` is
 ``loss_stage.gemm_step`` in the same process: the products any loss stage must do. Each phase is
 also given as a fraction of the GEMM time, which is what a "time / GEMMs" target allows the rest.
@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable, Iterator
 from unittest import mock
 
-import torch
-
 import common
 import loss_stage
-from cgist import streaming
+import torch
+
+from cgist.stage.pytorch import streaming
 
 #: The timed phases: (label, owner, attribute).
-PHASES = (("set-up", streaming._Problem, "__init__"), ("row blocks", streaming, "_row_block"),
-          ("gradients", streaming._Problem, "gradients"))
+PHASES = (("set-up", streaming._StreamingCall, "__init__"), ("row blocks", streaming, "_row_block"),
+          ("gradients", streaming._StreamingCall, "gradients"))
 
 
 @contextlib.contextmanager

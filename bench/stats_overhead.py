@@ -16,11 +16,11 @@ import argparse
 import statistics
 import time
 
+import common
 import torch
 
-import common
-from cgist.options import GistOptions
-from cgist.streaming import gist_loss_and_grads
+from cgist.stage.pytorch.streaming import gist_loss_and_grads
+from cgist.stage.spec.options import GistOptions
 
 
 def measure(batch: int, dim: int, pairs: int, device: torch.device) -> tuple[float, float, float]:

@@ -1,15 +1,13 @@
-"""cgist: a fused, streaming drop-in for sentence-transformers' CachedGISTEmbedLoss.
+"""cgist: fused, streaming drop-ins for sentence-transformers' contrastive losses (GISTEmbed and the
+MultipleNegativesRanking family, cached or not).
 
-``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. ``FusedCachedGISTLoss`` and
-``FusedCachedMultipleNegativesRankingLoss`` subclass sentence-transformers losses, ``GuideStatsCallback`` a
-transformers callback, and ``add_guide_embeddings`` runs a sentence-transformers model over a ``datasets.Dataset``,
-so they (and with them sentence-transformers) are imported on first use.
+``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. The drop-ins subclass sentence-transformers losses,
+``GuideStatsCallback`` a transformers callback, and ``add_guide_embeddings`` runs a sentence-transformers model over a
+``datasets.Dataset``, so they (and with them sentence-transformers) are imported on first use.
 
-A call reads downward: ``options`` (what was asked: ``GistOptions`` and its column groups) -> ``problem`` (the groups
-bound to the call's columns, the Matryoshka dimensions, and how each row's softmax ends, written once) -> one
-backend, ``streaming`` (with ``workspace``) or ``kernels.launch`` over ``kernels.gist``, which scores tiles and
-accumulates. ``numerics`` holds the rules every path shares (threshold, guide mask, tie ids, half products). The
-README's Layout section lists each concept with the module that owns it.
+The layers: ``losses/`` (the drop-ins) -> ``function`` (the functional form and its autograd Function) -> ``stage/``
+(the loss stage: its specification, dispatch, the PyTorch path and the oracle) -> ``cgist.kernels`` (the Triton
+path). ``cli/`` is the ``cgist`` command.
 """
 
 from __future__ import annotations
@@ -18,18 +16,21 @@ from typing import TYPE_CHECKING
 
 from .compat import check_sentence_transformers
 from .function import gist_loss
-from .options import GistOptions
-from .stats import GistStats
+from .stage.spec.options import GistOptions
+from .stage.stats import GistStats
 
 # One clear ImportError, naming the version found and the range needed, for a sentence-transformers older than
 # cgist supports (read from its metadata, without importing it).
 check_sentence_transformers()
 
 if TYPE_CHECKING:
-    from .callbacks import GuideStatsCallback
-    from .loss import FusedCachedGISTLoss
-    from .ranking import FusedCachedMultipleNegativesRankingLoss, FusedCachedMultipleNegativesSymmetricRankingLoss
-    from .precompute import add_guide_embeddings
+    from .losses.callbacks import GuideStatsCallback
+    from .losses.gist import FusedCachedGISTLoss
+    from .losses.precompute import add_guide_embeddings
+    from .losses.ranking import (
+        FusedCachedMultipleNegativesRankingLoss,
+        FusedCachedMultipleNegativesSymmetricRankingLoss,
+    )
 
 __version__ = "0.1.0"
 __all__ = [
@@ -39,9 +40,9 @@ __all__ = [
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
-_LAZY = {"FusedCachedGISTLoss": "loss", "FusedCachedMultipleNegativesRankingLoss": "ranking",
-         "FusedCachedMultipleNegativesSymmetricRankingLoss": "ranking", "GuideStatsCallback": "callbacks",
-         "add_guide_embeddings": "precompute"}
+_LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedCachedMultipleNegativesRankingLoss": "losses.ranking",
+         "FusedCachedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",
+         "add_guide_embeddings": "losses.precompute"}
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ Ties by identity: row i's guide scores pair its row vector with each column, and
 the same row vector with a partner (the positive ``o + i`` for anchor rows, anchor i for PP rows). A
 column with the partner's text (or, without text ids, its normalised guide vector) scores theta_i in exact
 arithmetic, so it is masked exactly when ``theta_i > T_i``, whatever the rounding of the tile. The launcher gives
-equal texts (or equal normalised guide rows) equal integer ids (``cgist.numerics.tie_ids``); the kernels compare ids.
+equal texts (or equal normalised guide rows) equal integer ids (``cgist.stage.ties.tie_ids``); the kernels compare ids.
 
 The label (AP column ``o + i``) is never masked, and it is carried apart from the other terms: the
 running sum ``l`` holds the others only, the running max starts at the positive logit, and the

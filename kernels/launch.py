@@ -1,6 +1,6 @@
 """Launchers for the GIST kernels: tensors in, tensors out (no autograd, no nn).
 
-``gist_loss_and_grads`` has the signature and semantics of ``cgist.streaming.gist_loss_and_grads``;
+``gist_loss_and_grads`` has the signature and semantics of ``cgist.stage.pytorch.streaming.gist_loss_and_grads``;
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
 launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
 ``gist.py`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
@@ -9,7 +9,7 @@ directions' QQ, DQ, DD, DN_1..DN_k):
 * forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
   and the first running max/sum of each row (one row of state per Matryoshka dimension); the other
   groups fold into that state. Guide ties are decided by identity: equal texts (the text ids, when given) or
-  else equal normalised guide rows get equal int32 ids (``cgist.numerics.tie_ids``), and each launch reads the ids
+  else equal normalised guide rows get equal int32 ids (``cgist.stage.ties.tie_ids``), and each launch reads the ids
   of its columns and of
   its rows' partners. The label is kept out of the running sum ``l`` (base 2, shifted by the running
   max ``m``, which starts at the positive logit ``pos``), so each row's loss is
@@ -26,15 +26,15 @@ directions' QQ, DQ, DD, DN_1..DN_k):
 * backward, ``method="fused"``: the row and the column pass of each group add ``F @ k`` and
   ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Parked until the
   first GPU run decides (``BACKWARD_METHODS``); not reachable from ``cgist.gist_loss``.
-* both end in the normalisation backward (``cgist.problem.normalization_backward_``) on the summed products ``h``.
+* both end in the normalisation backward (``cgist.stage.spec.problem.normalization_backward_``) on the summed products ``h``.
 
 fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every product of the loss stage
 as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
 "medium" run plain tf32, as ``torch.mm`` does.
 
-At run time this module imports only torch, triton, the kernels' modules and the leaf modules ``cgist.numerics``
-(normalisation, tie ids, the budget, half-precision products), ``cgist.problem`` (the bound column groups, the
-dimensions, how each row's softmax ends) and ``cgist.devices`` (the architecture); the options arrive as a
+At run time this module imports only torch, triton, the kernels' modules and the leaf modules ``cgist.stage.numerics``
+(normalisation, tie ids, the budget, half-precision products), ``cgist.stage.spec.problem`` (the bound column groups, the
+dimensions, how each row's softmax ends) and ``cgist.stage.devices`` (the architecture); the options arrive as a
 ``cgist.GistOptions``.
 """
 
@@ -52,30 +52,49 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from cgist.devices import Arch, gpu_arch
-from cgist.numerics import BLOCKS, EPS, addmm_, compute_dtype, default_block_bytes, stack_rows, tie_ids
-from cgist.problem import (
-    BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
+from cgist.stage.budget import Chunks, backward_chunks
+from cgist.stage.devices import Arch, gpu_arch
+from cgist.stage.numerics import EPS, addmm_, compute_dtype, stack_rows
+from cgist.stage.spec.problem import (
+    BoundGroup,
+    Dims,
+    bind_groups,
+    label_terms,
+    normalization_backward_,
+    prefix_norms,
+    row_losses,
+    row_weights,
+    totals,
 )
+from cgist.stage.stats import BLOCKS
+from cgist.stage.ties import tie_ids
 
 from .gist import (
-    RULE_EXCLUDED, RULE_GUIDED, RULE_HARD_OTHERS, RULE_HARD_OWN, RULE_LABEL, RULE_TEXTS, RULE_UNMASKED,
-    gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel, pack_scalars,
+    RULE_EXCLUDED,
+    RULE_GUIDED,
+    RULE_HARD_OTHERS,
+    RULE_HARD_OWN,
+    RULE_LABEL,
+    RULE_TEXTS,
+    RULE_UNMASKED,
+    gist_bwd_cols_kernel,
+    gist_bwd_rows_kernel,
+    gist_fwd_kernel,
+    gist_score_grad_kernel,
+    pack_scalars,
 )
 from .tiles import BACKWARD_METHODS
 
 if TYPE_CHECKING:
-    from cgist.options import GistOptions
+    from cgist.stage.spec.options import GistOptions
 
 __all__ = [
-    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "chunk_plan", "forward_group", "gist_backward",
+    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "forward_group", "gist_backward",
     "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32",
 ]
 
 LN2 = math.log(2.0)
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
-#: Rows per chunk that the default budget grows to reach, so that the chunk GEMMs run near their peak.
-GEMM_ROW_FLOOR = 1024
 #: Counter rows of the forward: masked entries per statistics block, then the entries left unmasked, the label aside.
 _COUNTER_ROW = {name: row for row, name in enumerate(BLOCKS)}
 _LEFT_ROW = len(_COUNTER_ROW)
@@ -126,7 +145,7 @@ def _tf32_products(device: torch.device):
         torch.set_float32_matmul_precision(previous)
 
 
-#: ``out += a @ b`` accumulated in ``out``'s dtype (``cgist.numerics.addmm_``); a name of its own, so that tests can
+#: ``out += a @ b`` accumulated in ``out``'s dtype (``cgist.stage.numerics.addmm_``); a name of its own, so that tests can
 #: stand emulated tensor cores in for it.
 _addmm_ = addmm_
 
@@ -160,7 +179,7 @@ def _rows_contiguous(x: Tensor) -> Tensor:
 
 
 @dataclass
-class _Column:
+class _KernelColumn:
     """One column's student and guide vectors, with their inverse norms and guide tie ids, or some of its rows."""
 
     x: Tensor
@@ -172,17 +191,17 @@ class _Column:
     grad: int  # index of the embedding whose gradient this column feeds
     start: int = 0  # first row of that embedding
 
-    def rows(self, start: int, stop: int) -> _Column:
-        return _Column(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
+    def rows(self, start: int, stop: int) -> _KernelColumn:
+        return _KernelColumn(self.x[start:stop], self.g[start:stop], self.rx[:, start:stop], self.rg[start:stop],
                        self.ids[start:stop], self.text[start:stop], self.grad, start)
 
 
-def _rows(group: BoundGroup[_Column], batch: int) -> _Column:
+def _rows(group: BoundGroup[_KernelColumn], batch: int) -> _KernelColumn:
     """The B rows of ``group``: the anchors, or their positives from ``offset``."""
     return group.rows.rows(group.row_start, group.row_start + batch)
 
 
-def _kernel_args(state: ForwardState, group: BoundGroup[_Column]) -> dict:
+def _kernel_args(state: ForwardState, group: BoundGroup[_KernelColumn]) -> dict:
     """The keyword arguments the kernels share, for this column group (its partition's state)."""
     rows, cols, spec = _rows(group, state.batch), group.cols, group.spec
     rules = (RULE_LABEL * spec.label | RULE_GUIDED * state.guided | RULE_EXCLUDED * (spec.excluded_offset is not None)
@@ -207,9 +226,9 @@ class ForwardState:
 
     options: GistOptions
     embeddings: list[Tensor]
-    columns: list[_Column]
+    columns: list[_KernelColumn]
     norms: list[Tensor]  # prefix norms of each embedding per dimension (n_dims x rows)
-    groups: list[BoundGroup[_Column]]
+    groups: list[BoundGroup[_KernelColumn]]
     dims: Dims
     weights: Tensor  # the dimensions' weights (n_dims x 1)
     dims_tensor: Tensor  # int32 dims on the device, for the kernels
@@ -236,18 +255,18 @@ class ForwardState:
         return self.pos.shape[1]
 
     def loss(self) -> Tensor:
-        """The weighted mean over rows of each row's loss (``cgist.problem.row_losses``), 0-dim."""
+        """The weighted mean over rows of each row's loss (``cgist.stage.spec.problem.row_losses``), 0-dim."""
         return (self.weights * row_losses((self.run_max - self.pos) * LN2, self.run_sum)).sum() / self.batch
 
     def gradient_weights(self) -> tuple[Tensor, Tensor]:
         """Each partition's row weights (n_parts x n_dims x B) and the label's term (n_dims x B), from the
-        partitions' softmax denominators over ``2^m`` (``cgist.problem``)."""
+        partitions' softmax denominators over ``2^m`` (``cgist.stage.spec.problem``)."""
         denominators = totals(self.run_sum, torch.exp2(self.pos - self.run_max[0]))
         scale = 1.0 / (self.options.temperature * self.batch)
         return row_weights(self.weights, scale, denominators), label_terms(self.run_sum, denominators)
 
     def counters(self) -> tuple[Tensor, Tensor]:
-        """The mask counters: int64 counts (``cgist.numerics.COUNT_FIELDS``) and the sums of theta and T_i."""
+        """The mask counters: int64 counts (``cgist.stage.stats.COUNT_FIELDS``) and the sums of theta and T_i."""
         counts = self.counts.sum(dim=1, dtype=torch.int64)
         positive_only = (self.counts[_LEFT_ROW] == 0).sum()
         return torch.cat([counts[:_LEFT_ROW], positive_only[None]]), torch.stack([self.theta.sum(), self.thr.sum()])
@@ -256,7 +275,7 @@ class ForwardState:
 def _guide_operands(guide_embeddings: Sequence[Tensor] | None, embeddings: list[Tensor], inverse: list[Tensor],
                     acc: torch.dtype, text_ids: Sequence[Tensor] | None) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """The guide's rows as the kernels read them, their inverse norms and their tie ids (the text ids when given,
-    ``cgist.numerics.tie_ids``). Without a guide, the
+    ``cgist.stage.ties.tie_ids``). Without a guide, the
     student's rows and all-zero ids (pointers the kernels do not read), so a call without a guide runs the same
     binaries."""
     if guide_embeddings is None:
@@ -277,7 +296,7 @@ def prepare_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
     need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
 ) -> ForwardState:
-    """Norms, tie ids, the bound column groups (``cgist.problem.bind_groups``) and the per-row buffers of one call;
+    """Norms, tie ids, the bound column groups (``cgist.stage.spec.problem.bind_groups``) and the per-row buffers of one call;
     launches nothing."""
     embeddings = [_rows_contiguous(stack_rows(x)) for x in embeddings]
     acc, device, batch = compute_dtype(embeddings[0].dtype), embeddings[0].device, embeddings[0].shape[0]
@@ -287,7 +306,7 @@ def prepare_forward(
     inverse = [torch.ones_like(n) if options.similarity == "dot" else 1.0 / n.clamp_min(EPS) for n in norms]
     guide, guide_inverse, ids = _guide_operands(guide_embeddings, embeddings, inverse, acc, text_ids)
     texts = text_ids if options.mask_duplicates else ids
-    columns = [_Column(*parts, i) for i, parts in enumerate(zip(embeddings, guide, inverse, guide_inverse, ids, texts))]
+    columns = [_KernelColumn(*parts, i) for i, parts in enumerate(zip(embeddings, guide, inverse, guide_inverse, ids, texts))]
     groups, n_parts, _ = bind_groups(options, columns, [x.shape[0] for x in embeddings])
     # Each row's two texts, whatever the group: its anchor's and its positive's.
     row_texts = torch.stack([columns[0].text, columns[1].text[options.offset : options.offset + batch]])
@@ -310,7 +329,7 @@ def prepare_forward(
     )
 
 
-def forward_group(state: ForwardState, group: BoundGroup[_Column], count: bool = False) -> None:
+def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: bool = False) -> None:
     """Launch the forward row pass of one group (the AP group first); records the autotuner's pick."""
     batch = state.batch
     with _launch_device(state.pos.device):
@@ -347,46 +366,6 @@ def gist_forward(
     return state.loss(), state
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Rows and columns of one chunk of the GEMM backward (multiples of the tile, or a whole group)."""
-
-    rows: int
-    cols: int
-    bytes: int
-
-
-def chunk_plan(batch: int, widest: int, tiles: dict, n_dims: int, entry_bytes: int, acc_bytes: int,
-               block_bytes: int | None, device: torch.device, max_entries: int = 2**31 - 1) -> ChunkPlan:
-    """The chunk shape of the GEMM backward, and the bytes its buffers take.
-
-    A chunk of R rows and C columns holds one GEMM operand of ``entry_bytes`` per entry and segment
-    (``n_dims`` segments), and with several dimensions the per-tile partial sums of the radial terms:
-    ``R * C * n_dims * entry_bytes + n_dims * (R * ceil(C / BLOCK_N) + C * R / BLOCK_M) * acc_bytes``.
-    Rows are the largest multiple of BLOCK_M that fits ``block_bytes`` against whole blocks (``widest``
-    columns); if not even BLOCK_M rows fit, BLOCK_M rows against the most columns (a multiple of
-    BLOCK_N, at least one tile) that fit. With ``block_bytes=None`` the budget is
-    ``cgist.numerics.default_block_bytes``, grown to reach ``GEMM_ROW_FLOOR`` rows. A chunk holds at most
-    ``max_entries`` entries per segment (the kernel addresses its buffer with int32 offsets).
-    """
-    bm, bn = tiles["BLOCK_M"], tiles["BLOCK_N"]
-
-    def size(rows: int, cols: int) -> int:
-        partials = n_dims * (rows * triton.cdiv(cols, bn) + cols * triton.cdiv(rows, bm)) * acc_bytes if n_dims > 1 else 0
-        return rows * cols * n_dims * entry_bytes + partials
-
-    all_rows = triton.cdiv(batch, bm) * bm
-    if block_bytes is None:
-        block_bytes = default_block_bytes(device, size(min(all_rows, GEMM_ROW_FLOOR), widest))
-    if size(bm, widest) <= block_bytes:
-        rows = min(all_rows, bm * max(1, block_bytes // size(bm, widest)), bm * max(1, max_entries // (bm * widest)))
-        return ChunkPlan(rows, widest, size(rows, widest))
-    cols = bn * max(1, block_bytes // size(bm, bn))
-    while cols > bn and size(bm, cols) > block_bytes:  # the partials' ceil makes size slightly superlinear
-        cols -= bn
-    return ChunkPlan(bm, cols, size(bm, cols))
-
-
 class BackwardWork:
     """The buffers of one backward: summed products ``h`` and radial sums per embedding, and the chunk operands.
 
@@ -417,8 +396,8 @@ class BackwardWork:
             self._operands = [split_tf32(x) if self.split else (x,) for x in xs]
         return self._operands
 
-    def buffers(self) -> tuple[ChunkPlan, Tensor, Tensor, Tensor]:
-        """The chunk plan, the operand buffer (segment, part, row, col) and the radial partial sums."""
+    def buffers(self) -> tuple[Chunks, Tensor, Tensor, Tensor]:
+        """The chunk shape, the operand buffer (segment, part, row, col) and the radial partial sums."""
         if self._buffers is None:
             state = self.state
             x = state.embeddings[0]
@@ -426,26 +405,26 @@ class BackwardWork:
             widest = max(g.n_cols for g in state.groups)
             n_dims = len(state.dims)
             acc_bytes = state.pos.element_size()
-            plan = chunk_plan(state.batch, widest, state.tiles, n_dims, parts * x.element_size(), acc_bytes,
+            chunks = backward_chunks(state.batch, widest, state.tiles, n_dims, parts * x.element_size(), acc_bytes,
                               self.block_bytes, x.device, (2**31 - 1) // (n_dims * parts))
-            f = torch.empty(n_dims, parts, plan.rows, plan.cols, dtype=x.dtype, device=x.device)
+            f = torch.empty(n_dims, parts, chunks.rows, chunks.cols, dtype=x.dtype, device=x.device)
             bm, bn = state.tiles["BLOCK_M"], state.tiles["BLOCK_N"]
             if n_dims > 1:
-                row_part = torch.empty(n_dims, triton.cdiv(plan.cols, bn), plan.rows, dtype=state.pos.dtype,
+                row_part = torch.empty(n_dims, triton.cdiv(chunks.cols, bn), chunks.rows, dtype=state.pos.dtype,
                                        device=x.device)
-                col_part = torch.empty(n_dims, triton.cdiv(plan.rows, bm), plan.cols, dtype=state.pos.dtype,
+                col_part = torch.empty(n_dims, triton.cdiv(chunks.rows, bm), chunks.cols, dtype=state.pos.dtype,
                                        device=x.device)
             else:
                 row_part = col_part = state.pos  # not read
-            self._buffers = plan, f, row_part, col_part
+            self._buffers = chunks, f, row_part, col_part
         return self._buffers
 
-    def kernel_args(self, group: BoundGroup[_Column]) -> dict:
+    def kernel_args(self, group: BoundGroup[_KernelColumn]) -> dict:
         """The group's kernel arguments with its partition's row weights and, read at the label only, the label's
         term (``ForwardState.gradient_weights``) in place of the running sum."""
         return dict(_kernel_args(self.state, group), rw_ptr=self.row_weight[group.spec.part], l_ptr=self.label_terms)
 
-    def score_grad_chunk(self, group: BoundGroup[_Column], r0: int, r1: int, c0: int, c1: int) -> None:
+    def score_grad_chunk(self, group: BoundGroup[_KernelColumn], r0: int, r1: int, c0: int, c1: int) -> None:
         """Launch the score-gradient kernel for rows r0:r1 and columns c0:c1 of ``group``."""
         state = self.state
         _, f, row_part, col_part = self.buffers()
@@ -462,7 +441,7 @@ class BackwardWork:
                 SPLIT=self.split, **state.flags, **tiles,
             )
 
-    def chunk_gemms(self, group: BoundGroup[_Column], r0: int, r1: int, c0: int, c1: int) -> None:
+    def chunk_gemms(self, group: BoundGroup[_KernelColumn], r0: int, r1: int, c0: int, c1: int) -> None:
         """Add the products of the chunk's operands (left by ``score_grad_chunk``) into ``h`` and the radial sums."""
         state = self.state
         _, f, row_part, col_part = self.buffers()
@@ -482,34 +461,34 @@ class BackwardWork:
             self.radial[rows.grad][:, rows.start + r0 : rows.start + r1] += row_part[:, :n_col_tiles, : r1 - r0].sum(1)
             self.radial[cols.grad][:, c0:c1] += col_part[:, :n_row_tiles, : c1 - c0].sum(1)
 
-    def chunks(self, group: BoundGroup[_Column]) -> list[tuple[int, int, int, int]]:
+    def chunks(self, group: BoundGroup[_KernelColumn]) -> list[tuple[int, int, int, int]]:
         """The chunks ``(r0, r1, c0, c1)`` of ``group``, in their fixed order."""
-        plan = self.buffers()[0]
+        shape = self.buffers()[0]
         n_rows, n_cols = self.state.batch, group.n_cols
-        return [(r0, min(r0 + plan.rows, n_rows), c0, min(c0 + plan.cols, n_cols))
-                for r0 in range(0, n_rows, plan.rows) for c0 in range(0, n_cols, plan.cols)]
+        return [(r0, min(r0 + shape.rows, n_rows), c0, min(c0 + shape.cols, n_cols))
+                for r0 in range(0, n_rows, shape.rows) for c0 in range(0, n_cols, shape.cols)]
 
-    def gemm_group(self, group: BoundGroup[_Column]) -> None:
+    def gemm_group(self, group: BoundGroup[_KernelColumn]) -> None:
         for chunk in self.chunks(group):
             self.score_grad_chunk(group, *chunk)
             self.chunk_gemms(group, *chunk)
 
     # -- the fused backward -----------------------------------------------------------------------------------
 
-    def fused_rows(self, group: BoundGroup[_Column]) -> None:
+    def fused_rows(self, group: BoundGroup[_KernelColumn]) -> None:
         """The fused row pass of one group: ``h[rows] += F @ k``."""
         self._fused_pass(group, gist_bwd_rows_kernel, _rows(group, self.state.batch), "BLOCK_M")
 
-    def fused_cols(self, group: BoundGroup[_Column]) -> None:
+    def fused_cols(self, group: BoundGroup[_KernelColumn]) -> None:
         """The fused column pass of one group: ``h[cols] += F^T @ q``."""
         self._fused_pass(group, gist_bwd_cols_kernel, group.cols, "BLOCK_N")
 
-    def fused_group(self, group: BoundGroup[_Column]) -> None:
+    def fused_group(self, group: BoundGroup[_KernelColumn]) -> None:
         """The fused row and column passes of one group, adding into ``h``."""
         self.fused_rows(group)
         self.fused_cols(group)
 
-    def _fused_pass(self, group: BoundGroup[_Column], kernel, side: _Column, tile: str) -> None:
+    def _fused_pass(self, group: BoundGroup[_KernelColumn], kernel, side: _KernelColumn, tile: str) -> None:
         state = self.state
         if len(state.dims) > 1:
             raise NotImplementedError("the fused backward computes one dimension; Matryoshka runs on the GEMM backward")
@@ -532,7 +511,7 @@ class BackwardWork:
         return self.gradients()
 
     def gradients(self) -> list[Tensor]:
-        """Through the normalisation (``cgist.problem.normalization_backward_`` on the raw rows, ``kappa_u = r_u^2``,
+        """Through the normalisation (``cgist.stage.spec.problem.normalization_backward_`` on the raw rows, ``kappa_u = r_u^2``,
         0 where ``||x[:d_u]|| < eps``), in each embedding's dtype. Past ``top``, ``h`` is 0 and stays 0."""
         state, top = self.state, self.state.dims.top
         out = []
@@ -567,7 +546,7 @@ def gist_loss_and_grads(
     list of row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
     gradients have the dtype of their embedding; the counters are ``(counts, sums)`` as in
-    ``cgist.streaming.gist_loss_and_grads``. No host synchronisation.
+    ``cgist.stage.pytorch.streaming.gist_loss_and_grads``. No host synchronisation.
     """
     loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats, text_ids=text_ids)
     grads = gist_backward(state) if need_grads else None

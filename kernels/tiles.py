@@ -13,7 +13,7 @@ import os
 import torch
 import triton
 
-from cgist.devices import Arch, arch_for, gpu_arch, triton_release
+from cgist.stage.devices import Arch, arch_for, gpu_arch, triton_release
 
 __all__ = [
     "ALL_CONFIGS", "BACKWARD_METHODS", "DEFAULT_ARCH", "FMA_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON",
@@ -35,7 +35,7 @@ def _configs(tiles) -> list[triton.Config]:
 #: The architecture ``tile_configs`` assumes when given none: sm_90 (H100, H200).
 DEFAULT_ARCH = arch_for((9, 0))
 
-# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by tile family (``cgist.devices.Arch.family``) and operand
+# Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by tile family (``cgist.stage.devices.Arch.family``) and operand
 # kind (``operand_kind``): for each, the largest configs that every kernel using them compiles for on that
 # architecture without spills and within its shared memory (bench/aot_compile.py builds each one). The forward and
 # the score-gradient kernel use all of a table ("gemm"); the fused backward passes, which hold a gradient tile
@@ -227,7 +227,7 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
-    row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.devices.Arch``; None:
+    row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.stage.devices.Arch``; None:
     ``DEFAULT_ARCH``) the configs are its family's: from sm_80 on every dtype pair but fp64 runs on the
     tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``backward="fused"`` keeps to the tiles
     the fused backward compiles without spills. On an architecture the tables do not know

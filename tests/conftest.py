@@ -4,7 +4,7 @@
   anything imports them, so it is set here, at collection time.
 * Every tensor the package allocates uninitialised is filled with NaN, so an output that a code path
   forgets to write fails the comparison instead of passing on leftover memory. The CPU workspace that
-  ``cgist.streaming`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
+  ``cgist.stage.pytorch.streaming`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
   test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
@@ -47,9 +47,9 @@ def nan_poisoned_allocations(monkeypatch):
 
 
 def _poison_kept_workspace() -> None:
-    """NaN into every workspace buffer that ``cgist.workspace`` keeps for this thread (the one the tests run in;
+    """NaN into every workspace buffer that ``cgist.stage.pytorch.workspace`` keeps for this thread (the one the tests run in;
     a thread that a test starts takes its buffers with it when it ends)."""
-    workspace = sys.modules.get("cgist.workspace")  # not imported yet: nothing kept
+    workspace = sys.modules.get("cgist.stage.pytorch.workspace")  # not imported yet: nothing kept
     if workspace is not None:
         for buffer in getattr(workspace._THREAD, "buffers", {}).values():
             _poison(buffer)

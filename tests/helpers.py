@@ -11,7 +11,7 @@ API:
     loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
     oracle_masks(...)             every column group's mask: the call's groups, each rule written from DESIGN.
     oracle_stats(...)             the GistStats counted on those masks, every block (AP, AA, PP, AN, QQ, DQ, DD).
-    oracle_counters(...)          the same counts as a backend's counters (``cgist.numerics.COUNT_FIELDS``).
+    oracle_counters(...)          the same counts as a backend's counters (``cgist.stage.stats.COUNT_FIELDS``).
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
     tf32(x, mode)                 fp32 rounded to tf32, to nearest or toward zero.
@@ -354,7 +354,7 @@ def oracle_counters(
     text_ids: list[torch.Tensor] | None = None,
 ) -> dict[str, int]:
     """``oracle_stats``' counts by the names of a backend's counters (``COUNT_FIELDS``; 0 for an absent block)."""
-    from cgist.numerics import COUNT_FIELDS
+    from cgist.stage.stats import COUNT_FIELDS
 
     stats = oracle_stats(embeddings, guide_embeddings, options, text_ids)
     counts = {f"masked_{name}": count for name, count in stats.masked.items()}

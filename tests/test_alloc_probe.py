@@ -23,8 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cgist
-from cgist import GistOptions, streaming, workspace
+from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
+from cgist.stage import budget
+from cgist.stage.pytorch import streaming, workspace
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
 BUDGET = 6144
@@ -124,7 +126,7 @@ def test_loss_stage_holds_one_copy_of_the_embeddings(models, monkeypatch, dim):
     Concatenating the mini-batches into a copy first, or a rows x dim temporary in the normalisation
     backward, exceeds it. Rows per block are lowered to 8, so that B is many row blocks.
     """
-    monkeypatch.setattr(workspace, "ROW_FLOOR", 8)
+    monkeypatch.setattr(budget, "ROW_FLOOR", 8)
     workspace.release_workspace()  # a larger one kept from another test would count as held
     mini, dim_g = 16, 48
     loss = cgist.FusedCachedGISTLoss(*models, mini_batch_size=mini, margin=0.05, block_bytes=BUDGET, backend="torch")

@@ -24,9 +24,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from cgist.devices import arch_for  # noqa: E402
-from cgist.kernels.tiles import tile_configs  # noqa: E402
 from cgist.kernels.launch import input_precision  # noqa: E402
+from cgist.kernels.tiles import tile_configs  # noqa: E402
+from cgist.stage.devices import arch_for  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
 #: Each kernel with the tile sets of the forwards whose pick it runs with.

@@ -236,8 +236,8 @@ def test_compared_providers_do_the_same_work(bench, negatives):
 def test_four_directions_provider_is_the_oracle_loss(bench, negatives):
     """dir-cgist-torch: the float64 oracle's loss and gradients over all four directions in one softmax, with the
     guide's mask, and not the one-direction loss."""
-    from cgist.options import GistOptions
-    from cgist.reference import gist_loss_reference
+    from cgist.stage.reference import gist_loss_reference
+    from cgist.stage.spec.options import GistOptions
 
     loss_stage, _ = bench
     student, guide = loss_stage.common.make_embeddings(40, 56, 24, 12, negatives, seed=3)

@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from test_data import write_jsonl
 
 from cgist.cli import main, run
+from cgist.cli.data import stdlib_pairs
 from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, read_record
-from cgist.data import stdlib_pairs
-from cgist.loss import FusedCachedGISTLoss
-from cgist.stats import GistStats
+from cgist.losses.gist import FusedCachedGISTLoss
+from cgist.stage.stats import GistStats
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
@@ -44,8 +44,8 @@ PAUSING_DRIVER = """
 import sys, time
 from pathlib import Path
 from cgist.cli import main
-from cgist.loss import FusedCachedGISTLoss
-from cgist.stats import GistStats
+from cgist.losses.gist import FusedCachedGISTLoss
+from cgist.stage.stats import GistStats
 
 go, waiting, checkpoints = (Path(a) for a in sys.argv[1:4])
 calculate_loss = FusedCachedGISTLoss.calculate_loss

@@ -1,4 +1,4 @@
-"""cgist.data: the pair file formats, the split and retrieval task, and the standard-library pair builder.
+"""cgist.cli.data: the pair file formats, the split and retrieval task, and the standard-library pair builder.
 
 ``pairs``, ``write_jsonl`` and ``write_csv`` are shared with the command-line tests.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from cgist.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
+from cgist.cli.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import DEVICE, make_inputs, one_thread, precision, shape_id  # noqa: F401  (one_thread: autouse)
 
 import cgist
-from helpers import DEVICE, make_inputs, one_thread, precision, shape_id  # noqa: F401  (one_thread: autouse)
 
 BACKENDS = ["torch", "triton"]
 

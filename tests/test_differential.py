@@ -17,7 +17,7 @@ range, and ``.ci/parity-oldest`` again under the oldest), so a release that move
   sentence-transformers decides it by comparing two of its own cosines, which are bitwise equal only when the guide
   embedded both texts bitwise equal. A text embedded with other padding (another column's width) differs by
   rounding, and then sentence-transformers' own result is decided by that rounding, where cgist decides by the
-  texts (``cgist.numerics.tie_ids``). So every text of an example has the same number of tokens (words that are
+  texts (``cgist.stage.ties.tie_ids``). So every text of an example has the same number of tokens (words that are
   one token each): no padding, every duplicate embedded bitwise equal, every tie exact on both sides. cgist's rule
   where the two part is pinned apart (``test_a_duplicate_ties_by_its_text_whatever_its_rounding``,
   ``test_the_mini_batches_do_not_move_the_loss``).
@@ -49,7 +49,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import cos_sim, dot_score
 
 from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss, gist_loss
-from cgist.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
+from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
 #: Examples per class (plain and Matryoshka together) in the "ci" profile.
 CI_EXAMPLES = 200

@@ -16,13 +16,16 @@ import pytest
 import torch
 from helpers import assert_close, make_inputs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
 from sentence_transformers.sentence_transformer.losses import (
-    CachedMultipleNegativesRankingLoss, MatryoshkaLoss, MultipleNegativesRankingLoss,
+    CachedMultipleNegativesRankingLoss,
+    MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
 )
 from sentence_transformers.util import cos_sim, dot_score
 
 import cgist
-from cgist import GistOptions, streaming
-from cgist.reference import gist_loss_reference
+from cgist import GistOptions
+from cgist.stage.pytorch import streaming
+from cgist.stage.reference import gist_loss_reference
 
 TIGHT = tolerance("embeddings", "fp64")
 TRITON = tolerance("triton", "fp64")

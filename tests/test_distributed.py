@@ -37,7 +37,7 @@ import torch.distributed as dist
 from helpers import TOL, loss_kwargs, oracle_stats, precision
 
 from cgist import GistOptions, GistStats
-from cgist.reference import gist_loss_reference, gist_scores
+from cgist.stage.reference import gist_loss_reference, gist_scores
 
 WORLD = 2
 LOCAL = 6  # anchors per rank

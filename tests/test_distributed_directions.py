@@ -22,7 +22,7 @@ import torch.distributed as dist
 from test_distributed import LOCAL, MINI, ROOT, WORLD, _bench, _free_port, _offline_env, _wait
 
 from cgist import GistOptions
-from cgist.reference import gist_loss_reference
+from cgist.stage.reference import gist_loss_reference
 
 DIM, DIM_GUIDE = 16, 12
 

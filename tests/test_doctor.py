@@ -65,7 +65,7 @@ def test_doctor_refuses_a_missing_device(capsys, device):
 
 
 def test_doctor_prints_the_first_use_check(capsys, monkeypatch):
-    """The doctor runs the check "auto" runs (``cgist.selfcheck``): a kernel that miscounts one masked entry is
+    """The doctor runs the check "auto" runs (``cgist.stage.dispatch.selfcheck``): a kernel that miscounts one masked entry is
     named with both counts, its loss and gradients agreeing."""
     _wrong_count(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

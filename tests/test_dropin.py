@@ -33,8 +33,8 @@ from sentence_transformers.util import cos_sim, dot_score, euclidean_sim, manhat
 
 import cgist
 from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
-from cgist.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 from cgist.compat import release_rules
+from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
 WORDS = "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy".split()
 MATRYOSHKA = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
@@ -169,8 +169,8 @@ def test_cgist_own_attributes_take_effect(own, student):
 
 def test_the_backend_and_budget_assigned_reach_the_loss_stage(student, monkeypatch):
     seen = []
-    real = cgist.dropin.gist_loss_with_options
-    monkeypatch.setattr(cgist.dropin, "gist_loss_with_options",
+    real = cgist.losses.base.gist_loss_with_options
+    monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options",
                         lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
     loss = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch")
     loss.backend, loss.block_bytes = "auto", 1 << 20

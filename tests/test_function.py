@@ -16,10 +16,12 @@ from helpers import BAD_OPTIONS, TOL, Tol, assert_close, make_inputs
 from torch.overrides import TorchFunctionMode
 
 import cgist
-from cgist import GistOptions, function, streaming
-from cgist.devices import arch_for
-from cgist.function import check_embeddings
-from cgist.reference import gist_loss_reference
+from cgist import GistOptions, function
+from cgist.stage.devices import arch_for
+from cgist.stage.dispatch import route
+from cgist.stage.pytorch import streaming
+from cgist.stage.reference import gist_loss_reference
+from cgist.stage.spec.checks import check_embeddings
 
 TIGHT = Tol(**TOL["embeddings"]["fp64"])
 
@@ -115,11 +117,11 @@ def test_with_options_equals_keywords():
 
 
 def test_auto_backend_on_cpu_is_streaming():
-    assert function.select_backend("auto", torch.device("cpu")) is streaming.gist_loss_and_grads
+    assert route.select_backend("auto", torch.device("cpu")) is streaming.gist_loss_and_grads
 
 
 def test_torch_backend_on_cuda_is_streaming():
-    assert function.select_backend("torch", torch.device("cuda")) is streaming.gist_loss_and_grads
+    assert route.select_backend("torch", torch.device("cuda")) is streaming.gist_loss_and_grads
 
 
 def test_triton_backend_is_the_launcher(monkeypatch):
@@ -127,22 +129,22 @@ def test_triton_backend_is_the_launcher(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for device in ("cpu", "cuda"):
-        assert function.select_backend("triton", torch.device(device)) is cgist.kernels.gist_loss_and_grads
+        assert route.select_backend("triton", torch.device(device)) is cgist.kernels.gist_loss_and_grads
 
 
 def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
     """On an sm_90 GPU, 'auto' picks the launcher, or the streaming path when cgist.kernels cannot provide it."""
-    monkeypatch.setattr(function, "gpu_arch", lambda device: arch_for((9, 0)))
+    monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for((9, 0)))
     monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
-    assert function.auto_route(torch.device("cuda:0"), torch.float32, torch.float32)[0] == "torch"
-    assert function.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
+    assert route.auto_route(torch.device("cuda:0"), torch.float32, torch.float32)[0] == "torch"
+    assert route.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
 
 
 def test_check_backend_names_what_it_checks():
     """One check of a backend name: the loss's argument and the command line's flag get the same message."""
-    assert [function.check_backend(name) for name in function.BACKENDS] == list(function.BACKENDS)
+    assert [route.check_backend(name) for name in route.BACKENDS] == list(route.BACKENDS)
     with pytest.raises(ValueError, match=r"^--backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'$"):
-        function.check_backend("cuda", "--backend")
+        route.check_backend("cuda", "--backend")
 
 
 # Input validation ---------------------------------------------------------------------------------------------

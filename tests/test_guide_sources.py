@@ -37,9 +37,9 @@ from sentence_transformers.sentence_transformer.training_args import SentenceTra
 
 import cgist
 from cgist import FusedCachedGISTLoss
-from cgist.numerics import token_fingerprints
-from cgist.precompute import must_retokenize
-from cgist.reference import gist_loss_reference, gist_scores
+from cgist.losses.precompute import must_retokenize
+from cgist.stage.reference import gist_loss_reference, gist_scores
+from cgist.stage.ties import token_fingerprints
 
 BATCH = 13
 MINI_BATCH = 5

@@ -2,7 +2,7 @@
 
 ``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` and
 ``add_guide_embeddings`` load it on first use); the modules under kernels/ import only torch, triton, the standard
-library and the leaf modules ``cgist.numerics``, ``cgist.devices`` and ``cgist.problem``.
+library and the loss stage's leaf modules (``ALLOWED_MODULES``: none of them reaches the dispatch or the kernels).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_light_imports_leave_sentence_transformers_unloaded(tmp_path):
     assert result["finite"]
     # The probe sees the import once the class is asked for, so the empty list above means something.
     assert result["after"] and result["name"] == "FusedCachedGISTLoss" and result["subclass"]
-    assert result["precompute"] == "cgist.precompute.add_guide_embeddings"
+    assert result["precompute"] == "cgist.losses.precompute.add_guide_embeddings"
 
 
 def test_unknown_attribute_raises_attribute_error():
@@ -65,7 +65,8 @@ def test_unknown_attribute_raises_attribute_error():
 
 KERNELS = Path(cgist.kernels.__file__).parent
 ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
-ALLOWED_MODULES = {"cgist.numerics", "cgist.devices", "cgist.problem"}
+ALLOWED_MODULES = {"cgist.stage.numerics", "cgist.stage.ties", "cgist.stage.budget", "cgist.stage.devices",
+                   "cgist.stage.stats", "cgist.stage.spec.problem"}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -97,8 +98,8 @@ def runtime_imports(node: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def allowed(module: str) -> bool:
-    """torch, triton, the standard library, the leaf modules ``cgist.numerics``, ``cgist.devices`` and
-    ``cgist.problem``, or a module of kernels/ itself (one leading dot)."""
+    """torch, triton, the standard library, the leaf modules (``ALLOWED_MODULES``), or a module of kernels/ itself
+    (one leading dot)."""
     if module.startswith("."):
         return not module.startswith("..")
     return module.split(".")[0] in ALLOWED_PACKAGES or module in ALLOWED_MODULES
@@ -115,8 +116,8 @@ from typing import TYPE_CHECKING
 from . import gist
 from .launch import gist_forward
 from .. import options
-from cgist.numerics import EPS
-from cgist.options import GistOptions
+from cgist.stage.numerics import EPS
+from cgist.stage.spec.options import GistOptions
 if TYPE_CHECKING:
     from cgist.function import Backend
 else:
@@ -129,7 +130,7 @@ def f():
 def test_the_import_check_finds_what_it_must():
     """numpy, a module above kernels/, another cgist module, an else branch and a function body are all caught."""
     assert forbidden_imports(SAMPLE) == [
-        (3, "numpy"), (7, ".."), (9, "cgist.options"), (13, "sentence_transformers"), (15, "transformers")
+        (3, "numpy"), (7, ".."), (9, "cgist.stage.spec.options"), (13, "sentence_transformers"), (15, "transformers")
     ]
 
 
@@ -211,6 +212,6 @@ def test_no_import_circle_among_the_package_modules():
     import of its own package's ``__init__`` (the lazy names) is an edge like any other."""
     files = _module_files()
     graph = import_graph(files)
-    assert {"cgist.problem", "cgist.kernels.launch", "cgist.cli.run"} <= set(graph)
-    assert "cgist.problem" in graph["cgist.kernels.launch"] and "cgist.numerics" in graph["cgist.problem"]
+    assert {"cgist.stage.spec.problem", "cgist.kernels.launch", "cgist.cli.run"} <= set(graph)
+    assert "cgist.stage.spec.problem" in graph["cgist.kernels.launch"] and "cgist.stage.numerics" in graph["cgist.stage.spec.problem"]
     assert cycles(graph) == []

@@ -74,7 +74,7 @@ def test_paper_estimates_give_the_matryoshka_ratio(bench):
 def test_four_direction_estimate_is_the_per_entry_cost_times_its_entries(bench):
     """The four directions in one softmax (B = N = 64k, k = 1, bf16, GEMM backward): six B x B blocks, the ones the
     loss runs, each entry costing what a query-to-document entry costs in each kernel."""
-    from cgist.options import GistOptions
+    from cgist.stage.spec.options import GistOptions
 
     batch, k = 65536, 1
     rows = {(r["impl"], r["op"]): r for r in bench.paper_estimates(batch, 768, 384, k, "bf16",

@@ -14,15 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import CUDA, DEVICE, DTYPES, assert_close, make_inputs, shape_id, tolerance
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import cgist
 from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
-from cgist.kernels.launch import chunk_plan, gist_backward, gist_forward
-from cgist.numerics import tie_ids
-from cgist.reference import gist_loss_reference, gist_scores
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from cgist.kernels.launch import gist_backward, gist_forward
+from cgist.stage.budget import backward_chunks
+from cgist.stage.reference import gist_loss_reference, gist_scores
+from cgist.stage.ties import tie_ids
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="GPU-sized problems, and tf32, which the interpreter lacks")
 
@@ -152,19 +153,19 @@ def test_matches_reference(batch, n_cand, dim, dim_g, k, precision, kw):
 
 
 @pytest.mark.parametrize(("block_bytes", "rows", "cols"), [(2100, 16, 16), (4200, 16, 32), (5000, 16, 39), (10**6, 48, 39)])
-def test_chunk_plan_follows_the_budget(block_bytes, rows, cols):
+def test_backward_chunks_follows_the_budget(block_bytes, rows, cols):
     """Chunks are whole tiles, hold no more than the budget (when one tile fits), and take whole blocks when they can."""
     student, guide = make_inputs(37, 39, 40, 24, 1, torch.float64, 0)
     options = GistOptions(offset=2, block_bytes=block_bytes)
     _, state = gist_forward([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options)
-    plan = chunk_plan(37, 39, state.tiles, 1, 8, 8, block_bytes, torch.device(DEVICE))
+    plan = backward_chunks(37, 39, state.tiles, 1, 8, 8, block_bytes, torch.device(DEVICE))
     assert (plan.rows, plan.cols) == (rows, cols)
     assert plan.bytes == rows * cols * 8 <= block_bytes
 
 
-def test_chunk_plan_keeps_int32_offsets():
+def test_backward_chunks_keeps_int32_offsets():
     """However large the budget, a chunk's buffer stays addressable with int32 offsets."""
-    plan = chunk_plan(2**20, 2**20, {"BLOCK_M": 128, "BLOCK_N": 128}, 1, 2, 4, 2**40, torch.device("cpu"))
+    plan = backward_chunks(2**20, 2**20, {"BLOCK_M": 128, "BLOCK_N": 128}, 1, 2, 4, 2**40, torch.device("cpu"))
     assert plan.cols == 2**20 and plan.rows % 128 == 0 and plan.rows * plan.cols < 2**31
 
 

@@ -20,15 +20,25 @@ import torch
 import triton
 import triton.language as tl
 from helpers import (  # noqa: F401  (one_thread: autouse)
-    CUDA, DEVICE, TOL, assert_close, make_inputs, one_thread, oracle_counters, shape_id, tf32_addmm,
+    CUDA,
+    DEVICE,
+    TOL,
+    assert_close,
+    make_inputs,
+    one_thread,
+    oracle_counters,
+    shape_id,
+    tf32_addmm,
 )
 from interpreter_dot import unpatched_dot
 
 from cgist import GistOptions
 from cgist.kernels import launch
 from cgist.kernels.launch import gist_backward, gist_forward
-from cgist.numerics import COUNT_FIELDS, normalize, rank_ids, threshold, tie_ids
-from cgist.reference import gist_loss_reference
+from cgist.stage.numerics import normalize, threshold
+from cgist.stage.reference import gist_loss_reference
+from cgist.stage.stats import COUNT_FIELDS
+from cgist.stage.ties import rank_ids, tie_ids
 
 #: Student and guide dtype of each pair, by its id.
 PAIRS = {

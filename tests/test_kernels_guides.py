@@ -12,9 +12,11 @@ import pytest
 import torch
 from helpers import DEVICE, assert_close, make_inputs, tolerance
 
-from cgist import GistOptions, numerics, streaming
+from cgist import GistOptions
 from cgist.kernels.launch import gist_backward, gist_forward
-from cgist.reference import gist_loss_reference, gist_scores
+from cgist.stage import ties
+from cgist.stage.pytorch import streaming
+from cgist.stage.reference import gist_loss_reference, gist_scores
 
 B, N, D, DG, K = 13, 26, 40, 24, 1
 
@@ -42,7 +44,7 @@ def _check(source: str, precision: str, *, backward: str = "gemm", **options) ->
         guide = None
     texts = _texts(3)
     options = GistOptions(temperature=0.05, offset=B, **options)
-    ids = numerics.rank_ids(texts)
+    ids = ties.rank_ids(texts)
 
     leaves = [s.double().requires_grad_() for s in student]
     guide64 = None if guide is None else [g.double() for g in guide]

@@ -16,7 +16,7 @@ import cgist
 from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
 from cgist.kernels.launch import gist_backward, gist_forward
-from cgist.reference import gist_loss_reference
+from cgist.stage.reference import gist_loss_reference
 
 
 def matryoshka_reference(student, guide, options: GistOptions) -> torch.Tensor:

@@ -24,10 +24,10 @@ import triton.language as tl
 from helpers import DEVICE, TF32X3_BOUND, one_thread, tf32_addmm  # noqa: F401  (one_thread: autouse)
 
 from cgist.kernels import launch
-from cgist.devices import KNOWN_ARCHS, arch_for
 from cgist.kernels.gist import _round_tf32
-from cgist.kernels.tiles import BACKWARD_METHODS, operand_kind, shared_memory_estimate, tile_configs
 from cgist.kernels.launch import input_precision, split_tf32
+from cgist.kernels.tiles import BACKWARD_METHODS, operand_kind, shared_memory_estimate, tile_configs
+from cgist.stage.devices import KNOWN_ARCHS, arch_for
 
 U = 2.0**-11
 BOUND = TF32X3_BOUND

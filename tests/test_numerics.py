@@ -1,4 +1,4 @@
-"""cgist.numerics: accumulation dtype, normalisation and its backward, guide threshold, guide mask and tie ids."""
+"""cgist.stage.numerics: accumulation dtype, normalisation and its backward, guide threshold, guide mask and tie ids."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import DTYPES, TOL, make_inputs, precision
 
-from cgist.numerics import EPS, TieIndex, compute_dtype, guide_mask, normalize, threshold, tie_ids
-from cgist.problem import normalization_backward_
+from cgist.stage.numerics import EPS, compute_dtype, guide_mask, normalize, threshold
+from cgist.stage.spec.problem import normalization_backward_
+from cgist.stage.ties import TieIndex, tie_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=precision)
@@ -43,7 +44,7 @@ def test_normalize_computes_in_the_requested_dtype():
 
 
 def test_normalization_backward_is_the_gradient_of_normalize():
-    """``cgist.problem.normalization_backward_`` with one dimension, as the streaming path calls it (normalised rows,
+    """``cgist.stage.spec.problem.normalization_backward_`` with one dimension, as the streaming path calls it (normalised rows,
     kappa 1 but 0 below EPS, then divided by the norm); also on the zero row and the row below EPS, where the
     clamped gradient is g / EPS."""
     x = _rows_with_small_ones().requires_grad_()

@@ -1,4 +1,4 @@
-"""cgist.options: ``GistOptions`` validation, defaults, immutability, hashing and ``replace``."""
+"""cgist.stage.spec.options: ``GistOptions`` validation, defaults, immutability, hashing and ``replace``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_defaults_are_those_of_gist_loss():
     assert set(keywords) == set(defaults)
     masks = ("mask_self", "mask_duplicates")
     assert [keywords.pop(name) for name in masks] == [None, None]
-    assert cgist.guide.masks("embeddings", None, None, True) == tuple(defaults.pop(name) for name in masks)
+    assert cgist.stage.spec.guide.masks("embeddings", None, None, True) == tuple(defaults.pop(name) for name in masks)
     # all_anchors: the option says whether the column is there; gist_loss takes the column itself (None: not)
     assert keywords.pop("all_anchors") is None and defaults.pop("all_anchors") is False
     assert keywords == defaults

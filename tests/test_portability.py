@@ -24,8 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cgist
-from cgist import GistOptions, function, numerics, streaming
-from cgist.devices import arch_for
+from cgist import GistOptions
+from cgist.stage import ties
+from cgist.stage.devices import arch_for
+from cgist.stage.dispatch import route
+from cgist.stage.pytorch import streaming
 
 # No float64 unless the inputs are float64 ------------------------------------------------------------------------
 
@@ -94,10 +97,10 @@ def test_the_float64_probe_sees_float64():
 
 
 def _integer_fingerprint(words: torch.Tensor) -> torch.Tensor:
-    """``numerics.fingerprint_words`` computed in int64 only, from its definition (no float product)."""
+    """``ties.fingerprint_words`` computed in int64 only, from its definition (no float product)."""
     data = words.contiguous().view(torch.int8).to(torch.int64)
-    coefficients, fold = numerics._fingerprint_coefficients(data.shape[1], words.device)
-    p = numerics._FINGERPRINT_PRIME
+    coefficients, fold = ties._fingerprint_coefficients(data.shape[1], words.device)
+    p = ties._FINGERPRINT_PRIME
     sums = (data.unsqueeze(2) * coefficients.to(torch.int64)).sum(dim=1) % p
     h1, h2 = (((sums * fold[:, j]) % p).sum(dim=1) % p for j in (0, 1))
     return h1 * p + h2
@@ -111,26 +114,26 @@ def test_fingerprints_are_the_exact_integer_sums(width):
     words = torch.randint(-(2**31), 2**31 - 1, (40, width), generator=gen, dtype=torch.int32)
     words[0] = -0x7F7F7F80  # bytes 0x80: -128
     words[1] = 0x7F7F7F7F  # bytes 127
-    assert torch.equal(numerics.fingerprint_words(words), _integer_fingerprint(words))
+    assert torch.equal(ties.fingerprint_words(words), _integer_fingerprint(words))
 
 
 def test_fingerprints_do_not_depend_on_position_or_batch():
     """A row gets the same key wherever it sits and however many rows are fingerprinted with it."""
     rows = torch.nn.functional.normalize(torch.randn(300, 96, generator=torch.Generator().manual_seed(1)), dim=1)
-    keys = numerics._fingerprint(rows)
+    keys = ties._fingerprint(rows)
     assert keys.unique().numel() == 300
-    assert torch.equal(numerics._fingerprint(rows[137:138]), keys[137:138])
-    assert torch.equal(numerics._fingerprint(rows.flip(0)), keys.flip(0))
+    assert torch.equal(ties._fingerprint(rows[137:138]), keys[137:138])
+    assert torch.equal(ties._fingerprint(rows.flip(0)), keys.flip(0))
     zeros = torch.zeros(2, 96)
     zeros[1] = -0.0
-    assert numerics._fingerprint(zeros).unique().numel() == 1  # -0.0 equals 0.0
+    assert ties._fingerprint(zeros).unique().numel() == 1  # -0.0 equals 0.0
 
 
 def test_tie_ids_find_equal_normalised_rows():
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(50, 32, generator=gen), torch.randn(70, 32, generator=gen)
     b[10] = 4.0 * a[3]  # a power of two: bitwise equal once normalised
-    ids_a, ids_b = numerics.tie_ids([a, b], torch.float32)
+    ids_a, ids_b = ties.tie_ids([a, b], torch.float32)
     assert ids_b[10] == ids_a[3]
     assert torch.cat([ids_a, ids_b]).unique().numel() == 119
 
@@ -146,47 +149,47 @@ def fake_gpu(monkeypatch):
     """Make ``auto`` see an NVIDIA GPU of the capability passed to the returned setter, with Triton available."""
 
     def use(capability: tuple[int, int], hip: str | None = None) -> None:
-        monkeypatch.setattr(function, "gpu_arch", lambda device: arch_for(capability))
+        monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for(capability))
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
 
-    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     return use
 
 
-@pytest.mark.parametrize(("capability", "route"), [
+@pytest.mark.parametrize(("capability", "expected"), [
     ((7, 0), "torch"), ((7, 5), "torch"), ((8, 0), "triton"), ((8, 6), "triton"), ((8, 9), "triton"),
     ((9, 0), "triton"), ((10, 0), "triton"), ((12, 0), "triton"), ((13, 0), "triton"),
 ], ids=lambda v: f"sm_{v[0]}{v[1]}" if isinstance(v, tuple) else v)
-def test_auto_route_by_capability(fake_gpu, capability, route):
+def test_auto_route_by_capability(fake_gpu, capability, expected):
     fake_gpu(capability)
-    chosen, why = function.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
-    assert chosen == route
-    if route == "torch":
+    chosen, why = route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
+    assert chosen == expected
+    if expected == "torch":
         assert "below sm_80" in why
 
 
 def test_auto_route_on_rocm_and_other_devices(fake_gpu):
     fake_gpu((9, 0), hip="6.2")
-    assert function.auto_route(CUDA0, torch.float32, torch.float32) == (
+    assert route.auto_route(CUDA0, torch.float32, torch.float32) == (
         "torch", "ROCm: the Triton kernels are untested on AMD GPUs")
-    assert function.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
+    assert route.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
     for device in ("cpu", "mps"):
-        assert function.auto_route(torch.device(device), torch.float32, torch.float32)[0] == "torch"
+        assert route.auto_route(torch.device(device), torch.float32, torch.float32)[0] == "torch"
 
 
 def test_cgist_backend_overrides_auto(fake_gpu, monkeypatch):
     import cgist.kernels
 
     fake_gpu((9, 0))
-    monkeypatch.setenv(function.BACKEND_ENV, "torch")
-    assert function.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
-    monkeypatch.setenv(function.BACKEND_ENV, "triton")
-    assert function.select_backend("auto", CUDA0) is cgist.kernels.gist_loss_and_grads
-    assert function.select_backend("torch", CUDA0) is streaming.gist_loss_and_grads  # only "auto" is overridden
-    monkeypatch.setenv(function.BACKEND_ENV, "cuda")
+    monkeypatch.setenv(route.BACKEND_ENV, "torch")
+    assert route.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
+    monkeypatch.setenv(route.BACKEND_ENV, "triton")
+    assert route.select_backend("auto", CUDA0) is cgist.kernels.gist_loss_and_grads
+    assert route.select_backend("torch", CUDA0) is streaming.gist_loss_and_grads  # only "auto" is overridden
+    monkeypatch.setenv(route.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match=r"CGIST_BACKEND must be one of \('auto', 'torch', 'triton'\) .*got 'cuda'"):
-        function.select_backend("auto", CUDA0)
+        route.select_backend("auto", CUDA0)
 
 
 # A kernel that fails to build or launch --------------------------------------------------------------------------
@@ -216,9 +219,9 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
     kernel = _FailingKernel()
     monkeypatch.setattr(launch, "gist_fwd_kernel", kernel)
     # CPU tensors stand in for the GPU's (the launcher runs on them under the interpreter)
-    monkeypatch.setattr(function, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(function, "_TRITON_FAILURES", {})
-    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
+    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     student, guide = make_inputs(5, 10, 12, 8, 1, torch.float32, seed=3, requires_grad=True)
     options = dict(temperature=0.05, margin=0.1, offset=5)
     want = cgist.gist_loss(student, guide, backend="torch", **options)
@@ -234,7 +237,7 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert "cpu" in message and "float32 embeddings with a float32 guide" in message and "OutOfResources" in message
-    assert list(function._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
+    assert list(route._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
 
     # another dtype pair is tried on its own
     cgist.gist_loss([s.double() for s in student], [g.double() for g in guide], backend="auto", **options)
@@ -251,9 +254,9 @@ def test_the_fallback_keeps_every_argument(monkeypatch):
     from cgist.kernels import launch
 
     monkeypatch.setattr(launch, "gist_fwd_kernel", _FailingKernel())
-    monkeypatch.setattr(function, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(function, "_TRITON_FAILURES", {})
-    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
+    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     student, _ = make_inputs(4, 8, 6, 6, 1, torch.float32, seed=5)
     text_ids = [torch.arange(4), torch.arange(8) % 5, torch.arange(8) % 3]  # duplicates across the columns
     options = dict(temperature=0.05, offset=4, text_ids=text_ids)
@@ -266,12 +269,12 @@ def test_out_of_memory_is_not_a_kernel_failure(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    run = function._with_fallback(out_of_memory, torch.device("cpu"), torch.float32, torch.float32)
-    monkeypatch.setattr(function, "_TRITON_FAILURES", {})
+    run = route._with_fallback(out_of_memory, torch.device("cpu"), torch.float32, torch.float32)
+    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
     student, guide = make_inputs(3, 3, 4, 4, 0, torch.float32)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         run(student, guide, GistOptions(), need_grads=False, need_stats=False)
-    assert function._TRITON_FAILURES == {}
+    assert route._TRITON_FAILURES == {}
 
 
 # Without Triton ------------------------------------------------------------------------------------------------
@@ -288,7 +291,7 @@ class NoTriton(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTriton())
 import torch
 import cgist
-from cgist import function
+
 
 student = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
 guide = [torch.randn(4, 6) for _ in range(3)]

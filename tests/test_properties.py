@@ -46,8 +46,8 @@ from hypothesis import strategies as st
 
 import cgist
 from cgist import GistOptions
-from cgist.numerics import threshold
-from cgist.reference import gist_loss_reference, gist_scores
+from cgist.stage.numerics import threshold
+from cgist.stage.reference import gist_loss_reference, gist_scores
 
 # "ci" replays the same examples on every run (a red CI is a bug, not bad luck); "long" explores afresh.
 settings.register_profile(

@@ -1,4 +1,4 @@
-"""cgist.reference: the dense oracle against sentence-transformers' ``CachedGISTEmbedLoss.calculate_loss``.
+"""cgist.stage.reference: the dense oracle against sentence-transformers' ``CachedGISTEmbedLoss.calculate_loss``.
 
 The streaming path, ``gist_loss`` and ``FusedCachedGISTLoss.calculate_loss`` are compared on the same
 inputs, all in float64, with the installed release's rule for the self-pairs (``cgist.compat.release_rules``).
@@ -22,10 +22,11 @@ from helpers_models import tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
-import cgist.dropin
-from cgist import FusedCachedGISTLoss, GistOptions, gist_loss, streaming
+import cgist.losses.base
+from cgist import FusedCachedGISTLoss, GistOptions, gist_loss
 from cgist.compat import release_rules
-from cgist.reference import gist_loss_reference
+from cgist.stage.pytorch import streaming
+from cgist.stage.reference import gist_loss_reference
 
 D, DG = 24, 16
 MINI_BATCH = 5
@@ -169,7 +170,7 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     fused_loss, fused_grads = _run_loss_object(
         FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
-        cgist.dropin, monkeypatch, case, local, local_guide, gathered, gathered_guide,
+        cgist.losses.base, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     assert all(torch.isfinite(fused).all() for fused in fused_grads)
     assert_close("fused vs ST", (st_loss, dict(zip(names, st_grads))), (fused_loss, dict(zip(names, fused_grads))),

@@ -16,8 +16,10 @@ from helpers import make_inputs
 from test_kernels import _HostReads
 
 import cgist
-from cgist import GistOptions, function, selfcheck, streaming
+from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads, launch
+from cgist.stage.dispatch import route, selfcheck
+from cgist.stage.pytorch import streaming
 
 ROWS_HERE = 24
 OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
@@ -27,11 +29,11 @@ OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
 def auto_runs_kernels(monkeypatch):
     """``auto`` takes the (interpreted) kernels on the CPU, with empty per-process tables; returns the list of the
     checks run."""
-    monkeypatch.setattr(function, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(function, "_TRITON_FAILURES", {})
-    monkeypatch.setattr(function, "_SELF_CHECKS", {})
+    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
+    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
+    monkeypatch.setattr(route, "_SELF_CHECKS", {})
     monkeypatch.setattr(selfcheck, "ROWS", ROWS_HERE)
-    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     monkeypatch.delenv(selfcheck.ENV, raising=False)
     checks = []
     check_call = selfcheck.check_call
@@ -112,8 +114,8 @@ def test_a_wrong_kernel_is_caught_falls_back_and_is_logged_once(auto_runs_kernel
                               "(D=12) with a float32 guide (Dg=8), fp32 products at 'highest', 1 dimension, "
                               f"directions query_to_doc, joint partition (first-use check, {ROWS_HERE} rows): ")
     assert numbers in message and "run `cgist doctor`" in message
-    assert function._TRITON_FAILURES == {}  # a disagreement is remembered per variant, not as a build failure
-    (variant, check), = function._SELF_CHECKS.items()
+    assert route._TRITON_FAILURES == {}  # a disagreement is remembered per variant, not as a build failure
+    (variant, check), = route._SELF_CHECKS.items()
     assert variant == selfcheck.variant_of("cpu", student, guide, GistOptions(**OPTIONS)) and not check.ok
 
 
@@ -149,7 +151,7 @@ def test_the_check_can_be_turned_off(auto_runs_kernels, monkeypatch):
     student, guide = _inputs()
     monkeypatch.setenv(selfcheck.ENV, "0")
     assert _same(_loss_and_grads(student, guide, "auto"), _loss_and_grads(student, guide, "triton"))
-    assert auto_runs_kernels == [] and function._SELF_CHECKS == {}
+    assert auto_runs_kernels == [] and route._SELF_CHECKS == {}
     monkeypatch.setenv(selfcheck.ENV, "no")
     with pytest.raises(ValueError, match=r"CGIST_SELF_CHECK must be 0 or 1 \(or unset\), got 'no'"):
         cgist.gist_loss(student, guide, backend="auto", **OPTIONS)
@@ -167,14 +169,14 @@ def test_a_kernel_failing_in_the_check_falls_back_as_a_build_failure(auto_runs_k
         assert _same(_loss_and_grads(student, guide, "auto"), want)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: PassManager::run failed" in warnings[0]
-    assert list(function._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
+    assert list(route._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
 
 
 def test_a_warm_call_reads_no_value_on_the_host(auto_runs_kernels):
     """After its check, a variant's call runs the kernels alone: nothing waits for the device."""
     student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, 0)
     options = GistOptions(margin=0.1, offset=5, matryoshka_dims=(40, 20))
-    run = function.select_backend("auto", torch.device("cpu"), torch.float32, torch.float32)
+    run = route.select_backend("auto", torch.device("cpu"), torch.float32, torch.float32)
     run(student, guide, options, need_grads=True, need_stats=True)
     assert len(auto_runs_kernels) == 1
     with _HostReads() as probe:
@@ -247,7 +249,7 @@ def test_no_guide_score_of_the_problem_is_near_its_threshold(dim_g, strategy, gu
     options = GistOptions(margin_strategy=strategy, directions=("query_to_doc", "doc_to_query"),
                           contrast_anchors=False, all_anchors=True, mask_duplicates=True)
     variant = selfcheck.make_variant("cpu", torch.float32, guide_dtype, 16, dim_g, options)
-    _, guide, checked, text_ids = selfcheck.check_problem(variant, options, 4, torch.device("cpu"))
+    _, guide, checked, text_ids = selfcheck.check_inputs(variant, options, 4, torch.device("cpu"))
     assert checked.margin == selfcheck.MARGIN and checked.offset == 0 and checked.temperature == 0.05
     assert len(guide) == 4 and torch.equal(guide[3], guide[0]) and len(text_ids) == 4
     unit = [torch.nn.functional.normalize(g.double(), dim=1) for g in guide]

@@ -1,4 +1,4 @@
-"""cgist.stats and the statistics of the loss stage: ``gist_loss(return_stats=True)``, ``last_stats``,
+"""cgist.stage.stats and the statistics of the loss stage: ``gist_loss(return_stats=True)``, ``last_stats``,
 ``GuideStatsCallback`` and the positive-only warning.
 
 The counts must equal, exactly and block by block, those of the test oracle (``helpers.oracle_stats``, written from
@@ -176,9 +176,9 @@ def test_the_direction_cases_exercise_their_blocks():
 
 @pytest.mark.parametrize("name", list(DIRECTION_CASES))
 def test_the_oracle_masks_equal_the_reference_blocks(name):
-    """Two oracles, one per side: the test's counting masks (from DESIGN) and cgist.reference's -inf entries agree
+    """Two oracles, one per side: the test's counting masks (from DESIGN) and cgist.stage.reference's -inf entries agree
     entry by entry."""
-    from cgist.reference import score_groups
+    from cgist.stage.reference import score_groups
 
     columns, guide, options, texts = _oracle_inputs(name)
     options = options.replace(matryoshka_dims=None, matryoshka_weights=None)
@@ -306,7 +306,7 @@ def test_warns_once_when_most_anchors_keep_only_their_positive(models, caplog):
     model, guide = models
     loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=4, margin=5.0)  # masks every candidate
     features = [model.preprocess(texts) for texts in (_dataset(8)["anchor"], _dataset(8)["positive"])]
-    with caplog.at_level(logging.WARNING, logger="cgist.loss"):
+    with caplog.at_level(logging.WARNING, logger="cgist.losses.gist"):
         for _ in range(2):
             loss(features, None).backward()
     warnings = [r for r in caplog.records if "have every candidate but their positive masked" in r.getMessage()]

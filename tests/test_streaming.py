@@ -1,4 +1,4 @@
-"""cgist.streaming: the PyTorch streaming path against the dense float64 oracle."""
+"""cgist.stage.pytorch.streaming: the PyTorch streaming path against the dense float64 oracle."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import torch
 from helpers import Tol, assert_close, make_inputs, precision, shape_id, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgist import GistOptions, streaming, workspace
-from cgist.reference import gist_loss_reference, gist_scores
-from cgist.streaming import gist_loss_and_grads
+from cgist import GistOptions
+from cgist.stage import budget
+from cgist.stage.pytorch import streaming, workspace
+from cgist.stage.pytorch.streaming import gist_loss_and_grads
+from cgist.stage.reference import gist_loss_reference, gist_scores
 
 
 def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=(None, None), tol=None):
     """Streaming loss and gradients equal the float64 oracle's on the same (upcast) inputs.
 
-    ``products`` forces the half products of the student and the guide (``cgist.numerics.half_products``), whose
+    ``products`` forces the half products of the student and the guide (``cgist.stage.numerics.half_products``), whose
     results are ``tol`` close (``assert_close``'s (loss, gradients) tolerances; default: TOL["streaming"]).
     """
     options = options.replace(block_bytes=block_bytes)
@@ -232,7 +234,6 @@ def test_allocations_stay_within_the_budget_and_the_inputs(block_bytes, dims):
 def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     """A candidate ~290 base-2 units above the positive (cos 1 against -1 at tau 0.01): in float32 2^(z - z_pos)
     overflows, so the row block is redone shifted by its maximum; the loss is finite and matches the oracle."""
-    from cgist import streaming
 
     student, guide = make_inputs(6, 12, 10, 8, 1, dtype=torch.float32, seed=12)
     student[1][6:] = -student[0]  # each positive opposite its anchor
@@ -243,18 +244,18 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     monkeypatch.setattr(streaming._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
     assert float(expected.detach()) > 100  # the case is what it claims
-    problem = streaming._Problem(student, guide, GistOptions(offset=6), True, False)
-    n_tiles = len(streaming._tiles(problem, workspace.TILE_COLS if block_bytes is None else 1))
+    problem = streaming._StreamingCall(student, guide, GistOptions(offset=6), True, False)
+    n_tiles = len(streaming._tiles(problem, budget.TILE_COLS if block_bytes is None else 1))
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
 
 
 @pytest.mark.parametrize("dims", [None, (16, 9, 4)], ids=["flat", "matryoshka"])
 def test_one_pass_over_many_tiles(dims, monkeypatch):
     """Tiles of 5 columns in one pass: every group spans several tiles, each with its own place in the workspace."""
-    monkeypatch.setattr(workspace, "TILE_COLS", 5)
+    monkeypatch.setattr(budget, "TILE_COLS", 5)
     student, guide = make_inputs(13, 26, 16, 12, 2, seed=13)
     options = GistOptions(offset=13, margin=0.1, matryoshka_dims=dims)
-    schedule = workspace.plan(13, [26, 13, 26, 26, 26], 16, 1 if dims is None else 3, 8, None)
+    schedule = budget.row_blocks(13, [26, 13, 26, 26, 26], 16, 1 if dims is None else 3, 8, None)
     assert schedule.one_pass and schedule.cols == 5
     if dims is None:
         _check(student, guide, options)
@@ -322,25 +323,24 @@ def test_the_kept_workspace_is_poisoned_between_tests():
 
 
 def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to_the_floor(monkeypatch):
-    """The schedule rule of ``plan``: the default budget reaches ``ROW_TARGET`` rows (memory permitting, and
+    """The schedule rule of ``row_blocks``: the default budget reaches ``ROW_TARGET`` rows (memory permitting, and
     never beyond an eighth of it or 1 GiB), an explicit budget gets as many rows as fit in one pass down to
     ``ROW_FLOOR``, and below that two passes of ``ROW_FLOOR`` rows with narrower tiles."""
-    from cgist import numerics
 
     widths, top, item = [4096] * 4, 384, 4
-    monkeypatch.setattr(numerics, "available_bytes", lambda device: 2**40)
-    full = workspace.plan(4096, widths, top, 1, item, None)
-    assert full == workspace.Plan(workspace.ROW_TARGET, workspace.TILE_COLS, True)
-    assert workspace.plan(300, [300] * 4, top, 1, item, None) == workspace.Plan(300, 300, True)
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 2**40)
+    full = budget.row_blocks(4096, widths, top, 1, item, None)
+    assert full == budget.RowBlocks(budget.ROW_TARGET, budget.TILE_COLS, True)
+    assert budget.row_blocks(300, [300] * 4, top, 1, item, None) == budget.RowBlocks(300, 300, True)
     # Four Matryoshka dimensions at B = 16k: 1024 rows would need 1.75 GiB; the default stops at 1 GiB.
-    matryoshka = workspace.plan(16384, [16384] * 4, top, 4, item, None)
-    assert matryoshka.one_pass and workspace.ROW_FLOOR <= matryoshka.rows < workspace.ROW_TARGET
-    assert matryoshka.rows * 16384 * 4 * (2 * 4 - 1) * item <= numerics.MAX_BLOCK_BYTES  # terms, products
+    matryoshka = budget.row_blocks(16384, [16384] * 4, top, 4, item, None)
+    assert matryoshka.one_pass and budget.ROW_FLOOR <= matryoshka.rows < budget.ROW_TARGET
+    assert matryoshka.rows * 16384 * 4 * (2 * 4 - 1) * item <= budget.MAX_BLOCK_BYTES  # terms, products
     per_row = 4 * 4096 * item  # the kept terms alone
-    monkeypatch.setattr(numerics, "available_bytes", lambda device: 8 * 450 * per_row)
-    capped = workspace.plan(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
-    assert capped.one_pass and workspace.ROW_FLOOR <= capped.rows < 450
-    middle = workspace.plan(4096, widths, top, 1, item, 600 * per_row)
-    assert middle.one_pass and workspace.ROW_FLOOR < middle.rows < 600
-    small = workspace.plan(4096, widths, top, 1, item, 100 * per_row)
-    assert not small.one_pass and small.rows == workspace.ROW_FLOOR and 1 <= small.cols < workspace.TILE_COLS
+    monkeypatch.setattr(budget, "available_bytes", lambda device: 8 * 450 * per_row)
+    capped = budget.row_blocks(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
+    assert capped.one_pass and budget.ROW_FLOOR <= capped.rows < 450
+    middle = budget.row_blocks(4096, widths, top, 1, item, 600 * per_row)
+    assert middle.one_pass and budget.ROW_FLOOR < middle.rows < 600
+    small = budget.row_blocks(4096, widths, top, 1, item, 100 * per_row)
+    assert not small.one_pass and small.rows == budget.ROW_FLOOR and 1 <= small.cols < budget.TILE_COLS

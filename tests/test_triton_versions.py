@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgist import devices, function, streaming
-from cgist.devices import OLDEST_CHECKED_TRITON, arch_for, triton_release
+from cgist.stage import devices
+from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for, triton_release
+from cgist.stage.dispatch import route
+from cgist.stage.pytorch import streaming
 
 triton = pytest.importorskip("triton")
 
@@ -47,10 +49,10 @@ def _release_name(release: tuple[int, int]) -> str:
 @pytest.fixture
 def hopper(monkeypatch):
     """``auto`` sees an H100 (sm_90) with Triton importable; returns a setter of the Triton version it finds."""
-    monkeypatch.setattr(function, "gpu_arch", lambda device: arch_for((9, 0)))
+    monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for((9, 0)))
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.delenv(function.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     devices._notice.cache_clear()
     yield lambda version: monkeypatch.setattr(triton, "__version__", version)
     devices._notice.cache_clear()
@@ -61,9 +63,9 @@ def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hoppe
     hopper(older)
     with caplog.at_level(logging.WARNING, logger="cgist"):
         for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
-            assert function.select_backend("auto", CUDA0, dtype) is streaming.gist_loss_and_grads
-        route, why = function.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
-    assert route == "torch"
+            assert route.select_backend("auto", CUDA0, dtype) is streaming.gist_loss_and_grads
+        chosen, why = route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
+    assert chosen == "torch"
     notices = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(notices) == 1, notices
     oldest = _release_name(OLDEST_CHECKED_TRITON)
@@ -75,7 +77,7 @@ def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hoppe
 def test_auto_runs_the_kernels_under_a_checked_triton(hopper, caplog, version):
     hopper(f"{_release_name(OLDEST_CHECKED_TRITON)}.0" if version == "oldest" else version)
     with caplog.at_level(logging.WARNING, logger="cgist"):
-        assert function.auto_route(CUDA0, torch.bfloat16, torch.bfloat16) == ("triton", "sm_90: Triton kernels")
+        assert route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16) == ("triton", "sm_90: Triton kernels")
     assert not caplog.records
 
 
@@ -83,7 +85,7 @@ def test_an_explicit_triton_backend_is_not_gated(hopper):
     import cgist.kernels
 
     hopper("3.0.0")
-    assert function.select_backend("triton", CUDA0) is cgist.kernels.gist_loss_and_grads
+    assert route.select_backend("triton", CUDA0) is cgist.kernels.gist_loss_and_grads
 
 
 def test_triton_release():
@@ -138,7 +140,7 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
 
 @pytest.mark.parametrize(("file", "old", "new"), [
     ("kernels/launch.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
-    ("cgist/devices.py", "(8, 6): (86, 99)", "(8, 6): (80, 99)"),  # the tile family of sm_86
+    ("cgist/stage/devices.py", "(8, 6): (86, 99)", "(8, 6): (80, 99)"),  # the tile family of sm_86
     # which release takes which tables
     ("kernels/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
 ])

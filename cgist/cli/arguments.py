@@ -12,8 +12,8 @@ import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..guide import SOURCES, by_cli
-from ..options import GistOptions
+from ..stage.spec.guide import SOURCES, by_cli
+from ..stage.spec.options import GistOptions
 from .common import UsageError
 from .output import CHECKPOINTS_DIR, latest_checkpoint
 
@@ -207,7 +207,7 @@ def _add_output_group(train: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Cheap checks that need no model or data, so a bad option fails in a second."""
-    from ..function import check_backend
+    from ..stage.dispatch.route import check_backend
 
     if args.batch_size < 2:
         raise UsageError(f"--batch-size must be at least 2 (in-batch negatives need a second pair), got {args.batch_size}")

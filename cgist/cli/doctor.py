@@ -1,7 +1,7 @@
 """``cgist doctor``: what cgist does on this machine, checked in under a minute.
 
 It prints the device and its capability, the backend and the tiles that ``backend="auto"`` takes for each dtype
-pair, the first-use check that ``backend="auto"`` runs before it uses a kernel variant (``cgist.selfcheck``: a
+pair, the first-use check that ``backend="auto"`` runs before it uses a kernel variant (``cgist.stage.dispatch.selfcheck``: a
 small problem through the Triton kernels and the PyTorch streaming path on the device, comparing the loss, the
 gradients and the guide's mask counts) for each dtype pair, a loss-stage timing beside the PyTorch path, and a
 verdict line. The exit status is 1 when the kernels disagree with the PyTorch path, else 0.
@@ -24,7 +24,7 @@ import torch
 from .common import resolve_device
 
 if TYPE_CHECKING:
-    from ..selfcheck import Check
+    from ..stage.dispatch.selfcheck import Check
 
 __all__ = ["PAIRS", "add_parser", "run_doctor"]
 
@@ -47,7 +47,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _describe_device(device: torch.device) -> str:
-    from ..devices import device_kind, gpu_arch
+    from ..stage.devices import device_kind, gpu_arch
 
     versions = f"torch {torch.__version__}"
     try:
@@ -70,8 +70,14 @@ def _describe_device(device: torch.device) -> str:
 def sentence_transformers_line() -> str:
     """The installed sentence-transformers, where it lies against the releases cgist is tested with, and the rules
     the drop-ins follow (``cgist.compat``)."""
-    from ..compat import NEWEST_TESTED, SENTENCE_TRANSFORMERS, SENTENCE_TRANSFORMERS_OLDEST, installed_version, \
-        release_rules, tested_range_status
+    from ..compat import (
+        NEWEST_TESTED,
+        SENTENCE_TRANSFORMERS,
+        SENTENCE_TRANSFORMERS_OLDEST,
+        installed_version,
+        release_rules,
+        tested_range_status,
+    )
 
     version = installed_version("sentence-transformers")
     status = tested_range_status(version)
@@ -88,28 +94,15 @@ def sentence_transformers_line() -> str:
             "(cgist.compat.RELEASE_RULES)")
 
 
-def _tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
-    """The tile configs the forward autotunes over for this pair on ``device``."""
-    from ..devices import gpu_arch
-    from ..kernels.tiles import tile_configs
-    from ..kernels.launch import input_precision
-
-    arch = gpu_arch(device)
-    configs = tile_configs(dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch),
-                           arch=arch, interpret=False)
-    return ", ".join("{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-                     for c in configs)
-
-
 def _routes(device: torch.device) -> list[str]:
-    from ..function import auto_route
-    from ..numerics import half_products
+    from ..stage.dispatch.route import auto_route, kernel_tiles
+    from ..stage.numerics import half_products
 
     lines = ['backend "auto" per dtype pair (student, guide):']
     for name, dtype, guide_dtype in PAIRS:
         backend, why = auto_route(device, dtype, guide_dtype)
         if backend == "triton":
-            how = f"tiles {_tiles(device, dtype, guide_dtype)}"
+            how = f"tiles {kernel_tiles(device, dtype, guide_dtype)}"
         else:
             products = [half_products(device, d) for d in (dtype, guide_dtype)]
             how = "score products in " + " and ".join(dict.fromkeys(
@@ -143,20 +136,6 @@ def _run(backend: str, student: list[torch.Tensor], guide: list[torch.Tensor]):
     return loss.detach().double(), [s.grad.double() for s in leaves], stats
 
 
-def check_pair(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, rows: int, dim: int, dim_g: int,
-               k: int) -> Check:
-    """``cgist.selfcheck``'s first-use check of the kernels for this pair on ``device``, with the default options."""
-    from .. import selfcheck, streaming
-    from ..function import _device_key
-    from ..kernels import gist_loss_and_grads
-    from ..options import GistOptions
-
-    options = GistOptions()
-    variant = selfcheck.make_variant(_device_key(device), dtype, guide_dtype, dim, dim_g, options)
-    return selfcheck.check_call(gist_loss_and_grads, streaming.gist_loss_and_grads, variant, options, 2 + k, device,
-                                rows)
-
-
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
@@ -188,8 +167,8 @@ def _bare_gemms(student: list[torch.Tensor], guide: list[torch.Tensor], rows: in
 
 def timing(device: torch.device, use_triton: bool) -> str:
     """The loss stage (forward and backward) at a size that fits the device, on each path it has."""
-    from ..function import auto_route
-    from ..workspace import ROW_TARGET
+    from ..stage.budget import ROW_TARGET
+    from ..stage.dispatch.route import auto_route
 
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -213,7 +192,7 @@ def timing(device: torch.device, use_triton: bool) -> str:
 
 def run_doctor(args: argparse.Namespace) -> int:
     """Print the report; 0 when everything that ran agrees, 1 when the kernels disagree with the PyTorch path."""
-    from ..function import auto_route
+    from ..stage.dispatch.route import auto_route, check_kernels
 
     start = time.perf_counter()
     device = resolve_device(args.device)
@@ -226,7 +205,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     runs_kernels = auto_route(device, torch.float32, torch.float32)[0] == "triton" or interpreted
     checks: list[tuple[str, Check]] = []
     if runs_kernels:
-        from ..selfcheck import ROWS
+        from ..stage.dispatch.selfcheck import ROWS
 
         where = "under the Triton interpreter" if interpreted else f"on {device}"
         rows, dim, dim_g, k = (13, 40, 24, 1) if interpreted else (ROWS, 768, 384, 1)
@@ -236,7 +215,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"first-use check, kernels against the PyTorch path {where} (B=N={rows}, D={dim}, Dg={dim_g}, k={k}; "
               'backend="auto" runs it before using each kernel variant):')
         for name, dtype, guide_dtype in pairs:
-            check = check_pair(device, dtype, guide_dtype, rows, dim, dim_g, k)
+            check = check_kernels(device, dtype, guide_dtype, rows, dim, dim_g, k)
             checks.append((name, check))
             print(f"  {name:<18} {'agree' if check.ok else 'DISAGREE'}: {check.numbers()} "
                   f"({check.seconds * 1e3:.0f} ms, compiling included)")

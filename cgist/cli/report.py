@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..loss import FusedCachedGISTLoss
+    from ..losses.gist import FusedCachedGISTLoss
 
 __all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_guide_mode", "format_summary", "peak_memory"]
 

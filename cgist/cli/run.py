@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..compat import MissingExtraError, import_extra
-from ..guide import by_cli
+from ..stage.spec.guide import by_cli
 from .arguments import (
     check_args,
     check_resume,
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
-    from ..callbacks import GuideStatsCallback
-    from ..loss import FusedCachedGISTLoss
+    from ..losses.callbacks import GuideStatsCallback
+    from ..losses.gist import FusedCachedGISTLoss
     from .trainer import CheckpointTrainer, NonFiniteLoss, StopRequest
 
 __all__ = ["SUMMARY_NAME", "Stopped", "bundled_model_path", "data_fingerprint", "guide_embeddings", "load_data",
@@ -86,7 +86,7 @@ def load_data(args: argparse.Namespace) -> Dataset:
     """The pair dataset in column order anchor, positive, negatives..., cut to --max-pairs."""
     from datasets import Dataset
 
-    from ..data import DataError, load_pairs, stdlib_pairs
+    from .data import DataError, load_pairs, stdlib_pairs
 
     try:
         if args.data is None:
@@ -125,7 +125,7 @@ def guide_embeddings(args: argparse.Namespace, guide_path: str, model: SentenceT
     """
     import torch
 
-    from ..precompute import add_guide_embeddings
+    from ..losses.precompute import add_guide_embeddings
     from .guide_cache import cache_key, default_cache_dir, entry_path, guide_directory, load_entry, store_entry
 
     start = time.perf_counter()
@@ -309,8 +309,8 @@ def _load_models(args: argparse.Namespace, plan: _Plan) -> _Models:
     """The split, the guide (a model, its cached embeddings, the student itself or none), the student and the loss."""
     import torch
 
-    from ..data import DataError, split_pairs
-    from ..loss import FusedCachedGISTLoss
+    from ..losses.gist import FusedCachedGISTLoss
+    from .data import DataError, split_pairs
 
     try:
         train_set, eval_set = split_pairs(plan.dataset, args.eval_fraction, args.seed)
@@ -340,7 +340,7 @@ def _score_before(
     """The held-out scorer and the scores before training (on a resume, those its checkpoint recorded)."""
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    from ..data import retrieval_task
+    from .data import retrieval_task
 
     queries, corpus, relevant = retrieval_task(models.eval_set)
     evaluator = InformationRetrievalEvaluator(
@@ -373,7 +373,7 @@ class _Training:
 
 def _build_trainer(args: argparse.Namespace, plan: _Plan, models: _Models, before: dict[str, float]) -> _Training:
     """The checkpoint directory made ready (emptied unless resuming) and the trainer with its callbacks."""
-    from ..callbacks import GuideStatsCallback
+    from ..losses.callbacks import GuideStatsCallback
     from .trainer import CheckpointTrainer, NonFiniteGuard, StopRequest
 
     created = not plan.output.exists()
@@ -450,7 +450,7 @@ def _publish_run(args: argparse.Namespace, plan: _Plan, models: _Models, trainin
 def _summary(args: argparse.Namespace, plan: _Plan, models: _Models, training: _Training, fitted: _Fitted,
              scores: dict[str, dict[str, float]], start: float) -> dict:
     """The run's summary: the scores, the data, the steps, the checkpoints, time, memory and the guide's numbers."""
-    from ..callbacks import stats_logs
+    from ..losses.callbacks import stats_logs
 
     guide_stats = training.guide_stats
     return {

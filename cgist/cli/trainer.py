@@ -19,7 +19,7 @@ import torch
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..loss import FusedCachedGISTLoss
+from ..losses.gist import FusedCachedGISTLoss
 from .output import commit_checkpoint, new_staging, write_record
 
 __all__ = ["CheckpointTrainer", "NonFiniteGuard", "NonFiniteLoss", "StopNow", "StopRequest"]

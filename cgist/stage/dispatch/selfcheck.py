@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .numerics import COUNT_FIELDS, row_chunks
-from .options import GistOptions
+from ..numerics import row_chunks
+from ..spec.options import GistOptions
+from ..stats import COUNT_FIELDS
 
-__all__ = ["ENV", "ROWS", "TOLERANCE", "Check", "Variant", "check_call", "check_problem", "enabled", "make_variant",
+__all__ = ["ENV", "ROWS", "TOLERANCE", "Check", "Variant", "check_call", "check_inputs", "enabled", "make_variant",
            "score_precision", "variant_of"]
 
 #: The environment variable that turns the check off (``0``) or on (``1``, the default).
@@ -34,7 +35,7 @@ ENV = "CGIST_SELF_CHECK"
 #: Anchors (and candidates) of the check's problem.
 ROWS = 256
 #: The check's margin, at the call's strategy: every guide score of the problem lies at least 0.15 from its
-#: row's threshold (``check_problem``), far beyond any rounding, so the mask counts must agree exactly.
+#: row's threshold (``check_inputs``), far beyond any rounding, so the mask counts must agree exactly.
 MARGIN = 0.35
 #: The lowest temperature of the check. The temperature is a runtime value of the kernels, not part of what they
 #: compile; at 0.01 a rounding of a score in the last bit of bf16 moves its logit by 0.03, which alone would take
@@ -131,10 +132,10 @@ def _topic_rows(gen: torch.Generator, topics: Tensor, centers: Tensor, noise: fl
     return x * (0.5 + 1.5 * torch.rand(len(topics), 1, generator=gen))
 
 
-def check_problem(
+def check_inputs(
     variant: Variant, options: GistOptions, n_columns: int, device: torch.device, rows: int = ROWS, seed: int = 0,
 ) -> tuple[list[Tensor], list[Tensor] | None, GistOptions, list[Tensor] | None]:
-    """The check's problem for ``variant``: student and guide columns, options and text ids (with
+    """The inputs of the check for ``variant``: student and guide columns, options and text ids (with
     ``options.mask_duplicates``), ``rows`` anchors against ``rows`` candidates, on ``device``.
 
     ``n_columns`` counts the call's columns (anchor, positive, negatives, and every rank's anchors with
@@ -213,13 +214,13 @@ def _relative(a: Tensor, b: Tensor) -> Tensor:
 
 def check_call(kernels: Callable, streaming: Callable, variant: Variant, options: GistOptions, n_columns: int,
                device: torch.device, rows: int = ROWS) -> Check:
-    """Run ``check_problem`` through ``kernels`` and ``streaming`` (backends with the signature of
-    ``cgist.streaming.gist_loss_and_grads``) and compare them; one host synchronisation, at the end.
+    """Run ``check_inputs`` through ``kernels`` and ``streaming`` (backends with the signature of
+    ``cgist.stage.pytorch.streaming.gist_loss_and_grads``) and compare them; one host synchronisation, at the end.
 
     Errors of the kernels propagate (the caller treats them as a build or launch failure).
     """
     start = time.perf_counter()
-    student, guide, options, text_ids = check_problem(variant, options, n_columns, device, rows)
+    student, guide, options, text_ids = check_inputs(variant, options, n_columns, device, rows)
     extra = {"text_ids": text_ids} if text_ids is not None else {}
     results = [run(student, guide, options, need_grads=True, need_stats=True, **extra) for run in (kernels, streaming)]
     (loss_k, grads_k, (counts_k, _)), (loss_s, grads_s, (counts_s, _)) = results

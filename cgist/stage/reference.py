@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .numerics import TieIndex, guide_mask, normalize, threshold, tie_ids
-from .options import GistOptions
+from .numerics import guide_mask, normalize, threshold
+from .spec.options import GistOptions
+from .ties import TieIndex, tie_ids
 
 __all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "score_groups"]
 

@@ -2,7 +2,7 @@
 (``fused_loss_stage``; the texts' ids it masks duplicates by, and the equal batches that gathering across ranks
 needs), the embedding stage's attributes checked, the options read off a drop-in's attributes at each call
 (``FusedDropIn``) and the takeover of ``MatryoshkaLoss``'s decoration (``FusedMatryoshka``). The drop-ins are
-``cgist.loss`` (GIST) and ``cgist.ranking``; this module imports neither."""
+``cgist.losses.gist`` (GIST) and ``cgist.losses.ranking``; this module imports neither."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
-from .compat import note_untested_release
-from .function import gist_loss_with_options
-from .numerics import token_fingerprints
-from .options import GistOptions
-from .stats import GistStats
+from ..compat import note_untested_release
+from ..function import gist_loss_with_options
+from ..stage.spec.options import GistOptions
+from ..stage.stats import GistStats
+from ..stage.ties import token_fingerprints
 
 __all__ = ["FusedDropIn", "FusedMatryoshka"]
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
     """A key per text of each column's features, from its token ids and attention mask (or packed lengths): what
-    decides the guide's ties and the duplicates (``cgist.numerics.tie_ids``). None when a column has no token ids
+    decides the guide's ties and the duplicates (``cgist.stage.ties.tie_ids``). None when a column has no token ids
     (then equal guide vectors decide the ties), which is an error when ``needed`` (``mask_duplicates``)."""
     if not all("input_ids" in feature for feature in features):
         if needed:

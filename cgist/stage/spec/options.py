@@ -96,8 +96,8 @@ class GistOptions:
             (checked with the shapes).
         matryoshka_weights: the weights ``w_d``, one finite number per dimension (default: all 1).
         block_bytes: the workspace budget: bytes of score buffers the loss stage may hold at once, a positive int
-            (the streaming path's row-block tiles, ``cgist.workspace.plan``; the Triton backward's chunk operands,
-            ``cgist.kernels.launch.chunk_plan``); None picks a default for the device.
+            (the streaming path's row-block tiles, ``cgist.stage.budget.row_blocks``; the Triton backward's chunk operands,
+            ``cgist.stage.budget.backward_chunks``); None picks a default for the device.
 
     Raises:
         TypeError, ValueError: naming the first bad option.

@@ -1,5 +1,5 @@
 """``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with the fused loss stage of
-``cgist.dropin``; and what only it reads: the guide's source, the label column's guide embeddings, GIST's scalar
+``cgist.losses.base``; and what only it reads: the guide's source, the label column's guide embeddings, GIST's scalar
 hyperparameters checked, the settings it leaves to sentence-transformers' own loss computation, and its citations."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from torch import Tensor
 
-from .dropin import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints
-from .compat import release_rules
-from .function import requested_backend
-from .guide import LABELS, MODEL, NONE, SELF, GuideSource
-from .options import MARGIN_STRATEGIES, GistOptions, _check_real
-from .stats import GistStats
+from ..compat import release_rules
+from ..stage.dispatch.route import requested_backend
+from ..stage.spec.guide import LABELS, MODEL, NONE, SELF, GuideSource
+from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real
+from ..stage.stats import GistStats
+from .base import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints
 
 __all__ = ["FusedCachedGISTLoss"]
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def guide_source(guide: object) -> GuideSource:
-    """The source of a ``guide`` argument of ``FusedCachedGISTLoss`` (``cgist.guide``); anything else is an error."""
+    """The source of a ``guide`` argument of ``FusedCachedGISTLoss`` (``cgist.stage.spec.guide``); anything else is an error."""
     if guide is None:
         return NONE
     if isinstance(guide, SentenceTransformer):
@@ -310,7 +310,7 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
 
     @property
     def guide_source(self) -> GuideSource:
-        """Where ``guide`` takes the guide from (``cgist.guide``); a loss built without one (by ``__new__``) takes the
+        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by ``__new__``) takes the
         guide's embeddings from ``reps_guided``, as sentence-transformers does."""
         return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from .loss import FusedCachedGISTLoss
-from .stats import BLOCKS, GistStats
+from ..stage.stats import BLOCKS, GistStats
+from .gist import FusedCachedGISTLoss
 
 __all__ = ["GuideStatsCallback", "stats_logs"]
 

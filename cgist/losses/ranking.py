@@ -1,5 +1,5 @@
 """The ranking drop-ins: sentence-transformers' ``CachedMultipleNegativesRankingLoss`` and
-``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage every drop-in shares (``cgist.dropin``), without
+``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage every drop-in shares (``cgist.losses.base``), without
 a guide.
 """
 
@@ -22,9 +22,9 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import cos_sim, dot_score, similarity_fct_name
 from torch import Tensor
 
-from .function import requested_backend
-from .dropin import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage
-from .options import GistOptions, _check_real
+from ..stage.dispatch.route import requested_backend
+from ..stage.spec.options import GistOptions, _check_real
+from .base import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage
 
 __all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
            "similarity_name"]

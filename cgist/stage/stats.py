@@ -1,4 +1,5 @@
-"""``GistStats``: what the guide's mask did in one loss-stage call, as plain Python numbers."""
+"""``GistStats``: what the guide's mask did in one loss-stage call, as plain Python numbers; and the layout of the
+counters every backend fills for it (``BLOCKS``, ``COUNT_FIELDS``, ``SUM_FIELDS``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import problem
-from .numerics import BLOCKS, COUNT_FIELDS, SUM_FIELDS
-from .options import GistOptions
+from .spec import problem
+from .spec.options import GistOptions
 
-__all__ = ["BLOCKS", "GistStats"]
+__all__ = ["BLOCKS", "COUNT_FIELDS", "STATS_FIELDS", "SUM_FIELDS", "GistStats"]
+
+#: The statistics blocks, in the order of the loss: anchor-positive, anchor-anchor, positive-positive,
+#: anchor-negatives, and the directions' query-to-query, document-to-query and document-to-document (every document
+#: column). Each column group (``cgist.stage.spec.options.ColumnGroup.name``) counts in one of them.
+BLOCKS = ("ap", "aa", "pp", "an", "qq", "dq", "dd")
+
+
+#: The counters of one call's guide mask, in the order every backend returns them (``need_stats``), as an
+#: int64 vector: entries masked per block (AP without its label; AN over all negative columns; the directions'
+#: QQ, DQ and DD, DD with DN) and anchors whose candidates are all masked but the label. Exact at any size.
+COUNT_FIELDS = (*(f"masked_{name}" for name in BLOCKS), "positive_only")
+#: The sums over anchors of theta_i and T_i, returned beside the counts as a vector in the compute dtype.
+SUM_FIELDS = ("theta_sum", "threshold_sum")
+STATS_FIELDS = COUNT_FIELDS + SUM_FIELDS
 
 
 def _to_host(counts: Tensor, sums: Tensor) -> list[float]:
@@ -62,11 +76,11 @@ class GistStats:
     @classmethod
     def from_counters(cls, counts: Tensor, sums: Tensor, *, batch: int, n_cand: int, n_negatives: int,
                       options: GistOptions, guided: bool = True, n_anchors: int | None = None) -> GistStats:
-        """Read a backend's counters (``cgist.numerics.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync.
+        """Read a backend's counters (``cgist.stage.stats.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync.
 
         ``n_anchors``: with ``options.all_anchors``, the rows of the last column (every rank's anchors), which the
         anchor-column directions score against. The candidates of each block follow from the column groups
-        (``cgist.problem.candidates``).
+        (``cgist.stage.spec.problem.candidates``).
         """
         values = dict(zip(COUNT_FIELDS + SUM_FIELDS, _to_host(counts, sums)))
         sizes = [batch, n_cand, *[n_cand] * n_negatives] + ([n_anchors or batch] if options.all_anchors else [])

@@ -10,7 +10,7 @@ launcher): what the call means beyond its tiles, and how each row's softmax ends
   ``label_terms`` give the loss and the weights of the score gradients, and ``normalization_backward_`` turns the
   gradients of the scores' rows into those of the embeddings.
 
-It imports only torch and ``cgist.numerics`` at run time (``cgist.options`` for type names), so the kernels'
+It imports only torch and ``cgist.stage.numerics`` at run time (``cgist.stage.spec.options`` for type names), so the kernels'
 launcher may use it.
 """
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .numerics import row_dots
+from ..numerics import row_dots
 
 if TYPE_CHECKING:
     from .options import ColumnGroup, GistOptions
@@ -68,7 +68,7 @@ class Dims:
 
 @dataclass(frozen=True)
 class BoundGroup(Generic[C]):
-    """A column group (``cgist.options.ColumnGroup``: the rules) bound to the columns of one call.
+    """A column group (``cgist.stage.spec.options.ColumnGroup``: the rules) bound to the columns of one call.
 
     Its B rows are rows ``row_start .. row_start + B`` of ``rows`` (the anchors from 0, or their positives from
     ``offset``), scored against every row of ``cols`` (``n_cols`` of them); row i's partner, whose guide tie id

@@ -1,14 +1,14 @@
 """Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
 
 Anchors are processed in row blocks. A row block is scored against the columns of every column group bound to
-the call (``cgist.problem.bind_groups``) in tiles of up to ``cgist.workspace.TILE_COLS`` columns: one matrix
+the call (``cgist.stage.spec.problem.bind_groups``) in tiles of up to ``cgist.stage.budget.TILE_COLS`` columns: one matrix
 product for the guide scores, which a float comparison turns into the mask, one for the student logits, then
 ``exp2``. The gradients with respect to the normalised embeddings come from the same tiles (two more products per
 tile), and one normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is
-ever allocated: the tiles live in a workspace (``cgist.workspace.Workspace``) whose size is the byte budget
-(``cgist.workspace.plan``).
+ever allocated: the tiles live in a workspace (``cgist.stage.pytorch.workspace.Workspace``) whose size is the byte budget
+(``cgist.stage.budget.row_blocks``).
 
-Two schedules, chosen per call by ``cgist.workspace.plan``:
+Two schedules, chosen per call by ``cgist.stage.budget.row_blocks``:
 
 * one pass (the usual case): a row block keeps the tiles of all C candidate columns from the softmax
   sums to the gradients, so every score is computed once;
@@ -31,7 +31,7 @@ before ``exp2`` (to -inf, which ``exp2`` maps to 0 at full speed), so that neith
 products with embedding components down to 2^-23 are subnormal. Each dropped term is below 2^-102 of the
 positive's (fp32), so all of them together change the loss by less than C * 2^-102 relative.
 
-Half products (one dimension, on CUDA): see ``cgist.numerics.half_products``.
+Half products (one dimension, on CUDA): see ``cgist.stage.numerics.half_products``.
 
 Matryoshka. Student rows are normalised over the largest dimension; dimension d scores the prefix dot
 products, summed segment by segment (the columns between consecutive dimensions) in the top dimension's
@@ -50,15 +50,35 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .numerics import (
-    COUNT_FIELDS, EPS, SUM_FIELDS, HalfRows, TieIndex, addmm_, compute_dtype, copy_rows, guide_mask, half_products,
-    half_rows, row_chunks, row_dots, threshold, tie_ids,
+from ..budget import RowBlocks, row_blocks
+from ..numerics import (
+    EPS,
+    HalfRows,
+    addmm_,
+    compute_dtype,
+    copy_rows,
+    guide_mask,
+    half_products,
+    half_rows,
+    row_chunks,
+    row_dots,
+    threshold,
 )
-from .options import GistOptions
-from .problem import (
-    BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
+from ..spec.options import GistOptions
+from ..spec.problem import (
+    BoundGroup,
+    Dims,
+    bind_groups,
+    label_terms,
+    normalization_backward_,
+    prefix_norms,
+    row_losses,
+    row_weights,
+    totals,
 )
-from .workspace import Plan, Workspace, plan
+from ..stats import COUNT_FIELDS, SUM_FIELDS
+from ..ties import TieIndex, tie_ids
+from .workspace import Workspace
 
 __all__ = ["gist_loss_and_grads"]
 
@@ -70,7 +90,7 @@ MASKED = 2.0**100
 
 
 @dataclass
-class _Column:
+class _NormalizedColumn:
     """One embedding column: normalised student and guide rows, tie ids and the gradient accumulators."""
 
     x1: Tensor  # student rows over the first ``top`` components, normalised there, and a last column of ones
@@ -91,8 +111,9 @@ class _Column:
         self.x = self.x1[:, :-1]  # the normalised rows (rows x top)
 
 
-class _Problem:
-    """Everything one call shares between row blocks."""
+class _StreamingCall:
+    """Everything one call of the streaming path shares between its row blocks: the normalised columns, the bound
+    column groups, the scales, the counters, the row-block schedule and its workspace."""
 
     def __init__(self, embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor], options: GistOptions,
                  need_grads: bool, need_stats: bool,
@@ -132,6 +153,12 @@ class _Problem:
         self.cutoff = math.log2(torch.finfo(self.dtype).tiny) + 24.0
         self.counters = (torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=anchor.x.device),
                          torch.zeros(len(SUM_FIELDS), dtype=self.dtype, device=anchor.x.device)) if need_stats else None
+        # The row blocks within the workspace budget (cgist.stage.budget), and the buffers they reuse.
+        widths, half = [g.n_cols for g in self.groups], anchor.half is not None
+        itemsize = torch.finfo(self.dtype).bits // 8
+        self.schedule = row_blocks(self.batch, widths, self.dims.top, len(self.dims), itemsize, options.block_bytes,
+                                   anchor.x.device, half=half)
+        self.work = Workspace(self.schedule, widths, len(self.dims), self.dims.top, self.dtype, anchor.x.device, half)
 
     def _normalized_guide(self, chunks: list[Tensor]) -> tuple[Tensor, Tensor]:
         """A guide column's rows, normalised in the compute dtype, written straight from its chunks, and their norms."""
@@ -141,7 +168,7 @@ class _Problem:
         return g.div_(norm.clamp_min(EPS)), norm
 
     def _column(self, student: list[Tensor], guide: Tensor | None, ids: Tensor | None, text: Tensor | None,
-                need_grads: bool) -> _Column:
+                need_grads: bool) -> _NormalizedColumn:
         """One column from the row chunks of its student rows, its normalised guide rows and their ids."""
         dims = self.dims
         # [x_hat, 1]: the ones let a score product subtract a per-row shift (``_RowBlock.masked_logits``).
@@ -160,17 +187,17 @@ class _Problem:
             kappa = (rho**2).masked_fill_(torch.stack([*prefix, norm.squeeze(1)]) < EPS, 0.0)
         grad = torch.zeros_like(x) if need_grads else None
         radial = torch.zeros_like(rho) if need_grads and len(dims) > 1 else None
-        return _Column(x1, norm, rho, kappa, guide, ids, grad, radial, text=text)
+        return _NormalizedColumn(x1, norm, rho, kappa, guide, ids, grad, radial, text=text)
 
     def count(self, field: str, value: Tensor) -> None:
-        """Add ``value`` to the counter or sum ``field`` (``cgist.numerics.COUNT_FIELDS`` / ``SUM_FIELDS``)."""
+        """Add ``value`` to the counter or sum ``field`` (``cgist.stage.stats.COUNT_FIELDS`` / ``SUM_FIELDS``)."""
         counts, fields = (self.counters[0], COUNT_FIELDS) if field in COUNT_FIELDS else (self.counters[1], SUM_FIELDS)
         counts[fields.index(field)] += value
 
     def gradients(self, embeddings: Sequence[Tensor]) -> list[Tensor]:
         """d(loss)/d(embeddings) from the accumulated dL/d x_hat and radial sums, in each embedding's dtype.
 
-        Through the normalisation (``cgist.problem.normalization_backward_``, ``kappa = rho^2``), then divided by
+        Through the normalisation (``cgist.stage.spec.problem.normalization_backward_``, ``kappa = rho^2``), then divided by
         ``max(||x[:top]||, eps)``. With several dimensions the accumulated ``grad`` is ``sum_d sum_j dL/dcos_d[i, j]
         rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum of every dimension's radial sum: the top
         dimension's is that minus the smaller ones' (which the tiles accumulated). Components past ``top`` get 0.
@@ -209,7 +236,7 @@ class _Rows:
     weighted_shift: Tensor | None = None  # the weight times the shift (several dimensions)
 
     @classmethod
-    def of(cls, column: _Column, start: int, stop: int, partner_ids: Tensor | None) -> _Rows:
+    def of(cls, column: _NormalizedColumn, start: int, stop: int, partner_ids: Tensor | None) -> _Rows:
         def part(t: Tensor | None, dim: int = 0) -> Tensor | None:
             return None if t is None else t.narrow(dim, start, stop - start)
 
@@ -221,17 +248,17 @@ class _Rows:
 class _RowBlock:
     """One row block: its thresholds, its positive logits, and the softmax terms of column ranges."""
 
-    def __init__(self, problem: _Problem, start: int, stop: int) -> None:
-        self.problem, self.start, self.stop = problem, start, stop
-        options, dims = problem.options, problem.dims
-        anchor, positive = problem.columns[0], problem.columns[1]
+    def __init__(self, call: _StreamingCall, start: int, stop: int) -> None:
+        self.call, self.start, self.stop = call, start, stop
+        options, dims = call.options, call.dims
+        anchor, positive = call.columns[0], call.columns[1]
         lo, hi = options.offset + start, options.offset + stop
-        guided = problem.guided
+        guided = call.guided
         self.anchor_rows = _Rows.of(anchor, start, stop, positive.ids[lo:hi] if guided else None)
         self.positive_rows = _Rows.of(positive, lo, hi, anchor.ids[start:stop] if guided else None)
         label_rows = self.positive_rows
         dots = torch.stack([row_dots(self.anchor_rows.x[:, a:b], label_rows.x[:, a:b]) for a, b in dims.segments])
-        self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * problem.logit_scale  # n_dims x R
+        self.positive = dots.cumsum(0) * self.anchor_rows.rho * label_rows.rho * call.logit_scale  # n_dims x R
         self.local = torch.arange(stop - start, device=dots.device)
         # Without a guide nothing is guide-masked: no threshold.
         self.limit = self.theta_masked = None
@@ -239,9 +266,9 @@ class _RowBlock:
             theta = row_dots(self.anchor_rows.g, label_rows.g).unsqueeze(1)
             self.limit = threshold(theta, options.margin, options.relative)
             self.theta_masked = theta > self.limit
-            if problem.counters is not None:
-                problem.count("theta_sum", theta.sum())
-                problem.count("threshold_sum", self.limit.sum())
+            if call.counters is not None:
+                call.count("theta_sum", theta.sum())
+                call.count("threshold_sum", self.limit.sum())
         # Each row's texts, the anchor's and its positive's, against which mask_duplicates compares a column's.
         self.texts = (anchor.text[start:stop], positive.text[lo:hi]) if options.mask_duplicates else None
         self.ties: dict[int, tuple[Tensor, Tensor]] = {}
@@ -252,17 +279,17 @@ class _RowBlock:
 
     def _row_operand(self, name: str, rows: _Rows, extra: int = 0) -> Tensor:
         """The workspace's R x (top + ``extra``) buffer ``name`` for the anchor or the positive rows."""
-        shape = (self.stop - self.start, self.problem.dims.top + extra)
-        return self.problem.work.view(name, shape, 0 if rows is self.anchor_rows else shape[0] * shape[1])
+        shape = (self.stop - self.start, self.call.dims.top + extra)
+        return self.call.work.view(name, shape, 0 if rows is self.anchor_rows else shape[0] * shape[1])
 
     def set_shift(self, shift: Tensor) -> None:
         """Shift the logits of the next sweeps by ``shift`` (n_parts x n_dims x R): each row side by its partition's."""
         for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
-            rows.shift = shift[self.problem.side_part[side]]
+            rows.shift = shift[self.call.side_part[side]]
             if rows.half is not None:  # the half products take the shift after the product
                 continue
             rows.shifted = self._row_operand("shifted", rows, 1)
-            torch.mul(rows.x, self.problem.logit_scale, out=rows.shifted[:, :-1])
+            torch.mul(rows.x, self.call.logit_scale, out=rows.shifted[:, :-1])
             rows.shifted[:, -1] = -rows.shift[-1]
 
     def set_weights(self, row_weight: Tensor, label_terms: Tensor) -> None:
@@ -270,10 +297,10 @@ class _RowBlock:
         label's term (n_dims x R): its score gradient is ``-label_terms`` times partition 0's weight."""
         self.label_weight, self.label_terms = row_weight[0], label_terms
         for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
-            rows.weight = row_weight[self.problem.side_part[side]]
+            rows.weight = row_weight[self.call.side_part[side]]
             if rows.half is not None:  # the half products weigh the tile instead
                 continue
-            if len(self.problem.dims) == 1:
+            if len(self.call.dims) == 1:
                 rows.weighted = torch.mul(rows.x, rows.weight[0].unsqueeze(1), out=self._row_operand("weighted", rows))
             else:
                 rows.weighted_shift = rows.weight * rows.shift
@@ -288,7 +315,7 @@ class _RowBlock:
         ``-label_terms * z_pos`` times partition 0's weight, for the anchor row and for its label's column, the
         positive row.
         """
-        scale = 1.0 / self.problem.logit_scale
+        scale = 1.0 / self.call.logit_scale
         label = (self.label_weight * self.label_terms * self.positive)[:-1]
         for side, rows in (("a", self.anchor_rows), ("p", self.positive_rows)):
             rows.radial[:-1].add_((rows.weighted_shift[:-1] * side_sums[side][:-1] - label) * scale)
@@ -325,19 +352,19 @@ class _RowBlock:
         """``(rows, cols)`` of the labels among columns ``lo:hi`` of ``group`` (none unless it is AP)."""
         if not group.spec.label:
             return self.local[:0], self.local[:0]
-        return self.own(self.problem.options.offset, lo, hi)
+        return self.own(self.call.options.offset, lo, hi)
 
     def harden(self, group: BoundGroup, lo: int, hi: int, t: Tensor, m: int) -> Tensor:
         """Add the hardness penalty to dimension m's shifted logits ``t`` of a query-to-document tile, in place,
         where the group says.
 
-        A penalised logit is ``factor`` times its plain value z (``_Problem.hard_factor``); on the shifted logit
+        A penalised logit is ``factor`` times its plain value z (``_StreamingCall.hard_factor``); on the shifted logit
         ``L = z - shift`` that is ``factor * L + (factor - 1) * shift``. Masked entries stay far below the cutoff.
         """
         if not group.hard:
             return t
-        factor = self.problem.hard_factor
-        own_rows, own_cols = self.own(self.problem.options.offset, lo, hi)
+        factor = self.call.hard_factor
+        own_rows, own_cols = self.own(self.call.options.offset, lo, hi)
         lift = ((factor - 1.0) * self.rows_of(group).shift[m]).unsqueeze(1)
         if group.spec.hard_others:
             plain = t[own_rows, own_cols]
@@ -361,7 +388,7 @@ class _RowBlock:
         CPUs a comparison into floats and a float sum run several times faster than a boolean mask,
         ``masked_fill`` and a boolean count.
         """
-        problem, dims, work = self.problem, self.problem.dims, self.problem.work
+        call, dims, work = self.call, self.call.dims, self.call.work
         rows, cols = self.rows_of(group), group.cols
         shape = (rows.x.shape[0], hi - lo)
         # A smaller dimension's logits go where their products with the terms will be kept; the top
@@ -370,7 +397,7 @@ class _RowBlock:
         out = [work.terms(m, group.index, lo, shape, "terms" if m == last else "products") for m in range(len(dims))]
         # The mask is written where the top dimension's logits go; the first product scales it by -MASKED.
         prefix = out[-1]
-        if problem.guided:
+        if call.guided:
             guide = work.view("guide", shape)
             if rows.guide_half is not None:  # exact half products, then both normalisations
                 addmm_(guide, rows.guide_half.y, cols.guide_half.y[lo:hi].T, beta=0.0)
@@ -390,12 +417,12 @@ class _RowBlock:
         if unmasked is not None:
             masked = mask.sum(dim=1)
             # per row at most a tile's width, exact in floats; summed over the rows as integers
-            problem.count(f"masked_{group.name}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
+            call.count(f"masked_{group.name}", masked.sum(dtype=torch.int64) - label_rows.shape[0])
             unmasked += (hi - lo) - masked
         if rows.half is not None:  # one dimension: exact half products, then the normalisations, scale and shift
             addmm_(prefix, rows.half.y, cols.half.y[lo:hi].T, beta=-MASKED)
             prefix.mul_(cols.half.inv[lo:hi].unsqueeze(0))
-            return [torch.addcmul(-rows.shift[-1].unsqueeze(1), prefix, (problem.logit_scale * rows.half.inv).unsqueeze(1),
+            return [torch.addcmul(-rows.shift[-1].unsqueeze(1), prefix, (call.logit_scale * rows.half.inv).unsqueeze(1),
                                   out=prefix)]
         # The scale and the top dimension's shift ride on the products: [scale * x_hat, -shift] . [k_hat, 1]
         # over the last segment (all of it with one dimension). The top dimension's buffer holds the prefix
@@ -416,22 +443,22 @@ class _RowBlock:
 
         The top dimension's terms replace its logits. A smaller dimension's logits' buffer keeps each term
         times its shifted logit without the penalty (its radial sums in ``accumulate`` need the score; the top
-        dimension's come from the gradient itself, ``_Problem.gradients``).
+        dimension's come from the gradient itself, ``_StreamingCall.gradients``).
         """
         *smaller, top = self.masked_logits(group, lo, hi, unmasked)
         out = []
         for m, t in enumerate(smaller):
-            torch.nn.functional.threshold_(t, self.problem.cutoff, -MASKED)  # finite: 0 * logit stays 0
-            term = self.problem.work.terms(m, group.index, lo, t.shape)
+            torch.nn.functional.threshold_(t, self.call.cutoff, -MASKED)  # finite: 0 * logit stays 0
+            term = self.call.work.terms(m, group.index, lo, t.shape)
             if group.hard:  # the penalised logits, in the terms' buffer
                 self.harden(group, lo, hi, term.copy_(t), m)
-                torch.nn.functional.threshold_(term, self.problem.cutoff, -MASKED)
+                torch.nn.functional.threshold_(term, self.call.cutoff, -MASKED)
                 out.append(term.exp2_())
             else:
                 out.append(torch.exp2(t, out=term))
             t.mul_(out[-1])
         self.harden(group, lo, hi, top, len(smaller))
-        torch.nn.functional.threshold_(top, self.problem.cutoff, float("-inf"))
+        torch.nn.functional.threshold_(top, self.call.cutoff, float("-inf"))
         return [*out, top.exp2_()]
 
     def accumulate(self, group: BoundGroup, lo: int, hi: int, terms: list[Tensor]) -> None:
@@ -449,19 +476,19 @@ class _RowBlock:
             tile = terms[0]
             tile[label_rows, label_cols] = -label_terms[0, label_rows]
             # dL/dcos = grad_scale * tile / total: probabilities in [-1, 1] (the label's in [-P, 0], P <= 2)
-            weights = self.problem.work.half_tile(tile.shape, rows.half.x_hat.dtype)
-            weights.copy_(tile.mul_((row_weight[0] / self.problem.grad_scale).unsqueeze(1)))
-            addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.problem.grad_scale)
-            addmm_(cols.grad[lo:hi], weights.T, rows.half.x_hat, alpha=self.problem.grad_scale)
+            weights = self.call.work.half_tile(tile.shape, rows.half.x_hat.dtype)
+            weights.copy_(tile.mul_((row_weight[0] / self.call.grad_scale).unsqueeze(1)))
+            addmm_(rows.grad, weights, cols.half.x_hat[lo:hi], alpha=self.call.grad_scale)
+            addmm_(cols.grad[lo:hi], weights.T, rows.half.x_hat, alpha=self.call.grad_scale)
             return
         if rows.radial is None:  # one dimension: the row weight is applied after the products
             tile = terms[0]
             tile[label_rows, label_cols] = -label_terms[0, label_rows]
-            rows.grad.addcmul_(torch.mm(tile, cols.x[lo:hi], out=self.problem.work.view("rows", rows.x.shape)),
+            rows.grad.addcmul_(torch.mm(tile, cols.x[lo:hi], out=self.call.work.view("rows", rows.x.shape)),
                                row_weight[0].unsqueeze(1))
             cols.grad[lo:hi].addmm_(tile.T, rows.weighted)
             return
-        inv_scale, last = 1.0 / self.problem.logit_scale, len(terms) - 1
+        inv_scale, last = 1.0 / self.call.logit_scale, len(terms) - 1
         summed = None
         for m in reversed(range(len(terms))):
             tile = terms[m]
@@ -469,7 +496,7 @@ class _RowBlock:
                 # The tile's parts of a smaller dimension's radial sums (``add_radial_rows``): by rows, the sums
                 # of 2^L * L; by columns, those weighted by the rows plus the shift's part. 0 where masked and
                 # at the label.
-                products = self.problem.work.terms(m, group.index, lo, tile.shape, "products")  # 2^L' * L, ``terms``
+                products = self.call.work.terms(m, group.index, lo, tile.shape, "products")  # 2^L' * L, ``terms``
                 rows.radial[m] += row_weight[m] * products.sum(dim=1) * inv_scale
                 by_cols = torch.addmv(products.T @ row_weight[m], tile.T, rows.weighted_shift[m])
                 cols.radial[m, lo:hi].add_(by_cols, alpha=inv_scale)
@@ -480,7 +507,7 @@ class _RowBlock:
                 summed = weights
             else:
                 summed.addcmul_(weights, cols.rho[m, lo:hi].unsqueeze(0))
-            a, b = self.problem.dims.segments[m]
+            a, b = self.call.dims.segments[m]
             rows.grad[:, a:b].addmm_(summed, cols.x[lo:hi, a:b])
             cols.grad[lo:hi, a:b].addmm_(summed.T, rows.x[:, a:b])
 
@@ -491,12 +518,12 @@ def _within(rows: Tensor, cols: Tensor, lo: int, hi: int) -> tuple[Tensor, Tenso
     return rows[inside], cols[inside] - lo
 
 
-def _tiles(problem: _Problem, cols: int) -> list[tuple[BoundGroup, int, int]]:
+def _tiles(call: _StreamingCall, cols: int) -> list[tuple[BoundGroup, int, int]]:
     """Every tile of a row block, as ``(group, lo, hi)``: each group's columns in ranges ``cols`` wide."""
-    return [(g, lo, min(lo + cols, g.n_cols)) for g in problem.groups for lo in range(0, g.n_cols, cols)]
+    return [(g, lo, min(lo + cols, g.n_cols)) for g in call.groups for lo in range(0, g.n_cols, cols)]
 
 
-def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, hold: bool, count: bool):
+def _sweep(call: _StreamingCall, rb: _RowBlock, cols: int, shift: Tensor, hold: bool, count: bool):
     """Row sums of the softmax terms of every tile per partition (n_parts x n_dims x R), shifted by the partition's
     ``shift``, those of each row side's groups (``"a"``, ``"p"``: n_dims x R each), and the tiles themselves if
     ``hold`` (one pass: the gradients reuse them)."""
@@ -505,7 +532,7 @@ def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, hold: boo
     side_sums = {"a": torch.zeros_like(shift[0]), "p": torch.zeros_like(shift[0])}
     unmasked = torch.zeros_like(shift[0, 0]) if count else None
     tiles = []
-    for g, lo, hi in _tiles(problem, cols):
+    for g, lo, hi in _tiles(call, cols):
         terms = rb.terms(g, lo, hi, unmasked)
         sums = torch.stack([t.sum(dim=1) for t in terms])
         others[g.spec.part] += sums
@@ -513,11 +540,11 @@ def _sweep(problem: _Problem, rb: _RowBlock, cols: int, shift: Tensor, hold: boo
         if hold:
             tiles.append((g, lo, hi, terms))
     if count:
-        problem.count("positive_only", (unmasked == 0).sum())
+        call.count("positive_only", (unmasked == 0).sum())
     return others, side_sums, tiles
 
 
-def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
+def _row_block(call: _StreamingCall, rb: _RowBlock, schedule: RowBlocks) -> Tensor:
     """Weighted loss sum of one row block; accumulates its gradients when they are wanted.
 
     In one pass the tiles against all columns are kept from the sums to the gradients; in two passes they
@@ -525,31 +552,31 @@ def _row_block(problem: _Problem, rb: _RowBlock, schedule: Plan) -> Tensor:
     1 and the loss is usually log1p of the others' sum. Only when a sum exceeds ``2^64`` (a candidate
     64 base-2 units above the positive; its products with the logits or the embeddings could overflow
     further on) is the shift raised to the row maximum, found by one more sweep, and the sums taken again. The
-    partitioned loss and the gradients' weights follow from the sums (``cgist.problem``).
+    partitioned loss and the gradients' weights follow from the sums (``cgist.stage.spec.problem``).
     """
-    one_pass, want_grads, cols = schedule.one_pass, problem.columns[0].grad is not None, schedule.cols
-    n_parts = problem.n_parts
+    one_pass, want_grads, cols = schedule.one_pass, call.columns[0].grad is not None, schedule.cols
+    n_parts = call.n_parts
     shift = rb.positive.expand(n_parts, *rb.positive.shape)
-    others, side_sums, tiles = _sweep(problem, rb, cols, shift, hold=one_pass and want_grads,
-                                      count=problem.counters is not None)
+    others, side_sums, tiles = _sweep(call, rb, cols, shift, hold=one_pass and want_grads,
+                                      count=call.counters is not None)
     if not bool((others <= LARGEST_SUM).all()):  # also catches inf and NaN
         peak = torch.zeros_like(shift)
-        for g, lo, hi in _tiles(problem, cols):
+        for g, lo, hi in _tiles(call, cols):
             for m, logits in enumerate(rb.masked_logits(g, lo, hi)):
                 part = peak[g.spec.part, m]
                 torch.maximum(part, rb.harden(g, lo, hi, logits, m).amax(dim=1), out=part)
         shift = shift + peak
-        others, side_sums, tiles = _sweep(problem, rb, cols, shift, hold=one_pass and want_grads, count=False)
+        others, side_sums, tiles = _sweep(call, rb, cols, shift, hold=one_pass and want_grads, count=False)
     gaps = (shift - rb.positive) * LN2
-    weights = torch.tensor(problem.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
+    weights = torch.tensor(call.dims.weights, dtype=shift.dtype, device=shift.device).unsqueeze(1)
     loss = (weights * row_losses(gaps, others)).sum()
     if want_grads:
         denominators = totals(others, torch.exp(-gaps[0]))
-        rb.set_weights(row_weights(weights, problem.grad_scale, denominators), label_terms(others, denominators))
-        if len(problem.dims) > 1:
+        rb.set_weights(row_weights(weights, call.grad_scale, denominators), label_terms(others, denominators))
+        if len(call.dims) > 1:
             rb.add_radial_rows(side_sums)
         if not one_pass:
-            tiles = ((g, lo, hi, rb.terms(g, lo, hi)) for g, lo, hi in _tiles(problem, cols))
+            tiles = ((g, lo, hi, rb.terms(g, lo, hi)) for g, lo, hi in _tiles(call, cols))
         for g, lo, hi, terms in tiles:
             rb.accumulate(g, lo, hi, terms)
     return loss
@@ -572,9 +599,9 @@ def gist_loss_and_grads(
     columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``.
     ``text_ids`` (with ``options.mask_duplicates``): an int32 text id per row of each column. A column may be a
     list of row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
-    bounds the score buffers held at once (``cgist.workspace.plan``). The loss is float64 for float64 inputs and float32
+    bounds the score buffers held at once (``cgist.stage.budget.row_blocks``). The loss is float64 for float64 inputs and float32
     otherwise; the gradients have the dtype of their embedding; the counters are ``(counts, sums)``: int64
-    counts in the order of ``cgist.numerics.COUNT_FIELDS`` and sums in the loss's dtype in that of ``SUM_FIELDS``.
+    counts in the order of ``cgist.stage.stats.COUNT_FIELDS`` and sums in the loss's dtype in that of ``SUM_FIELDS``.
 
     ``products`` gives the half dtypes of the student's and the guide's score products (None: the compute
     dtype); by default ``half_products`` picks them for the device.
@@ -583,16 +610,10 @@ def gist_loss_and_grads(
         device = row_chunks(embeddings[0])[0].device
         products = tuple(None if c is None else half_products(device, row_chunks(c[0])[0].dtype)
                          for c in (embeddings, guide_embeddings))
-    problem = _Problem(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
-    itemsize = torch.finfo(problem.dtype).bits // 8
-    device = problem.columns[0].x.device
-    widths, half = [g.n_cols for g in problem.groups], problem.columns[0].half is not None
-    schedule = plan(problem.batch, widths, problem.dims.top, len(problem.dims), itemsize, options.block_bytes, device,
-                    half=half)
-    problem.work = Workspace(schedule, widths, len(problem.dims), problem.dims.top, problem.dtype, device, half)
-    loss = torch.zeros((), dtype=problem.dtype, device=device)
-    for start in range(0, problem.batch, schedule.rows):
-        loss += _row_block(problem, _RowBlock(problem, start, min(start + schedule.rows, problem.batch)),
-                           schedule)
-    loss = loss / problem.batch
-    return loss, (problem.gradients(embeddings) if need_grads else None), problem.counters
+    call = _StreamingCall(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
+    schedule = call.schedule
+    loss = torch.zeros((), dtype=call.dtype, device=call.columns[0].x.device)
+    for start in range(0, call.batch, schedule.rows):
+        loss += _row_block(call, _RowBlock(call, start, min(start + schedule.rows, call.batch)), schedule)
+    loss = loss / call.batch
+    return loss, (call.gradients(embeddings) if need_grads else None), call.counters

@@ -1,0 +1,235 @@
+"""Which backend runs a loss-stage call: the one place that reaches the Triton kernels (``cgist.kernels``).
+
+``"auto"`` (the default) takes the kernels on NVIDIA GPUs of sm_80 and newer and the PyTorch streaming path
+elsewhere (``auto_route``); it checks each kernel variant against the streaming path on its first use
+(``cgist.stage.dispatch.selfcheck``) and falls back to the streaming path, for the rest of the process, where a
+kernel fails to build or launch or disagrees (the two process-wide caches ``_TRITON_FAILURES`` and ``_SELF_CHECKS``).
+``"torch"`` and ``"triton"`` force a backend; ``$CGIST_BACKEND`` overrides ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..devices import device_kind, gpu_arch
+from ..pytorch import streaming
+from ..spec.options import GistOptions
+from . import selfcheck
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "auto_route", "check_backend", "check_kernels", "kernel_tiles",
+           "requested_backend", "select_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+#: A backend: ``(embeddings, guide_embeddings, options, *, need_grads, need_stats)`` ->
+#: ``(loss, grads or None, counters or None)``, counters ``(counts, sums)`` as in ``cgist.stage.stats.COUNT_FIELDS``
+#: and ``SUM_FIELDS``. Each column
+#: is a tensor or a list of row chunks; each gradient is its whole column's.
+Backend = Callable[..., tuple[Tensor, "list[Tensor] | None", "Tensor | None"]]
+
+
+def _triton_backend() -> Backend:
+    """The Triton launcher, or a RuntimeError saying why it cannot run here."""
+    try:
+        from ...kernels import gist_loss_and_grads
+    except ImportError as err:
+        raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
+    return gist_loss_and_grads
+
+
+#: ``(device, student dtype, guide dtype)`` -> the error with which the Triton kernels failed there: "auto" then
+#: takes the PyTorch streaming path for that pair on that device, for the rest of the process.
+_TRITON_FAILURES: dict[tuple[str, torch.dtype, torch.dtype], str] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    """``cuda:0`` for ``cuda`` too: one key per physical device."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _describe(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA A100-SXM4-80GB, sm_80)``, or the device itself off CUDA."""
+    if device.type != "cuda":
+        return str(device)
+    arch = gpu_arch(device)
+    return f"{_device_key(device)} ({torch.cuda.get_device_name(device)}, {arch.name if arch else 'unknown capability'})"
+
+
+def _device_route(device: torch.device) -> tuple[str, str]:
+    """``auto_route`` by the device alone."""
+    kind = device_kind(device)
+    if kind == "rocm":
+        return "torch", "ROCm: the Triton kernels are untested on AMD GPUs"
+    if kind != "cuda":
+        return "torch", f"{device.type} tensors"
+    arch = gpu_arch(device)
+    if arch is None or not arch.mma:
+        name = arch.name if arch else "this GPU"
+        return "torch", f"{name}: Triton has no tensor-core instructions below sm_80, cuBLAS products are faster"
+    return "triton", f"{arch.name}: Triton kernels"
+
+
+def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> tuple[str, str]:
+    """The backend ``"auto"`` takes for this device and dtype pair, ``"triton"`` or ``"torch"``, and why.
+
+    Triton runs on NVIDIA GPUs of sm_80 and newer. Below sm_80 Triton emits no tensor-core instructions
+    (its ``tl.dot`` becomes FMA loops), so the streaming path's cuBLAS products are at least as fast there;
+    ROCm devices, where the kernels are untested, and every other device type take the streaming path too,
+    as does a pair whose kernels failed on this device before (``_TRITON_FAILURES``), and every pair when
+    Triton cannot be imported or is older than the compile check covers (``cgist.stage.devices.unchecked_triton``).
+    """
+    route = _device_route(device)
+    if route[0] == "torch":
+        return route
+    failure = _TRITON_FAILURES.get((_device_key(device), dtype, guide_dtype))
+    if failure is not None:
+        return "torch", f"the Triton kernels failed here earlier ({failure})"
+    from ..devices import unchecked_triton  # a Triton older than the compile check covers: logged once
+
+    if (why := unchecked_triton()) is not None:
+        return "torch", why
+    try:
+        _triton_backend()
+    except RuntimeError as err:
+        return "torch", str(err).replace("backend='triton' is", "Triton is")
+    return route
+
+
+#: The first-use check of each kernel variant (``cgist.stage.dispatch.selfcheck.Variant``) in this process: a variant whose check
+#: failed takes the PyTorch streaming path under "auto" from then on; one that passed is not checked again.
+_SELF_CHECKS: dict[selfcheck.Variant, selfcheck.Check] = {}
+
+
+def _first_use_check(run: Backend, device: torch.device, embeddings, guide_embeddings, options: GistOptions) -> bool:
+    """Whether "auto" may use the kernels ``run`` for this call's variant: checked on its first call
+    (``cgist.stage.dispatch.selfcheck``), the result remembered; a disagreement is logged once. Reads no value on the host
+    once the variant is known."""
+    variant = selfcheck.variant_of(_device_key(device), embeddings, guide_embeddings, options)
+    check = _SELF_CHECKS.get(variant)
+    if check is None:
+        check = selfcheck.check_call(run, streaming.gist_loss_and_grads, variant, options, len(embeddings), device,
+                                     selfcheck.ROWS)
+        _SELF_CHECKS[variant] = check
+        if not check.ok:
+            logger.warning(
+                "cgist: the Triton kernels disagree with the PyTorch path on %s for %s (first-use check, %d rows): "
+                "%s; this and later calls of this variant use the PyTorch streaming path; run `cgist doctor` on "
+                "this machine and report its output",
+                _describe(device), variant.describe(), check.rows, check.numbers(),
+            )
+    return check.ok
+
+
+def _with_fallback(run: Backend, device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> Backend:
+    """``run`` (the Triton launcher), falling back to the streaming path when a kernel fails to build or launch, or
+    disagrees with the streaming path on the first use of its variant (``_first_use_check``, unless
+    ``CGIST_SELF_CHECK=0``).
+
+    A build or launch failure is logged once, naming the device, the dtype pair and the error, and remembered, so
+    that later calls with this pair on this device go straight to the streaming path; a disagreement likewise, for
+    its variant. Running out of GPU memory is not a kernel failure and is raised as it is.
+    """
+
+    def run_or_fall_back(embeddings, guide_embeddings, options, **kwargs):
+        check = selfcheck.enabled()  # a bad value is the caller's error, raised here
+        try:
+            if not check or _first_use_check(run, device, embeddings, guide_embeddings, options):
+                return run(embeddings, guide_embeddings, options, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any build or launch error: keep training on the PyTorch path
+            message = f"{type(err).__name__}: {err}".strip()
+            _TRITON_FAILURES[(_device_key(device), dtype, guide_dtype)] = message.splitlines()[0][:300]
+            logger.warning(
+                "cgist: the Triton kernels failed on %s for %s embeddings with a %s guide (%s); this and later calls "
+                "with these dtypes on this device use the PyTorch streaming path (backend='triton' raises instead)",
+                _describe(device), _dtype_name(dtype), _dtype_name(guide_dtype), message,
+            )
+        return streaming.gist_loss_and_grads(embeddings, guide_embeddings, options, **kwargs)
+
+    return run_or_fall_back
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+#: The environment variable that overrides ``backend="auto"``.
+BACKEND_ENV = "CGIST_BACKEND"
+
+
+def check_backend(backend: object, name: str = "backend") -> str:
+    """``backend`` if it is one of ``BACKENDS``, else a ValueError that calls it ``name`` (an argument, a flag)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def requested_backend(backend: object) -> str:
+    """``backend``, validated; ``"auto"`` becomes ``$CGIST_BACKEND`` when that is set (``torch``/``triton``)."""
+    backend = check_backend(backend)
+    if backend == "auto":
+        override = os.environ.get(BACKEND_ENV, "").strip()
+        if override:
+            if override not in BACKENDS:
+                raise ValueError(f"the environment variable {BACKEND_ENV} must be one of {BACKENDS} (or unset), "
+                                 f"got {override!r}")
+            return override
+    return backend
+
+
+def select_backend(backend: object, device: torch.device, dtype: torch.dtype = torch.float32,
+                   guide_dtype: torch.dtype | None = None) -> Backend:
+    """The backend function for ``backend`` on ``device`` with this dtype pair (see ``auto_route`` for "auto").
+
+    ``"triton"`` raises when the launcher cannot run here, and is never checked; ``"auto"`` never raises, checks
+    each kernel variant against the streaming path on its first use, and falls back to the streaming path if a
+    kernel fails or disagrees (``_with_fallback``).
+    """
+    backend = requested_backend(backend)
+    guide_dtype = dtype if guide_dtype is None else guide_dtype
+    if backend == "torch":
+        return streaming.gist_loss_and_grads
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "importing cgist, or use backend='torch'"
+            )
+        return _triton_backend()
+    if auto_route(device, dtype, guide_dtype)[0] == "torch":
+        return streaming.gist_loss_and_grads
+    return _with_fallback(_triton_backend(), device, dtype, guide_dtype)
+
+
+def kernel_tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
+    """The tile configs the kernels' forward autotunes over for this dtype pair on ``device`` (``cgist doctor``)."""
+    from ...kernels.launch import input_precision
+    from ...kernels.tiles import tile_configs
+
+    arch = gpu_arch(device)
+    configs = tile_configs(dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch),
+                           arch=arch, interpret=False)
+    return ", ".join("{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
+                     for c in configs)
+
+
+def check_kernels(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, rows: int, dim: int,
+                  dim_g: int, k: int) -> selfcheck.Check:
+    """The first-use check (``selfcheck``) of the kernels for this dtype pair on ``device``, with the default options
+    (``cgist doctor``)."""
+    options = GistOptions()
+    variant = selfcheck.make_variant(_device_key(device), dtype, guide_dtype, dim, dim_g, options)
+    return selfcheck.check_call(_triton_backend(), streaming.gist_loss_and_grads, variant, options, 2 + k, device,
+                                rows)
