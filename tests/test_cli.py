@@ -6,6 +6,8 @@ are in test_data.py."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import json
 import shlex
 import subprocess
@@ -18,8 +20,9 @@ from helpers_models import tiny_model
 from safetensors.torch import load_file
 from test_data import pairs, write_csv, write_jsonl  # noqa: F401 (pairs is a fixture)
 
-from cgist.cli import arguments, build_parser, guide_cache, main, report, run
+from cgist.cli import arguments, build_parser, config, guide_cache, main, report, run
 from cgist.cli.common import UsageError
+from cgist.stage.spec.guide import MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,10 +71,13 @@ def test_parser_defaults():
     assert (args.temperature, args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
     assert args.contrast_anchors and args.contrast_positives
     assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
-    assert arguments.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
+    assert config.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
     assert (args.save_steps, args.save_total_limit, args.resume, args.overwrite) == (None, 2, False, False)
     assert (args.guide_mode, args.guide_cache) == ("model", None)
-    assert 1 <= arguments.save_steps(args) == arguments.DEFAULT_STDLIB_SAVE_STEPS < arguments.DEFAULT_STDLIB_STEPS
+    assert 1 <= config.save_steps(args) == arguments.DEFAULT_STDLIB_SAVE_STEPS < arguments.DEFAULT_STDLIB_STEPS
+    parse = build_parser().parse_args
+    assert (parse(["train", "--resume"]).resume, parse(["train", "--resume", "auto"]).resume) == (True, "auto")
+    assert parse(["train", "--resume=auto", "--output-dir", "out"]).resume == "auto"
 
 
 def test_parser_options():
@@ -83,12 +89,12 @@ def test_parser_options():
     assert (args.data, args.batch_size, args.mini_batch_size, args.epochs, args.lr) == ("x.jsonl", 8, 3, 2.0, 1e-4)
     assert (args.temperature, args.margin, args.margin_strategy, args.seed) == (0.05, 0.1, "relative", 7)
     assert not args.contrast_anchors and not args.contrast_positives
-    assert arguments.max_steps(args) == -1  # a file trains for --epochs
-    assert arguments.max_steps(build_parser().parse_args(["train", "--epochs", "1"])) == -1
-    assert arguments.max_steps(build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
-    assert arguments.save_steps(args) == arguments.DEFAULT_SAVE_STEPS
-    assert arguments.save_steps(build_parser().parse_args(["train", "--max-steps", "3"])) == 500
-    assert arguments.save_steps(build_parser().parse_args(["train", "--save-steps", "3"])) == 3
+    assert config.max_steps(args) == -1  # a file trains for --epochs
+    assert config.max_steps(build_parser().parse_args(["train", "--epochs", "1"])) == -1
+    assert config.max_steps(build_parser().parse_args(["train", "--data", "x", "--max-steps", "3"])) == 3
+    assert config.save_steps(args) == arguments.DEFAULT_SAVE_STEPS
+    assert config.save_steps(build_parser().parse_args(["train", "--max-steps", "3"])) == 500
+    assert config.save_steps(build_parser().parse_args(["train", "--save-steps", "3"])) == 3
 
 
 @pytest.mark.parametrize(
@@ -100,11 +106,14 @@ def test_parser_options():
         (["train", "--ov", "--max-steps", "9"], "cgist train --max-steps 9 --resume"),
         (["train", "--output-dir", "out", "--resume"], "cgist train --output-dir out --resume"),
         (["train", "--res", "--output-dir=out"], "cgist train --res --output-dir=out"),
+        (["train", "--resume", "auto", "--output-dir", "out"], "cgist train --resume auto --output-dir out"),
+        (["train", "--output-dir", "out", "--resume=auto"], "cgist train --output-dir out --resume=auto"),
     ],
-    ids=["bare", "overwrite-dropped", "abbreviation", "already-resuming", "abbreviated-resume"],
+    ids=["bare", "overwrite-dropped", "abbreviation", "already-resuming", "abbreviated-resume", "resume-auto",
+         "resume-auto-with-equals"],
 )
 def test_resume_command(argv, expected):
-    assert arguments.resume_command(argv) == expected
+    assert config.resume_command(argv) == expected
     args = build_parser().parse_args(argv)
     again = build_parser().parse_args(shlex.split(expected)[1:])
     assert again.resume and not again.overwrite
@@ -124,6 +133,7 @@ def test_resume_command(argv, expected):
         (["--save-steps", "0"], "--save-steps"),
         (["--save-total-limit", "0"], "--save-total-limit"),
         (["--guide-mode", "teacher"], "--guide-mode"),
+        (["--resume", "later"], "argument --resume: invalid choice: 'later' (choose from 'auto')"),
     ],
     ids=lambda v: "-".join(v).strip("-") if isinstance(v, list) else None,
 )
@@ -222,19 +232,19 @@ def test_direction_options_reach_the_loss_and_resume(tmp_path, monkeypatch):
     args = parser.parse_args(["train", "--no-contrast-anchors", "--no-contrast-positives", "--directions",
                               "query_to_doc", "query_to_query", "doc_to_doc", "--hardness-mode", "hard_negatives",
                               "--hardness-strength", "5"])
-    arguments.check_args(args)
-    options = arguments.loss_options(args)
+    config.check_args(args)
+    options = config.loss_options(args)
     assert (options["directions"], options["partition_mode"], options["hardness_mode"], options["hardness_strength"]) \
         == (["query_to_doc", "query_to_query", "doc_to_doc"], "joint", "hard_negatives", 5.0)
     assert parser.parse_args(["train", "--hardness-mode", "none"]).hardness_mode is None
 
-    default = arguments.training_options(parser.parse_args(["train"]), "sha256:x")
+    default = config.training_options(parser.parse_args(["train"]), "sha256:x")
     older = {k: v for k, v in default.items()
              if k not in ("--directions", "--partition-mode", "--hardness-mode", "--hardness-strength")}
-    arguments.check_resume(json.loads(json.dumps(older)), default, Path("checkpoint-8"))
-    changed = arguments.training_options(args, "sha256:x")
+    config.check_resume(json.loads(json.dumps(older)), default, Path("checkpoint-8"))
+    changed = config.training_options(args, "sha256:x")
     with pytest.raises(UsageError, match="--directions differs from the checkpoint's"):
-        arguments.check_resume(json.loads(json.dumps(older)), {**default, "--directions": changed["--directions"]},
+        config.check_resume(json.loads(json.dumps(older)), {**default, "--directions": changed["--directions"]},
                                Path("checkpoint-8"))
 
 
@@ -245,6 +255,35 @@ def test_existing_output_dir_kept(pairs, tmp_path, capsys):
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
     _check(["--data", str(data)], capsys, code=2, out_dir=out, message="--overwrite")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_the_run_config_resolves_every_option_once(student_dir, tmp_path, monkeypatch):
+    """``RunConfig.from_args`` checks and resolves the options into one frozen object: the default guide, the
+    device, the loaded data, the schedule, the loss options and the output directory."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "pairs.jsonl", [{"anchor": f"query {i}", "positive": f"document {i}"} for i in range(10)])
+    argv = ["train", "--data", "pairs.jsonl", "--model", str(student_dir), "--max-pairs", "8", "--max-steps", "3",
+            "--margin", "0.1", "--device", "cpu", "--output-dir", "runs/x", "--overwrite"]
+    run_config = config.RunConfig.from_args(build_parser().parse_args(argv), argv)
+    bundled = config.bundled_model_path(build_parser().parse_args(["train"]))
+    assert (run_config.student, run_config.guide) == (str(student_dir), bundled)
+    assert run_config.guide_id == config.model_id(bundled) == str(Path(bundled).resolve())
+    assert (run_config.guide_source, run_config.guide_cache, str(run_config.device)) == (MODEL, None, "cpu")
+    assert len(run_config.pairs) == 8 and run_config.pairs.column_names == ["anchor", "positive"]
+    assert (run_config.epochs, run_config.max_steps, run_config.save_steps, run_config.batch_size) == (1.0, 3, 500, 32)
+    assert run_config.loss_options["margin"] == 0.1 and run_config.options["--max-steps"] == 3
+    assert run_config.options["--data"] == config.data_fingerprint(build_parser().parse_args(argv), run_config.pairs)
+    output = tmp_path.resolve() / "runs" / "x"
+    assert (run_config.output, run_config.checkpoints) == (output, output / "checkpoints")
+    assert (run_config.resume_from, run_config.scores_before) == (None, None)
+    assert run_config.resume_command == f"cgist train --data pairs.jsonl --model {student_dir} --max-pairs 8 " \
+        "--max-steps 3 --margin 0.1 --device cpu --output-dir runs/x --resume"
+    assert run_config.given["data"] == "pairs.jsonl" and "command" not in run_config.given
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run_config.lr = 1.0
+    with pytest.raises(TypeError):
+        run_config.options["--lr"] = 1.0
+    assert not (tmp_path / "runs").exists()  # building it writes nothing
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -261,6 +300,14 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
 
     cli_load_model = run.load_model
     monkeypatch.setattr(run, "load_model", recording_load_model)
+    built = []
+    from_args = config.RunConfig.from_args
+
+    def recording_from_args(args, argv):
+        built.append(from_args(args, argv))
+        return built[-1]
+
+    monkeypatch.setattr(config.RunConfig, "from_args", recording_from_args)
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:24])
     out = tmp_path / "runs" / "tiny"
     out.mkdir(parents=True)
@@ -294,6 +341,7 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
     guide = loaded["--guide"]
     assert not guide.training and all(not p.requires_grad and p.grad is None for p in guide.parameters())
     assert loaded["--model"].max_seq_length == 32
+    assert len(built) == 1 and summary["args"] == dict(built[0].given)  # the options are read once, at the start
 
 
 # ---------------------------------------------------------------------------------------------- guide modes
@@ -448,7 +496,7 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- module structure
 
-TRAIN_MODULES = {"arguments", "run", "trainer", "output", "guide_cache", "report"}
+TRAIN_MODULES = {"arguments", "config", "run", "trainer", "output", "guide_cache", "report"}
 
 
 def cli_imports(source: str, modules: set[str]) -> set[str]:
@@ -485,3 +533,13 @@ def test_cli_modules_import_no_circle_and_neither_command_the_other():
                    for name in graph[start])
 
     assert [name for name in sorted(modules) if reaches(name, name, set())] == []
+
+
+def test_the_stages_of_a_run_take_its_config_not_the_parsed_arguments():
+    """Only ``run_train`` sees the parsed arguments, to build the RunConfig; every stage after it takes that."""
+    stages = [run.train, run._load_models, run._score_before, run._build_trainer, run._fit, run._publish_run,
+              run._summary, run.guide_embeddings, run._trainer_arguments]
+    assert [name for name, value in vars(run).items() if inspect.isfunction(value) and value.__module__ == run.__name__
+            and "args" in inspect.signature(value).parameters] == ["run_train"]
+    assert all(next(iter(inspect.signature(stage).parameters)) == "config" for stage in stages)
+    assert "arguments" not in cli_imports(Path(run.__file__).read_text(encoding="utf-8"), {"arguments", "config"})

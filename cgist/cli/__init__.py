@@ -8,8 +8,9 @@ with one line naming ``pip install "cgist[demo]"`` (exit 2).
 
 The modules: this one (the ``cgist`` parser, which registers each command's own parser, and the entry point),
 :mod:`.common` (what both commands share: :class:`~.common.UsageError`, the ``--device`` check), and each command's own
-modules. ``cgist train``: :mod:`.arguments` (its parser and the checks that need no model), :mod:`.run`
-(the training run), :mod:`.trainer` (atomic checkpoints, the stop on a signal, the non-finite guard),
+modules. ``cgist train``: :mod:`.arguments` (its parser), :mod:`.config` (the run's configuration, every option
+checked and resolved once, at the start), :mod:`.run` (the training run in stages, each taking that configuration),
+:mod:`.trainer` (atomic checkpoints, the stop on a signal, the non-finite guard),
 :mod:`.output` (the output directory: publication and checkpoints), :mod:`.guide_cache` (the precomputed guide's
 cache) and :mod:`.report` (timing, peak memory, the summary table); ``cgist doctor``: :mod:`.doctor`. No module
 here imports this one, and neither command imports the other.

@@ -1,21 +1,16 @@
-"""The ``cgist train`` command line: its parser (:func:`add_parser`), the value types and the checks that need no
-model or data.
+"""The ``cgist train`` command line: its parser (:func:`add_parser`), the value types and the defaults.
 
-Every bad option ends in a :class:`~.common.UsageError`, which the entry point prints as one line (exit code 2)
-before anything is written.
+A value of the wrong type or range is argparse's error (exit code 2). Everything else about the options is checked,
+and resolved, once, where :class:`~.config.RunConfig` is built from the parsed arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 
-from ..stage.spec.guide import SOURCES, by_cli
-from ..stage.spec.options import GistOptions
-from .common import UsageError
-from .output import CHECKPOINTS_DIR, latest_checkpoint
+from ..stage.spec.guide import SOURCES
+from .output import CHECKPOINTS_DIR
 
 __all__ = [
     "DEFAULT_OUTPUT_DIR",
@@ -23,15 +18,8 @@ __all__ = [
     "DEFAULT_STDLIB_SAVE_STEPS",
     "DEFAULT_STDLIB_STEPS",
     "GUIDE_MODES",
+    "RESUME_AUTO",
     "add_parser",
-    "check_args",
-    "check_resume",
-    "loss_options",
-    "max_steps",
-    "model_id",
-    "resume_command",
-    "save_steps",
-    "training_options",
 ]
 
 DEFAULT_OUTPUT_DIR = "runs/cgist-train"
@@ -44,9 +32,9 @@ DEFAULT_STDLIB_SAVE_STEPS = DEFAULT_STDLIB_STEPS // 2
 #: Where the guide's masks come from: the guide model on every batch, its embeddings computed once and cached,
 #: the student's own embeddings, or nowhere.
 GUIDE_MODES = tuple(source.cli for source in SOURCES)
-#: The value an option had before checkpoints recorded it, for resuming their runs.
-RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
-                     "--hardness-mode": None, "--hardness-strength": 0.0}
+#: ``--resume auto``: continue from the newest checkpoint if there is one, else start a new run. A bare ``--resume``
+#: is True (a checkpoint must exist), and no --resume is False.
+RESUME_AUTO = "auto"
 
 
 def _positive_int(minimum: int) -> Callable[[str], int]:
@@ -201,152 +189,7 @@ def _add_output_group(train: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_STDLIB_SAVE_STEPS} for the built-in data's {DEFAULT_STDLIB_STEPS}-step run)")
     output.add_argument("--save-total-limit", type=_positive_int(1), default=2,
                         help="keep this many newest checkpoints")
-    output.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --output-dir, with the same options")
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Cheap checks that need no model or data, so a bad option fails in a second."""
-    from ..stage.dispatch.route import check_backend
-
-    if args.batch_size < 2:
-        raise UsageError(f"--batch-size must be at least 2 (in-batch negatives need a second pair), got {args.batch_size}")
-    if args.mini_batch_size < 1:
-        raise UsageError(f"--mini-batch-size must be at least 1, got {args.mini_batch_size}")
-    if not 0 <= args.warmup_ratio < 1:
-        raise UsageError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
-    try:
-        check_backend(args.backend, "--backend")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    source = by_cli(args.guide_mode)
-    if args.guide is not None and source.kind != "embeddings":
-        raise UsageError(f"--guide-mode {args.guide_mode} trains without a guide model; leave out --guide (the student "
-                         "is --model, by default the bundled all-MiniLM-L6-v2)")
-    if args.guide_cache is not None:
-        if not source.reads_labels:
-            raise UsageError(f"--guide-cache is used only with --guide-mode precomputed, not {args.guide_mode}")
-        if Path(args.guide_cache).expanduser().exists() and not Path(args.guide_cache).expanduser().is_dir():
-            raise UsageError(f"--guide-cache {args.guide_cache} exists and is not a directory")
-    for flag, direction, block in (("contrast_anchors", "query_to_query", "anchor-anchor"),
-                                   ("contrast_positives", "doc_to_doc", "positive-positive")):
-        if getattr(args, flag) and direction in args.directions:
-            raise UsageError(f"--directions {direction} holds the {block} block, which the loss also adds by "
-                             f"default; add --no-{flag.replace('_', '-')}")
-    try:
-        GistOptions(**loss_options(args))
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"bad loss option: {err}") from None
-    output = Path(args.output_dir)
-    if output.exists() and not output.is_dir():
-        raise UsageError(f"--output-dir {output} exists and is not a directory")
-    checkpoint = latest_checkpoint(output / CHECKPOINTS_DIR)
-    if args.resume:
-        if args.overwrite:
-            raise UsageError("--resume and --overwrite exclude each other: --overwrite deletes the checkpoints "
-                             "that --resume continues from")
-        if checkpoint is None:
-            raise UsageError(f"--resume: no complete checkpoint in {output / CHECKPOINTS_DIR}; "
-                             "leave out --resume to start a new run")
-    elif output.is_dir() and any(output.iterdir()) and not args.overwrite:
-        unfinished = " (with checkpoints: pass --resume to continue that run)" if checkpoint else ""
-        raise UsageError(f"--output-dir {output} already has files{unfinished}; pass --overwrite to replace them")
-
-
-def loss_options(args: argparse.Namespace) -> dict[str, object]:
-    """The GIST loss options given on the command line, as keyword arguments of ``GistOptions``."""
-    return {
-        "temperature": args.temperature,
-        "margin": args.margin,
-        "margin_strategy": args.margin_strategy,
-        "contrast_anchors": args.contrast_anchors,
-        "contrast_positives": args.contrast_positives,
-        "directions": list(args.directions),
-        "partition_mode": args.partition_mode,
-        "hardness_mode": args.hardness_mode,
-        "hardness_strength": args.hardness_strength,
-    }
-
-
-def max_steps(args: argparse.Namespace) -> int:
-    """The step cap for the trainer (-1: none)."""
-    if args.max_steps is not None:
-        return args.max_steps
-    return DEFAULT_STDLIB_STEPS if args.data is None and args.epochs is None else -1
-
-
-def save_steps(args: argparse.Namespace) -> int:
-    """The number of steps between two checkpoints."""
-    if args.save_steps is not None:
-        return args.save_steps
-    built_in_run = args.data is None and args.epochs is None and args.max_steps is None
-    return DEFAULT_STDLIB_SAVE_STEPS if built_in_run else DEFAULT_SAVE_STEPS
-
-
-def model_id(name: str | None) -> str | None:
-    """A local model directory as an absolute path (so a resume may run elsewhere); a Hub id as given."""
-    return str(Path(name).resolve()) if name is not None and Path(name).exists() else name
-
-
-def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
-    """Everything that shapes the trained weights, by option name; ``data`` is the data's fingerprint.
-
-    A checkpoint records them, and ``--resume`` must give the same. Free to change: --device, --backend,
-    --guide-cache, --save-steps, --save-total-limit and --output-dir.
-    """
-    return {
-        "--model": model_id(args.model),
-        "--guide": model_id(args.guide),
-        "--guide-mode": args.guide_mode,
-        "--max-seq-length": args.max_seq_length,
-        "--max-pairs": args.max_pairs,
-        "--eval-fraction": args.eval_fraction,
-        "--seed": args.seed,
-        "--data": data,  # after the options that change the data, so that those are named first
-        "--batch-size": args.batch_size,
-        "--mini-batch-size": args.mini_batch_size,
-        "--epochs": args.epochs or 1.0,
-        "--max-steps": max_steps(args) if max_steps(args) > 0 else None,
-        "--lr": args.lr,
-        "--warmup-ratio": args.warmup_ratio,
-        **{f"--{name.replace('_', '-')}": value for name, value in loss_options(args).items()
-           if not name.startswith("contrast_")},
-        "--no-contrast-anchors": not args.contrast_anchors,
-        "--no-contrast-positives": not args.contrast_positives,
-    }
-
-
-def _shown(value: object) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "given" if value else "not given"
-    if isinstance(value, str) and value.startswith("sha256:"):
-        return value[:19]  # "sha256:" and 12 hex digits
-    return str(value)
-
-
-def check_resume(saved: dict[str, object], current: dict[str, object], checkpoint: Path) -> None:
-    """UsageError naming the first option whose value differs from the one ``checkpoint`` was trained with.
-
-    An option that ``saved`` lacks (its checkpoint predates it) had the value of ``RECORDED_DEFAULTS``.
-    """
-    for name, value in current.items():
-        if saved.get(name, RECORDED_DEFAULTS.get(name)) != value:
-            what = f"{name} differs from the checkpoint's" + (" (compared by content)" if name == "--data" else "")
-            raise UsageError(f"--resume: {what}: {_shown(value)} here, "
-                             f"{_shown(saved.get(name, RECORDED_DEFAULTS.get(name)))} in {checkpoint}; "
-                             "resume with the same options, or start afresh with --overwrite")
-
-
-def _names(token: str, flag: str) -> bool:
-    """Whether the command-line word ``token`` is ``flag`` or an abbreviation of it that argparse accepts."""
-    return len(token) >= 3 and flag.startswith(token)
-
-
-def resume_command(argv: Sequence[str]) -> str:
-    """The command that continues the run ``argv`` started: the same words without --overwrite, plus --resume."""
-    words = [word for word in argv if not _names(word, "--overwrite")]
-    if not any(_names(word, "--resume") for word in words):
-        words.append("--resume")
-    return shlex.join(["cgist", *words])
+    output.add_argument("--resume", nargs="?", const=True, default=False, choices=(RESUME_AUTO,), metavar=RESUME_AUTO,
+                        help="continue from the newest checkpoint in --output-dir, with the same options; with "
+                        f"'{RESUME_AUTO}', continue if there is one and otherwise start a new run (for a job that "
+                        "may be started again, e.g. after preemption)")

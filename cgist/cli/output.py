@@ -9,7 +9,8 @@ Layout of ``OUTPUT_DIR``::
 Whatever a reader finds under a final name is complete: the model appears by renaming a staging directory
 into place, and a checkpoint by renaming ``checkpoints/.staging-*/checkpoint-N`` to ``checkpoints/checkpoint-N``.
 Checkpoints are deleted by renaming them to ``.trash-*`` first. A run killed midway leaves at most a
-hidden ``.staging-*`` or ``.trash-*`` entry, which the next run removes.
+hidden ``.staging-*`` or ``.trash-*`` entry, which the next run removes; one killed before its first checkpoint
+leaves no more than those and the ``checkpoints`` folder (:func:`holds_only_leftovers`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "commit_checkpoint",
     "discard",
     "fingerprint",
+    "holds_only_leftovers",
     "is_final",
     "latest_checkpoint",
     "list_checkpoints",
@@ -109,6 +111,24 @@ def commit_checkpoint(staged: Path, directory: Path, keep: int) -> Path:
     for old in list_checkpoints(directory)[:-keep]:
         discard(old)
     return final
+
+
+def holds_only_leftovers(output: Path) -> bool:
+    """Whether the output directory ``output`` holds nothing but what a run leaves before its first checkpoint.
+
+    That is: the ``checkpoints`` folder (made when training starts) with at most hidden entries of an unfinished
+    save or deletion in it, and the hidden entry of an unfinished deletion of an earlier run's checkpoints.
+    ``cgist train --resume auto`` starts a new run in such a directory; a model or any other file stops it.
+    """
+    for path in output.iterdir():
+        if path.name.startswith(_TRASH) and path.is_dir():
+            continue
+        if path.name == CHECKPOINTS_DIR and path.is_dir() and all(
+            entry.name.startswith((_STAGING, _TRASH)) and entry.is_dir() for entry in path.iterdir()
+        ):
+            continue
+        return False
+    return True
 
 
 def remove_stale(directory: Path) -> None:
