@@ -26,22 +26,28 @@ check_sentence_transformers()
 if TYPE_CHECKING:
     from .losses.callbacks import GuideStatsCallback
     from .losses.gist import FusedCachedGISTLoss
+    from .losses.gist_embed import FusedGISTEmbedLoss
     from .losses.precompute import add_guide_embeddings
     from .losses.ranking import (
         FusedCachedMultipleNegativesRankingLoss,
         FusedCachedMultipleNegativesSymmetricRankingLoss,
+        FusedMultipleNegativesRankingLoss,
+        FusedMultipleNegativesSymmetricRankingLoss,
     )
 
 __version__ = "0.1.0"
 __all__ = [
     "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
+    "FusedGISTEmbedLoss", "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss",
     "GistOptions", "GistStats", "GuideStatsCallback",
     "add_guide_embeddings", "gist_loss", "__version__",
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
-_LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedCachedMultipleNegativesRankingLoss": "losses.ranking",
-         "FusedCachedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",
+_LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedGISTEmbedLoss": "losses.gist_embed",
+         "FusedCachedMultipleNegativesRankingLoss": "losses.ranking", "FusedMultipleNegativesRankingLoss": "losses.ranking",
+         "FusedCachedMultipleNegativesSymmetricRankingLoss": "losses.ranking",
+         "FusedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",
          "add_guide_embeddings": "losses.precompute"}
 
 

@@ -1,19 +1,19 @@
 """What cgist needs from the environment it is imported into.
 
-- **sentence-transformers.** :data:`SENTENCE_TRANSFORMERS` is the supported range, the one ``pyproject.toml``
-  requires. ``import cgist`` calls :func:`check_sentence_transformers`, which reads the installed version from the
-  package metadata (without importing sentence-transformers) and raises :class:`IncompatibleVersionError`, naming
+- **sentence-transformers.** ``SENTENCE_TRANSFORMERS`` is the supported range, the one ``pyproject.toml``
+  requires. ``import cgist`` calls ``check_sentence_transformers``, which reads the installed version from the
+  package metadata (without importing sentence-transformers) and raises ``IncompatibleVersionError``, naming
   the version found and the range needed, when it is older than the range; newer than the range is a warning.
   6.0 and 6.1 fail the parity tests: their ``CachedGISTEmbedLoss`` fails when the guide must retokenise (a
   guide with another vocabulary or a shorter ``max_seq_length``) and their collator cannot batch the 2-D label
   column that ``guide="labels"`` reads. 5.x also lacks ``sentence_transformers.util.get_rank``.
-- **The rules of each release.** Where supported releases compute a loss differently, :data:`RELEASE_RULES` states
-  which rule comes from which release, and :func:`release_rules` gives the installed one's; the drop-ins take their
-  defaults from it, so they give the loss of the sentence-transformers that is installed. :data:`NEWEST_TESTED` is the
+- **The rules of each release.** Where supported releases compute a loss differently, ``RELEASE_RULES`` states
+  which rule comes from which release, and ``release_rules`` gives the installed one's; the drop-ins take their
+  defaults from it, so they give the loss of the sentence-transformers that is installed. ``NEWEST_TESTED`` is the
   newest release the suite has run under; a newer one in the range is named once, through ``logging``, when the first
-  drop-in is built (:func:`note_untested_release`).
-- **Extras.** :func:`import_extra` imports an optional package and, when it is not installed, raises
-  :class:`MissingExtraError` whose message is the one command that installs it (``pip install "cgist[demo]"``).
+  drop-in is built (``note_untested_release``).
+- **Extras.** ``import_extra`` imports an optional package and, when it is not installed, raises
+  ``MissingExtraError`` whose message is the one command that installs it (``pip install "cgist[demo]"``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def release_rules(version: str | None = None) -> ReleaseRules:
 
 def tested_range_status(version: str | None = None) -> str:
     """Where ``version`` (default: the installed sentence-transformers) lies: ``"tested"`` (from the oldest
-    supported to :data:`NEWEST_TESTED`), ``"newer than tested"`` (within the range, past the newest tested),
+    supported to ``NEWEST_TESTED``), ``"newer than tested"`` (within the range, past the newest tested),
     ``"beyond the range"``, ``"older than supported"`` or ``"not installed"``."""
     from packaging.version import Version
 
@@ -108,7 +108,7 @@ _noted: list[str] = []
 
 
 def note_untested_release() -> None:
-    """Log once per process, when the installed sentence-transformers is newer than :data:`NEWEST_TESTED` within the
+    """Log once per process, when the installed sentence-transformers is newer than ``NEWEST_TESTED`` within the
     supported range, that the drop-ins follow the rules of the newest tested release: a loss that moved upstream
     since then shows up here first."""
     if _noted:
@@ -144,7 +144,7 @@ def installed_version(distribution: str) -> str | None:
 
 
 def check_sentence_transformers(found: str | None = None) -> None:
-    """Raise :class:`IncompatibleVersionError` when sentence-transformers is older than :data:`SENTENCE_TRANSFORMERS`.
+    """Raise ``IncompatibleVersionError`` when sentence-transformers is older than ``SENTENCE_TRANSFORMERS``.
 
     ``found`` is the version to check (default: the installed one). Without sentence-transformers nothing is
     checked: ``gist_loss`` needs only torch, and the drop-ins' own import then names the missing package. A version
@@ -177,9 +177,9 @@ def check_sentence_transformers(found: str | None = None) -> None:
 
 
 def import_extra(module: str, purpose: str) -> ModuleType:
-    """Import the optional ``module`` (a key of :data:`EXTRAS`) that ``purpose`` needs.
+    """Import the optional ``module`` (a key of ``EXTRAS``) that ``purpose`` needs.
 
-    When it is not installed, raises :class:`MissingExtraError` with one line: what needs it, the distribution and
+    When it is not installed, raises ``MissingExtraError`` with one line: what needs it, the distribution and
     the command that installs it. An error raised inside an installed module propagates unchanged.
     """
     if module not in EXTRAS:

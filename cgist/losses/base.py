@@ -109,6 +109,11 @@ def check_embedding_stage(mini_batch_size: object, mini_batch_num_tokens: object
         _validate_mini_batch_num_tokens(mini_batch_num_tokens)
     except ValueError as error:
         raise ValueError(f"{error} Got {mini_batch_num_tokens!r}.") from None
+    check_gather(gather_across_devices)
+
+
+def check_gather(gather_across_devices: object) -> None:
+    """``gather_across_devices`` is a bool (every drop-in's; the plain ones have no other embedding-stage attribute)."""
     if not isinstance(gather_across_devices, bool):
         raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
 

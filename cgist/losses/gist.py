@@ -119,10 +119,183 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
     return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
 
 
-class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
+class _FusedGIST(FusedDropIn):
+    """What the GIST drop-ins share (``FusedCachedGISTLoss``, ``cgist.losses.gist_embed.FusedGISTEmbedLoss``): the
+    guide's source, the options read off sentence-transformers' attributes and cgist's own, the loss stage over a
+    step's embeddings, the guide's statistics and the citations.
+
+    A subclass names the sentence-transformers class it replaces (``_st_class``), checks its embedding stage's
+    attributes (``_check_embedding_stage``) and says what runs when the fused stage does not (``_unfused_loss``).
+    """
+
+    _st_class: type
+
+    # cgist's own attributes, read at each call like sentence-transformers' (class-level defaults: see FusedDropIn).
+    mask_self: bool | None = None
+    mask_duplicates: bool | None = None
+    directions: tuple[str, ...] = ("query_to_doc",)
+    partition_mode: str = "joint"
+    hardness_mode: str | None = None
+    hardness_strength: float = 0.0
+    OWN_DEFAULTS = {**FusedDropIn.OWN_DEFAULTS, "mask_self": None, "mask_duplicates": None,
+                    "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
+                    "hardness_strength": 0.0}
+    _batch: Mapping[str, object] = MappingProxyType({})  # this forward's label guide and text ids, for calculate_loss
+    _warned_positive_only = False
+
+    def _take_own_arguments(self, guide: object, **own: object) -> None:
+        """The guide and cgist's own arguments as attributes, after sentence-transformers' constructor; then every
+        attribute checked, as it is again at each call once one changes."""
+        self.guide = guide
+        for name, value in own.items():
+            setattr(self, name, value)
+        self._training_stats: list[GistStats] = []
+        self.resolve()
+
+    def _check_embedding_stage(self) -> None:
+        """The embedding stage's attributes, checked."""
+        raise NotImplementedError
+
+    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], with_backward: bool) -> Tensor:
+        """sentence-transformers' own loss computation over a step's embeddings, where the fused stage does not run."""
+        raise NotImplementedError
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
+            del self._modules["guide"]  # a guide model (or the student, see __init__) gives way to another source
+        super().__setattr__(name, value)
+
+    @property
+    def guide_source(self) -> GuideSource:
+        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by ``__new__``) takes the
+        guide's embeddings from ``reps_guided``, as sentence-transformers does."""
+        return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
+
+    @property
+    def guide_mode(self) -> str:
+        """The name of the guide's source: ``"model"``, ``"labels"``, ``"self"`` or ``"none"``."""
+        return self.guide_source.name
+
+    def options_key(self) -> tuple:
+        similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)
+        return (self.guide_source, *attribute_key(self, _GIST_ATTRIBUTES),
+                *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
+                *attribute_key(cross_entropy, ("weight", "ignore_index", "reduction", "label_smoothing")),
+                (type(cross_entropy), cross_entropy))
+
+    def build_options(self) -> tuple[GistOptions | None, str | None]:
+        self._check_embedding_stage()
+        check_scalars(self.temperature, self.margin, self.margin_strategy)
+        requested_backend(self.backend)
+        for name in ("mask_self", "mask_duplicates"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        source = self.guide_source
+        release_excludes = release_rules().self_pairs_excluded  # the installed sentence-transformers' rule
+        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True,
+                                                  self_pairs_excluded=release_excludes)
+        options = GistOptions(
+            margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
+            contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
+            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
+            hardness_strength=self.hardness_strength, block_bytes=self.block_bytes,
+        )
+        reason = (_unfused_cosine(getattr(self, "similarity_fct", None))
+                  or _unfused_cross_entropy(getattr(self, "cross_entropy_loss", None))
+                  or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
+        if reason is None:
+            return options.replace(temperature=self.temperature, margin=self.margin), None
+        beyond = [f"guide={self.guide!r}"] if source is NONE else []
+        beyond += [f"mask_self={options.mask_self}"] if options.mask_self != release_excludes else []
+        beyond += ["mask_duplicates=True"] if options.mask_duplicates else []
+        beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
+                   if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
+        if beyond:
+            raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers' "
+                             f"{self._st_class.__name__}, which would, has no {', '.join(beyond)}")
+        return None, reason
+
+    def _loss_stage(
+        self,
+        reps: list[list[Tensor]],
+        reps_guided: list[list[Tensor]],
+        *,
+        with_backward: bool,
+        dims: tuple[tuple[int, float], ...] | None = None,
+    ) -> Tensor:
+        """The loss over a step's embeddings (``reps``: each column's mini-batches), over ``dims`` (Matryoshka
+        ``(d, w_d)`` pairs) if given; with ``with_backward`` the gradients go into the leaves' ``.grad`` and the loss
+        comes back detached."""
+        if len(reps) != len(reps_guided):
+            raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
+        options = self.resolve()
+        guide = self._guide_columns(reps_guided)
+        if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
+            self.last_stats = None
+            if self.guide_source.reads_labels:
+                reps_guided = [[column] for column in guide]
+            return self._unfused_loss(reps, reps_guided, with_backward)
+        text_ids = self._batch.get("text_ids")
+        if options.mask_duplicates and text_ids is None:
+            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
+                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
+        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
+                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
+        self.last_stats = stats
+        if torch.is_grad_enabled() and any(t.requires_grad for column in reps for t in column):  # a training step
+            self.__dict__.setdefault("_training_stats", []).append(stats)
+            self._check_positive_only(stats, options)
+        return loss
+
+    def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
+        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
+        source = self.guide_source
+        if source.runs_model:
+            return [list(r) for r in reps_guided]
+        if source.reads_labels:
+            if "guide" not in self._batch:
+                raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
+                                 "on a batch (calculate_loss alone does not see the labels)")
+            return list(self._batch["guide"])
+        return source.kind
+
+    def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
+        """Warn once when more than half of a step's anchors are left with only their positive."""
+        if self._warned_positive_only or stats.positive_only_fraction <= 0.5:
+            return
+        self._warned_positive_only = True
+        logger.warning(
+            "%.0f%% of this step's anchors have every candidate but their positive masked by the guide "
+            "(margin=%s, margin_strategy=%r): their loss carries no contrast. The margin masks too much for this "
+            "guide; lower it (this warning is shown once).",
+            100 * stats.positive_only_fraction, options.margin, options.margin_strategy,
+        )
+
+    def pop_training_stats(self) -> list[GistStats]:
+        """The statistics of the training calls since the last call of this method (for logging)."""
+        stats, self._training_stats = self.__dict__.get("_training_stats", []), []
+        return stats
+
+    def get_config_dict(self) -> dict:
+        """sentence-transformers' configuration, key for key (``guide`` is the model, "labels", "self" or None), then
+        cgist's own arguments where they differ from their defaults (and the guide mode where it is not a model)."""
+        own = self.own_config()
+        if not self.guide_source.runs_model:
+            own = {"guide_mode": self.guide_mode, **own}
+        return {**super().get_config_dict(), **own}
+
+    @property
+    def citation(self) -> str:
+        """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
+        paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
+        return _direction_citation(self, self.guide_source is SELF) + _GISTEMBED_CITATION + _GRADCACHE_CITATION
+
+
+class FusedCachedGISTLoss(_FusedGIST, CachedGISTEmbedLoss):
     """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage.
 
-    A drop-in for :class:`CachedGISTEmbedLoss`: the same arguments, the same loss and the same gradients, with
+    A drop-in for ``CachedGISTEmbedLoss``: the same arguments, the same loss and the same gradients, with
     a loss stage that never forms the B x N similarity matrix.
 
     The embedding stage is sentence-transformers' own GradCache loop (mini-batches, RandContext replay,
@@ -276,88 +449,16 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
             contrast_positives=contrast_positives,
             gather_across_devices=gather_across_devices,
         )
-        self.guide = guide
-        self.backend = backend
-        self.block_bytes = block_bytes
-        self.mask_self = mask_self
-        self.mask_duplicates = mask_duplicates
-        self.directions = directions
-        self.partition_mode = partition_mode
-        self.hardness_mode = hardness_mode
-        self.hardness_strength = hardness_strength
-        self._training_stats: list[GistStats] = []
-        self.resolve()  # every argument checked now, as the attributes are again at each call once one changes
-
-    # cgist's own attributes, read at each call like sentence-transformers' (class-level defaults: see FusedDropIn),
-    # and sentence-transformers' one that its constructor sets but its own calculate_loss never reads.
-    mini_batch_num_tokens: int | None = None
-    mask_self: bool | None = None
-    mask_duplicates: bool | None = None
-    directions: tuple[str, ...] = ("query_to_doc",)
-    partition_mode: str = "joint"
-    hardness_mode: str | None = None
-    hardness_strength: float = 0.0
-    OWN_DEFAULTS = {**FusedDropIn.OWN_DEFAULTS, "mask_self": None, "mask_duplicates": None,
-                    "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
-                    "hardness_strength": 0.0}
-    _batch: Mapping[str, object] = MappingProxyType({})  # this forward's label guide and text ids, for calculate_loss
-    _warned_positive_only = False
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
-            del self._modules["guide"]  # a guide model (or the student, see __init__) gives way to another source
-        super().__setattr__(name, value)
-
-    @property
-    def guide_source(self) -> GuideSource:
-        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by ``__new__``) takes the
-        guide's embeddings from ``reps_guided``, as sentence-transformers does."""
-        return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
-
-    @property
-    def guide_mode(self) -> str:
-        """The name of the guide's source: ``"model"``, ``"labels"``, ``"self"`` or ``"none"``."""
-        return self.guide_source.name
-
-    def options_key(self) -> tuple:
-        similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)
-        return (self.guide_source, *attribute_key(self, _GIST_ATTRIBUTES),
-                *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
-                *attribute_key(cross_entropy, ("weight", "ignore_index", "reduction", "label_smoothing")),
-                (type(cross_entropy), cross_entropy))
-
-    def build_options(self) -> tuple[GistOptions | None, str | None]:
-        check_embedding_stage(self.mini_batch_size, self.mini_batch_num_tokens, self.gather_across_devices)
-        check_scalars(self.temperature, self.margin, self.margin_strategy)
-        requested_backend(self.backend)
-        for name in ("mask_self", "mask_duplicates"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-        source = self.guide_source
-        release_excludes = release_rules().self_pairs_excluded  # the installed sentence-transformers' rule
-        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True,
-                                                  self_pairs_excluded=release_excludes)
-        options = GistOptions(
-            margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
-            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
-            hardness_strength=self.hardness_strength, block_bytes=self.block_bytes,
+        self._take_own_arguments(
+            guide, backend=backend, block_bytes=block_bytes, mask_self=mask_self, mask_duplicates=mask_duplicates,
+            directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
+            hardness_strength=hardness_strength,
         )
-        reason = (_unfused_cosine(getattr(self, "similarity_fct", None))
-                  or _unfused_cross_entropy(getattr(self, "cross_entropy_loss", None))
-                  or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
-        if reason is None:
-            return options.replace(temperature=self.temperature, margin=self.margin), None
-        beyond = [f"guide={self.guide!r}"] if source is NONE else []
-        beyond += [f"mask_self={options.mask_self}"] if options.mask_self != release_excludes else []
-        beyond += ["mask_duplicates=True"] if options.mask_duplicates else []
-        beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
-                   if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
-        if beyond:
-            raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers' "
-                             f"CachedGISTEmbedLoss, which would, has no {', '.join(beyond)}")
-        return None, reason
+
+    _st_class = CachedGISTEmbedLoss
+    # sentence-transformers' attribute that its constructor sets but its own calculate_loss never reads (a loss built
+    # by ``__new__`` may lack it).
+    mini_batch_num_tokens: int | None = None
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         """sentence-transformers' GradCache step; the attributes are checked and the label guide and the texts' ids
@@ -401,78 +502,11 @@ class FusedCachedGISTLoss(FusedDropIn, CachedGISTEmbedLoss):
         """
         return self._loss_stage(reps, reps_guided, with_backward=with_backward)
 
-    def _loss_stage(
-        self,
-        reps: list[list[Tensor]],
-        reps_guided: list[list[Tensor]],
-        *,
-        with_backward: bool,
-        dims: tuple[tuple[int, float], ...] | None = None,
-    ) -> Tensor:
-        """``calculate_loss``, over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given."""
-        if len(reps) != len(reps_guided):
-            raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
-        options = self.resolve()
-        guide = self._guide_columns(reps_guided)
-        if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
-            self.last_stats = None
-            if self.guide_source.reads_labels:
-                reps_guided = [[column] for column in guide]
-            return CachedGISTEmbedLoss.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
-        text_ids = self._batch.get("text_ids")
-        if options.mask_duplicates and text_ids is None:
-            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
-                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
-                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
-        self.last_stats = stats
-        if with_backward and torch.is_grad_enabled():
-            self.__dict__.setdefault("_training_stats", []).append(stats)
-            self._check_positive_only(stats, options)
-        return loss
+    def _check_embedding_stage(self) -> None:
+        check_embedding_stage(self.mini_batch_size, self.mini_batch_num_tokens, self.gather_across_devices)
 
-    def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
-        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
-        source = self.guide_source
-        if source.runs_model:
-            return [list(r) for r in reps_guided]
-        if source.reads_labels:
-            if "guide" not in self._batch:
-                raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
-                                 "on a batch (calculate_loss alone does not see the labels)")
-            return list(self._batch["guide"])
-        return source.kind
-
-    def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
-        """Warn once when more than half of a step's anchors are left with only their positive."""
-        if self._warned_positive_only or stats.positive_only_fraction <= 0.5:
-            return
-        self._warned_positive_only = True
-        logger.warning(
-            "%.0f%% of this step's anchors have every candidate but their positive masked by the guide "
-            "(margin=%s, margin_strategy=%r): their loss carries no contrast. The margin masks too much for this "
-            "guide; lower it (this warning is shown once).",
-            100 * stats.positive_only_fraction, options.margin, options.margin_strategy,
-        )
-
-    def pop_training_stats(self) -> list[GistStats]:
-        """The statistics of the training calls since the last call of this method (for logging)."""
-        stats, self._training_stats = self.__dict__.get("_training_stats", []), []
-        return stats
-
-    def get_config_dict(self) -> dict:
-        """sentence-transformers' configuration, key for key (``guide`` is the model, "labels", "self" or None), then
-        cgist's own arguments where they differ from their defaults (and the guide mode where it is not a model)."""
-        own = self.own_config()
-        if not self.guide_source.runs_model:
-            own = {"guide_mode": self.guide_mode, **own}
-        return {**super().get_config_dict(), **own}
-
-    @property
-    def citation(self) -> str:
-        """GISTEmbed and GradCache; the Qwen3 Embedding paper for a self-guided loss or its direction set, and the
-        paper whose loss a direction set is (GTE, Jina Embeddings 2)."""
-        return _direction_citation(self, self.guide_source is SELF) + _GISTEMBED_CITATION + _GRADCACHE_CITATION
+    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], with_backward: bool) -> Tensor:
+        return CachedGISTEmbedLoss.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
 
 
 def _direction_citation(loss: object, self_guided: bool) -> str:
