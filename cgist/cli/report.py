@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..losses.gist import FusedCachedGISTLoss
+    from ..losses.gist import _FusedGIST
 
-__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_guide_mode", "format_summary", "peak_memory"]
+__all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_guide_mode", "format_loss", "format_summary",
+           "peak_memory"]
 
 # Metric key suffixes of InformationRetrievalEvaluator and their names in the summary table.
 METRICS = {"mrr@10": "MRR@10", "recall@1": "Recall@1", "ndcg@10": "NDCG@10"}
@@ -23,7 +24,7 @@ class StageTimer:
     Pass ``timer.callback`` to the trainer; ``steps``, ``step_s`` and ``loss_s`` accumulate over the run.
     """
 
-    def __init__(self, loss: FusedCachedGISTLoss, device: torch.device) -> None:
+    def __init__(self, loss: _FusedGIST, device: torch.device) -> None:
         import torch
         from transformers import TrainerCallback
 
@@ -94,6 +95,14 @@ def format_guide(guide: dict[str, float]) -> str:
             f"{100 * guide['guide/positive_only']:.1f}% of anchors{theta}")
 
 
+def format_loss(summary: dict) -> str:
+    """Which drop-in trained, as one line: with GradCache (mini-batches) or without."""
+    if summary["mini_batch_size"] is None:
+        return (f"loss: {summary['loss']} (no GradCache: the student embedded each batch of {summary['batch_size']} "
+                "at once)")
+    return f"loss: {summary['loss']} (GradCache: mini-batches of {summary['mini_batch_size']})"
+
+
 def format_guide_mode(summary: dict) -> str:
     """Where the run's guide masks came from, as one line."""
     mode = summary["guide_mode"]
@@ -124,12 +133,13 @@ def format_summary(summary: dict) -> str:
     lines += [
         "",
         f"pairs: {summary['train_pairs']} train, {summary['eval_pairs']} held out; {steps}",
+        format_loss(summary),
         format_guide_mode(summary),
         f"wall time: {timing['wall_s']:.1f} s total, {timing['train_s']:.1f} s training; "
         f"CPU time {timing['cpu_s']:.0f} s",
         f"throughput: {timing['samples_per_s']:.1f} samples/s",
         f"loss stage: {100 * timing['loss_share']:.1f}% of step time "
-        f"({timing['loss_s']:.2f} s of {timing['step_s']:.1f} s in FusedCachedGISTLoss.calculate_loss)",
+        f"({timing['loss_s']:.2f} s of {timing['step_s']:.1f} s in {summary['loss']}.calculate_loss)",
         "peak memory: " + ", ".join(f"{k.removeprefix('peak_').removesuffix('_mib')} {v:.0f} MiB"
                                     for k, v in summary["memory"].items()),
         *([format_guide(summary["guide"])] if summary.get("guide") else []),

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
     from ..losses.callbacks import GuideStatsCallback
-    from ..losses.gist import FusedCachedGISTLoss
+    from ..losses.gist import _FusedGIST
     from .trainer import CheckpointTrainer, NonFiniteLoss, StopRequest
 
 __all__ = ["SUMMARY_NAME", "Stopped", "guide_embeddings", "load_model", "resume_hint", "run_train", "train"]
@@ -223,7 +223,7 @@ class _Models:
     train_set: Dataset
     eval_set: Dataset
     model: SentenceTransformer
-    loss: FusedCachedGISTLoss
+    loss: _FusedGIST  # FusedCachedGISTLoss, or FusedGISTEmbedLoss without GradCache
     precomputed: dict | None  # what guide_embeddings did, for --guide-mode precomputed
 
 
@@ -232,6 +232,7 @@ def _load_models(config: RunConfig) -> _Models:
     import torch
 
     from ..losses.gist import FusedCachedGISTLoss
+    from ..losses.gist_embed import FusedGISTEmbedLoss
     from .data import DataError, split_pairs
 
     try:
@@ -250,9 +251,12 @@ def _load_models(config: RunConfig) -> _Models:
     if source.reads_labels:
         train_set, precomputed = guide_embeddings(config, model, train_set)
     # RunConfig.from_args has checked the loss options and the backend.
-    loss = FusedCachedGISTLoss(
-        model, guide, mini_batch_size=config.mini_batch_size, backend=config.backend, **config.loss_options
-    )
+    if config.gradient_cache:
+        loss = FusedCachedGISTLoss(
+            model, guide, mini_batch_size=config.mini_batch_size, backend=config.backend, **config.loss_options
+        )
+    else:  # the whole batch in one forward pass: GradCache's second pass would only cost time
+        loss = FusedGISTEmbedLoss(model, guide, backend=config.backend, **config.loss_options)
     return _Models(train_set, eval_set, model, loss, precomputed)
 
 
@@ -378,6 +382,8 @@ def _summary(config: RunConfig, models: _Models, training: _Training, fitted: _F
         "train_pairs": len(models.train_set),
         "eval_pairs": len(models.eval_set),
         "batch_size": config.batch_size,
+        "loss": type(models.loss).__name__,
+        "mini_batch_size": config.mini_batch_size if config.gradient_cache else None,
         "guide_mode": config.guide_source.cli,
         "guide_embeddings": models.precomputed,
         "steps": fitted.steps,

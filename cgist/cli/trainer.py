@@ -19,7 +19,7 @@ import torch
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..losses.gist import FusedCachedGISTLoss
+from ..losses.gist import _FusedGIST
 from .output import commit_checkpoint, new_staging, write_record
 
 __all__ = ["CheckpointTrainer", "NonFiniteGuard", "NonFiniteLoss", "StopNow", "StopRequest"]
@@ -141,7 +141,7 @@ class NonFiniteGuard(TrainerCallback):
     callback.
     """
 
-    def __init__(self, loss: FusedCachedGISTLoss, model: SentenceTransformer) -> None:
+    def __init__(self, loss: _FusedGIST, model: SentenceTransformer) -> None:
         self.step = 1
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         calculate_loss = loss.calculate_loss
@@ -153,7 +153,7 @@ class NonFiniteGuard(TrainerCallback):
                 if value is not None:
                     raise NonFiniteLoss(self.step, what, value)
             result = calculate_loss(reps, reps_guided, *args, **kwargs)
-            value = float(result)
+            value = float(result.detach())
             if not math.isfinite(value):
                 raise NonFiniteLoss(self.step, "the training loss", value)
             stats = getattr(loss, "last_stats", None)  # a cgist.GistStats of this call, where the loss keeps one
