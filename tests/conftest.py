@@ -8,6 +8,9 @@
   test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
+* The models the test modules share are defined here, once (``helpers_models`` builds them). The guides are loaded
+  once for the whole run: the losses only run a guide, and a test that switches one to training mode switches it
+  back. Each module gets its own students, since tests train them, switch dropout on and leave gradients on them.
 """
 
 import importlib.util
@@ -73,3 +76,72 @@ def exact_bf16_interpreter_dot():
 
     with patch_interpreter_dot():
         yield
+
+
+# Shared models ------------------------------------------------------------------------------------------------------
+# helpers_models imports sentence-transformers: imported where a model is built, so that modules without one (and the
+# distributed workers, which import this file) do not pay for it.
+
+
+@pytest.fixture(scope="session")
+def guide():
+    """all-MiniLM-L6-v2 in float64, in eval mode."""
+    from helpers_models import guide_model
+
+    return guide_model(torch.float64)
+
+
+@pytest.fixture(scope="session")
+def guide32():
+    """all-MiniLM-L6-v2 in float32, in eval mode."""
+    from helpers_models import guide_model
+
+    return guide_model(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def guides(guide, guide32):
+    """all-MiniLM-L6-v2 by dtype: float64 and float32."""
+    return {torch.float64: guide, torch.float32: guide32}
+
+
+@pytest.fixture(scope="session")
+def tiny_guide(tmp_path_factory):
+    """A tiny float64 BERT guide (seed 1, so not the student's weights) on the guide's tokenizer, in eval mode: where
+    a loss needs a guide model but the test feeds it embeddings, or a guide of the student's size is wanted."""
+    from helpers_models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny-guide"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_guide32(tmp_path_factory):
+    """``tiny_guide``'s weights in float32."""
+    from helpers_models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny-guide-fp32"), dtype=torch.float32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    """The tiny float64 student (``helpers_models.tiny_model``: seed 0, dropout 0.1, the guide's tokenizer, so no
+    retokenisation), in eval mode when built. One per module: its tests may train it, switch dropout on or leave
+    gradients on it."""
+    from helpers_models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def student32(tmp_path_factory):
+    """The tiny student in float32: the same weights (built from the same seed), dropout 0.1, in eval mode when built;
+    one per module."""
+    from helpers_models import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("student-fp32"), dtype=torch.float32, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def students(student, student32):
+    """The tiny student by dtype: float64 and float32, the same weights."""
+    return {torch.float64: student, torch.float32: student32}

@@ -9,8 +9,7 @@ API:
     make_inputs(...)              random student and guide columns [anchor, positive, *negatives].
     shape_id(...)                 the readable test id of a shape, ``B13-N26-D40-Dg24-k1``.
     loss_kwargs(options)          a GistOptions as keyword arguments of the loss classes.
-    oracle_masks(...)             every column group's mask: the call's groups, each rule written from DESIGN.
-    oracle_stats(...)             the GistStats counted on those masks, every block (AP, AA, PP, AN, QQ, DQ, DD).
+    oracle_stats(...)             the GistStats counted on the dense oracle's masks (``score_groups``), every block.
     oracle_counters(...)          the same counts as a backend's counters (``cgist.stage.stats.COUNT_FIELDS``).
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
@@ -33,6 +32,7 @@ import pytest
 import torch
 
 from cgist import GistOptions, GistStats
+from cgist.stage.reference import score_groups
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -263,85 +263,44 @@ def one_thread() -> Iterator[None]:
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
-    """Rows over ``max(norm, 1e-8)``, in float64 (DESIGN, section 2: normalisation)."""
+    """Rows over ``max(norm, 1e-8)``, in float64 (docs/design.md#the-loss: normalisation)."""
     x = x.detach().double().cpu()
     return x / x.norm(dim=1, keepdim=True).clamp_min(1e-8)
 
 
 def _thresholds(guide_embeddings: list[torch.Tensor], options: GistOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """theta_i, the guide's cosine of anchor i and its positive ``offset + i``, and T_i (DESIGN, section 2)."""
+    """theta_i, the guide's cosine of anchor i and its positive ``offset + i``, and T_i (docs/design.md#the-loss)."""
     anchors = _unit(guide_embeddings[0])
     theta = (anchors * _unit(guide_embeddings[1])[options.offset : options.offset + anchors.shape[0]]).sum(dim=1)
     return theta, theta - options.margin * (theta.abs() if options.margin_strategy == "relative" else 1.0)
-
-
-def oracle_masks(
-    embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
-    text_ids: list[torch.Tensor] | None = None,
-) -> list[tuple[str, torch.Tensor, int]]:
-    """Every column group's mask (True: left out of row i's softmax) as ``(block, B x columns mask, candidates)``.
-
-    The groups are the call's (``options.column_groups``: the block, row side, column and which of row i's columns
-    is the label, excluded or never masked); what each rule means is written here from DESIGN sections 2 and 2b, not
-    from the package, on dense masks. Columns ``[anchor, positive, *negatives]`` and, with ``options.all_anchors``,
-    every rank's anchors last. Row i is anchor i (``row="a"``) or its positive ``offset + i`` (``"p"``); a rule's
-    offset names row i's column ``i + offset``. Guide rule, in every group: masked where the guide's cosine of (row,
-    column) is strictly above T_i; a column whose text (``text_ids`` given) or else normalised guide vector equals
-    the row's partner's (anchor rows: the positive ``offset + i``; positive rows: anchor i) scores exactly theta_i, a
-    tie. Then the exclusions:
-    ``mask_duplicates`` (a column with the text of anchor i or of its positive) and the group's excluded column.
-    Never masked, and not a candidate: the label ``offset + i`` (AP) and the group's unmasked column (DQ's pair).
-    Matryoshka dimensions do not change the masks.
-    """
-    batch = embeddings[0].shape[0]
-    rows = torch.arange(batch)
-    labels = rows + options.offset
-    guided = guide_embeddings is not None
-    if guided:
-        unit = [_unit(g) for g in guide_embeddings]
-        row_vectors = {"a": unit[0], "p": unit[1][labels]}
-        partner = {"a": unit[1][labels], "p": unit[0]}
-        if text_ids is not None:  # texts decide the ties when they are given
-            text_of = [t.cpu() for t in text_ids]
-            partner_text = {"a": text_of[1][labels], "p": text_of[0]}
-        theta, limit = (t[:, None] for t in _thresholds(guide_embeddings, options))
-
-    blocks = []
-    for spec in options.column_groups(len(embeddings))[0]:
-        column = spec.column
-        mask = torch.zeros(batch, embeddings[column].shape[0], dtype=torch.bool)
-        if guided:
-            if text_ids is None:
-                tie = (unit[column][None, :, :] == partner[spec.row][:, None, :]).all(dim=2)
-            else:
-                tie = text_of[column][None, :] == partner_text[spec.row][:, None]
-            scores = torch.where(tie, theta, row_vectors[spec.row] @ unit[column].T)
-            mask |= scores > limit
-        if options.mask_duplicates:
-            texts = text_ids[column].cpu()[None, :]
-            mask |= (texts == text_ids[0].cpu()[:, None]) | (texts == text_ids[1].cpu()[labels][:, None])
-        if spec.excluded_offset is not None:
-            mask[rows, rows + spec.excluded_offset] = True
-        kept = [o for o in (options.offset if spec.label else None, spec.unmasked_offset) if o is not None]
-        for offset in kept:  # the label, the pair never masked
-            mask[rows, rows + offset] = False
-        blocks.append((spec.name, mask, mask.numel() - batch * len(kept)))
-    return blocks
 
 
 def oracle_stats(
     embeddings: list[torch.Tensor], guide_embeddings: list[torch.Tensor] | None, options: GistOptions,
     text_ids: list[torch.Tensor] | None = None,
 ) -> GistStats:
-    """The ``GistStats`` of a call, counted on ``oracle_masks``: per block the entries left out and the candidates,
-    the anchors whose every entry but the label is left out, and the means of theta_i and T_i (None without a
-    guide)."""
-    blocks = oracle_masks(embeddings, guide_embeddings, options, text_ids)
-    masked, candidates = {}, {}
-    for name, mask, n in blocks:
-        masked[name] = masked.get(name, 0) + int(mask.sum())
-        candidates[name] = candidates.get(name, 0) + n
-    kept = sum((~mask).sum(dim=1) for _, mask, _ in blocks)  # the label always among them
+    """The ``GistStats`` of a call, counted on the masks of the dense oracle (``cgist.stage.reference.score_groups``,
+    in float64 on the CPU: a masked entry is -inf there), so that the statistics check the backends against the same
+    rules as the loss: per block the entries left out and the candidates (every entry but the one per row that is
+    never masked, ``ScoredGroup.unmasked``: AP's label, DQ's pair), the anchors whose every entry but the label is
+    left out, and the means of theta_i and T_i (None without a guide).
+
+    Columns ``[anchor, positive, *negatives]`` and, with ``options.all_anchors``, every rank's anchors last; the DN
+    groups count in DD. Matryoshka dimensions do not change the masks, so the oracle scores the full embeddings once.
+    """
+    one = options.replace(matryoshka_dims=None, matryoshka_weights=None)
+    groups = score_groups(
+        [e.detach().double().cpu() for e in embeddings],
+        None if guide_embeddings is None else [g.detach().double().cpu() for g in guide_embeddings], one,
+        None if text_ids is None else [t.cpu() for t in text_ids],
+    )
+    masked, candidates, kept = {}, {}, 0
+    for group in groups:
+        block = {"dn": "dd"}.get(group.name, group.name)
+        mask = torch.isneginf(group.scores)
+        masked[block] = masked.get(block, 0) + int(mask.sum())
+        candidates[block] = candidates.get(block, 0) + mask.numel() - (0 if group.unmasked is None else mask.shape[0])
+        kept = kept + (~mask).sum(dim=1)  # the label always among them
     means = (None, None)
     if guide_embeddings is not None:
         means = tuple(float(t.mean()) for t in _thresholds(guide_embeddings, options))

@@ -5,6 +5,10 @@ API:
     tiny_model(directory, ...)             a randomly initialised BERT + mean pooling, built from a small config.
     other_vocab_tokenizer(directory)       a WordPiece tokenizer whose vocabulary differs from the guide's,
                                            so a model built on it forces ``must_retokenize``.
+    random_texts(negatives, seed, ...)     columns [anchor, positive, *negatives] of random sentences over WORDS.
+    run_loss(loss, model, columns, seed)   a seeded forward and backward: the loss and every parameter gradient.
+
+tests/conftest.py builds the shared models from these (``guide``, ``student`` and their float32 and tiny variants).
 
 Every model is put in ``eval()`` mode; tests that want dropout call ``.train()`` themselves.
 """
@@ -25,6 +29,11 @@ from transformers import AutoTokenizer, BertConfig, BertModel, BertTokenizerFast
 
 #: Sequence length of the tiny models; below the guide's 256 so that a shared vocabulary means no retokenisation.
 MAX_SEQ_LENGTH = 64
+#: The words of ``random_texts``' sentences.
+WORDS = (
+    "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
+    "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
+).split()
 
 
 def guide_model(dtype: torch.dtype = torch.float64) -> SentenceTransformer:
@@ -89,6 +98,32 @@ def tiny_model(
     transformer = Transformer(str(directory), max_seq_length=MAX_SEQ_LENGTH)
     pooling = Pooling(transformer.get_embedding_dimension(), "mean")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu").to(dtype).eval()
+
+
+def random_texts(negatives: int, seed: int = 0, *, batch: int = 13, duplicates: bool = True, long: bool = False,
+                 vocabulary: int = len(WORDS), max_words: int = 14) -> list[list[str]]:
+    """Columns [anchor, positive, *negatives] of ``batch`` random sentences of uneven length (3 to ``max_words``
+    words drawn from the first ``vocabulary`` of WORDS), the same for the same arguments.
+
+    With ``duplicates`` (``batch`` of at least 12), anchor 7 repeats anchor 2, positive 9 repeats positive 4 and
+    (with negatives) the last negative of row 11 repeats positive 0. With a mini-batch of 5, each duplicate anchor
+    and positive sits at the same place in its mini-batch, so the guide embeds both bitwise equal and, at margin 0,
+    the duplicate positive ties with the threshold exactly (kept, as the comparison is strict). With ``long``,
+    positive 3 is longer than the tiny models read (MAX_SEQ_LENGTH tokens), so what the guide sees depends on whose
+    tokenisation it gets.
+    """
+    rng = random.Random(seed)
+    words = WORDS[:vocabulary]
+    columns = [[" ".join(rng.choices(words, k=rng.randint(3, max_words))) for _ in range(batch)]
+               for _ in range(2 + negatives)]
+    if duplicates:
+        columns[0][7] = columns[0][2]
+        columns[1][9] = columns[1][4]
+        if negatives:
+            columns[-1][11] = columns[1][0]
+    if long:
+        columns[1][3] = " ".join(rng.choices(words, k=3 * MAX_SEQ_LENGTH))
+    return columns
 
 
 def run_loss(loss, model: SentenceTransformer, columns: list[list[str]], seed: int,

@@ -18,7 +18,7 @@ import weakref
 import pytest
 import torch
 from helpers import DEVICE, make_inputs, one_thread  # noqa: F401  (one_thread: autouse)
-from helpers_models import guide_model, tiny_model
+from helpers_models import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -113,8 +113,9 @@ class LiveBytesProbe(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float32, hidden_size=64), guide_model(torch.float32)
+def models(tmp_path_factory, guide32):
+    """(student, guide): a float32 student 64 wide, and all-MiniLM-L6-v2 in float32."""
+    return tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float32, hidden_size=64), guide32
 
 
 @pytest.mark.parametrize("dim", [64, 256])

@@ -75,12 +75,13 @@ def test_kernel_backwards_are_bitwise_deterministic(variant):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(student32, tmp_path_factory):
+    """(student, guide): this module's float32 student in training mode (dropout on), and a tiny guide of another
+    width (48) than the student's."""
     from helpers_models import tiny_model
 
-    student = tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float32, dropout=0.1).train()
     guide = tiny_model(tmp_path_factory.mktemp("guide"), dtype=torch.float32, hidden_size=48, seed=1)
-    return student, guide
+    return student32.train(), guide
 
 
 TEXTS = [

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from helpers import Tol, assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
-from helpers_models import guide_model, run_loss, tiny_model
+from helpers_models import run_loss, tiny_model
 from hypothesis import HealthCheck, Phase, event, find, given, note, settings
 from hypothesis import strategies as st
 from sentence_transformers.sentence_transformer.losses import (
@@ -334,13 +334,12 @@ def test_a_duplicate_ties_by_its_text_whatever_its_rounding(backend):
     assert stats.masked["ap"] == loss(exact, 0.0)[1].masked["ap"] + 1  # the duplicate, masked by its rounding
 
 
-def test_the_mini_batches_do_not_move_the_loss(tmp_path):
+def test_the_mini_batches_do_not_move_the_loss(guide32, tmp_path):
     """The same texts cut into other mini-batches, so each padded to another width and embedded by the guide
     (all-MiniLM-L6-v2, float32) with another rounding: the same entries masked and the same loss, at margin 0 where
     positive 3 repeats positive 0 and ties with theta_0. With ties decided by the guide's vectors, this batch's masks
     moved with the mini-batch size."""
-    student = tiny_model(tmp_path / "student", dtype=torch.float32, hidden_size=16, num_layers=1)
-    guide = guide_model(torch.float32)
+    student, guide = tiny_model(tmp_path / "student", dtype=torch.float32, hidden_size=16, num_layers=1), guide32
     columns = [["money old", "new river money song loan warm over", "the blue mat river sky cloud", "bank old green dog",
                 "old", "mat the jumps money cloud slow song"],
                ["mat", "old dog money", "money sky fox", "mat", "old bank dog over over river song",

@@ -228,13 +228,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def student(tmp_path_factory):
-    from helpers_models import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("student"), dtype=torch.float64)
-
-
 def _train_step(loss, model, columns):
     model.zero_grad()
     value = loss([model.preprocess(texts) for texts in columns], None)
@@ -282,13 +275,6 @@ def test_fused_cached_mnrl_arguments(student):
 
 
 # FusedCachedGISTLoss with directions, on real models: against the oracle -------------------------------------
-
-
-@pytest.fixture(scope="module")
-def guide():
-    from helpers_models import guide_model
-
-    return guide_model(torch.float64)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "d2q-per-direction", "hard-negatives"])

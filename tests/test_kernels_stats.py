@@ -1,9 +1,9 @@
 """cgist.kernels: the guide-mask counters (``need_stats``) against the oracle's masks and the streaming path.
 
 The counts of each block, and the rows where only the label survives, are the test oracle's
-(``helpers.oracle_counters``, written from DESIGN's masking rules). The
-kernels count in per-row int32 counters during the forward; theta and the thresholds are summed from
-the values the AP launch stored. Runs under the Triton interpreter without CUDA.
+(``helpers.oracle_counters``, counted on the masks of the dense oracle ``cgist.stage.reference.score_groups``: the
+rules of docs/design.md#column-groups). The kernels count in per-row int32 counters during the forward; theta and
+the thresholds are summed from the values the AP launch stored. Runs under the Triton interpreter without CUDA.
 """
 
 from __future__ import annotations

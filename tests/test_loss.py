@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 from datasets import Dataset
 from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import guide_model, other_vocab_tokenizer, run_loss, tiny_model
+from helpers_models import other_vocab_tokenizer, random_texts, run_loss, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
 from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
@@ -28,10 +27,6 @@ from cgist import FusedCachedGISTLoss
 
 BATCH = 13
 MINI_BATCH = 5
-WORDS = (
-    "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
-    "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
-).split()
 
 
 @dataclass(frozen=True)
@@ -71,32 +66,6 @@ CASES = [
 ]
 
 
-def _texts(negatives: int, seed: int = 0) -> list[list[str]]:
-    """Columns [anchor, positive, *negatives] of BATCH random sentences of uneven length, with duplicates.
-
-    Anchor 7 repeats anchor 2 and positive 9 repeats positive 4; each pair sits at the same place in its
-    mini-batch, so the guide embeds both bitwise equal and, at margin 0, the duplicate positive ties with
-    the threshold exactly (kept, as the comparison is strict). The last negative of row 11 repeats positive 0.
-    """
-    rng = random.Random(seed)
-    columns = [[" ".join(rng.choices(WORDS, k=rng.randint(3, 14))) for _ in range(BATCH)] for _ in range(2 + negatives)]
-    columns[0][7] = columns[0][2]
-    columns[1][9] = columns[1][4]
-    if negatives:
-        columns[-1][11] = columns[1][0]
-    return columns
-
-
-@pytest.fixture(scope="module")
-def guide() -> SentenceTransformer:
-    return guide_model(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory) -> SentenceTransformer:
-    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
-
-
 def _check(make_loss, model: SentenceTransformer, columns: list[list[str]], *, train: bool) -> torch.Tensor:
     """``make_loss(cls)`` builds the same loss around ``CachedGISTEmbedLoss`` or ``FusedCachedGISTLoss``;
     both must give the same loss and the same gradient for every student parameter. Returns the loss."""
@@ -117,7 +86,7 @@ def _check(make_loss, model: SentenceTransformer, columns: list[list[str]], *, t
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_forward_backward_matches_sentence_transformers(case, student, guide):
-    columns = _texts(case.negatives)
+    columns = random_texts(case.negatives)
 
     def make_loss(cls):
         loss = cls(student, guide, mini_batch_size=MINI_BATCH, **case.options)
@@ -133,7 +102,7 @@ def test_forward_backward_matches_sentence_transformers(case, student, guide):
 
 
 def test_evaluation_under_no_grad(student, guide):
-    columns = _texts(2, seed=1)
+    columns = random_texts(2, seed=1)
     features = [student.preprocess(texts) for texts in columns]
     options = dict(mini_batch_size=MINI_BATCH, margin=0.1)
     with torch.no_grad():
@@ -155,21 +124,21 @@ def test_guide_with_another_tokenizer(student, tmp_path):
         assert loss.must_retokenize
         return loss
 
-    _check(make_loss, student, _texts(1, seed=2), train=True)
+    _check(make_loss, student, random_texts(1, seed=2), train=True)
 
 
 def test_matryoshka(student, guide):
     dims = [32, 16, 8]
     _check(
         lambda cls: MatryoshkaLoss(student, cls(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
-        student, _texts(1, seed=3), train=False,
+        student, random_texts(1, seed=3), train=False,
     )
 
 
-def test_trainer_trains_evaluates_and_names_the_loss_in_the_model_card(tmp_path):
-    model = tiny_model(tmp_path / "student", dtype=torch.float32)
-    guide = tiny_model(tmp_path / "guide", dtype=torch.float32, seed=1)
-    anchors, positives, negatives = _texts(1, seed=4)
+def test_trainer_trains_evaluates_and_names_the_loss_in_the_model_card(tiny_guide32, tmp_path):
+    """A student of its own: the trainer changes its weights."""
+    model, guide = tiny_model(tmp_path / "student", dtype=torch.float32), tiny_guide32
+    anchors, positives, negatives = random_texts(1, seed=4)
     train = Dataset.from_dict({"anchor": anchors, "positive": positives, "negative": negatives})
     args = SentenceTransformerTrainingArguments(
         output_dir=str(tmp_path / "out"),

@@ -12,13 +12,12 @@ import random
 import pytest
 import torch
 from helpers import Tol, assert_close, make_inputs, one_thread, precision, tolerance  # noqa: F401  (one_thread: autouse)
-from helpers_models import guide_model, run_loss, tiny_model
+from helpers_models import random_texts, run_loss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
     MatryoshkaLoss,
 )
-from test_loss import MINI_BATCH, _texts
 
 import cgist
 from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss, GistOptions
@@ -26,15 +25,7 @@ from cgist.compat import release_rules
 from cgist.losses.base import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
 
-
-@pytest.fixture(scope="module")
-def guide():
-    return guide_model(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
+MINI_BATCH = 5  # random_texts puts each duplicate at the same place in its mini-batch as the original
 
 
 class _Counting:
@@ -81,7 +72,7 @@ MODEL_CASES = [
 @pytest.mark.parametrize("negatives", [0, 2], ids=["k0", "k2"])
 @pytest.mark.parametrize("kwargs", MODEL_CASES)
 def test_matryoshka_loss_matches_sentence_transformers(student, guide, kwargs, negatives):
-    _compare(student, guide, _texts(negatives, seed=5), **kwargs)
+    _compare(student, guide, random_texts(negatives, seed=5), **kwargs)
 
 
 def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
@@ -89,14 +80,14 @@ def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
     counting = _Counting(monkeypatch)
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, [32, 16, 8, 4])
-    run_loss(loss, student, _texts(1, seed=6), seed=0)
+    run_loss(loss, student, random_texts(1, seed=6), seed=0)
     assert counting.calls == 1
 
 
 def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, guide, monkeypatch):
     """If the decoration is not the one the takeover knows, the per-dimension loop runs, with the same results."""
     monkeypatch.setattr(FusedMatryoshka, "take_over", staticmethod(lambda loss, value: value))
-    columns, dims = _texts(1, seed=7), [32, 16, 8]
+    columns, dims = random_texts(1, seed=7), [32, 16, 8]
     want = []
     for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):
         inner = cls(student, guide, mini_batch_size=MINI_BATCH, margin=0.1)
@@ -126,7 +117,7 @@ def test_sampled_dimensions_follow_the_same_random_calls(student, guide, monkeyp
     random.seed(11)
     expected = [tuple(sorted(dims, reverse=True)[i] for i in random.sample(range(5), 2)) for _ in range(3)]
     random.seed(11)
-    features = [student.preprocess(t) for t in _texts(0, seed=8)]
+    features = [student.preprocess(t) for t in random_texts(0, seed=8)]
     for _ in range(3):
         loss(features, None)
     assert picked == expected and len(set(picked)) > 1
@@ -249,7 +240,7 @@ class _Wrapper(torch.nn.Module):
 def test_a_drop_in_inside_a_wrapper_is_taken_over(cls, student, guide):
     """The decoration lands on the drop-in inside the wrapper, which takes it over: one pass, sentence-transformers'
     loss and gradients."""
-    columns = _texts(1, seed=6)
+    columns = random_texts(1, seed=6)
     results = []
     for fused in (False, True):
         if cls is FusedCachedGISTLoss:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import assert_close, loss_kwargs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
-from helpers_models import tiny_model
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
@@ -78,13 +77,6 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(student, guide): tiny models, needed only to construct the loss objects."""
-    root = tmp_path_factory.mktemp("models")
-    return tiny_model(root / "student"), tiny_model(root / "guide", seed=1)
 
 
 def _near(base: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -190,5 +182,6 @@ def _check(case: Case, models, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_matches_sentence_transformers(case, models, monkeypatch):
-    _check(case, models, monkeypatch)
+def test_matches_sentence_transformers(case, student, tiny_guide, monkeypatch):
+    """The tiny models only construct the loss objects: every loss here is computed on the case's embeddings."""
+    _check(case, (student, tiny_guide), monkeypatch)

@@ -134,16 +134,13 @@ def test_a_release_newer_than_tested_is_named_once(version, logged, monkeypatch,
         assert records[0].startswith(f"sentence-transformers {version} is installed, newer than 6.3.0")
 
 
-def test_the_first_drop_in_names_a_newer_release(monkeypatch, caplog, tmp_path):
-    from helpers_models import tiny_model
-
+def test_the_first_drop_in_names_a_newer_release(monkeypatch, caplog, student):
     import cgist
 
     monkeypatch.setattr(compat, "installed_version", lambda distribution: "6.99.0")
     monkeypatch.setattr(compat, "_noted", [])
-    model = tiny_model(tmp_path / "model")
     with caplog.at_level("WARNING", logger="cgist.compat"):
-        cgist.FusedCachedMultipleNegativesRankingLoss(model)
-        cgist.FusedCachedGISTLoss(model, None)
+        cgist.FusedCachedMultipleNegativesRankingLoss(student)
+        cgist.FusedCachedGISTLoss(student, None)
     assert [r.getMessage().split(",")[0] for r in caplog.records if r.name == "cgist.compat"] == [
         "sentence-transformers 6.99.0 is installed"]

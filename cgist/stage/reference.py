@@ -1,7 +1,8 @@
 """Dense oracle for the GIST loss, in every direction.
 
 It materialises every column group's scores at once and lets autograd do the backward, so it is slow and
-O(B * N) in memory, but it is short enough to check by eye against the definition (DESIGN, sections 2 and 2b).
+O(B * N) in memory, but it is short enough to check by eye against the definition (docs/design.md#the-loss and
+docs/design.md#column-groups).
 It works in any floating dtype, float64 included; tests compare every other path against it.
 
 Columns: ``embeddings = [anchor (B), positive (N), *negatives (N)]``, and with ``options.all_anchors`` one more,
@@ -30,12 +31,15 @@ class ScoredGroup:
 
     ``scores`` holds the student's scores (cosines, or dot products), -inf where masked; ``hard`` is True where
     the hardness penalty applies (None: nowhere); ``direction`` is the partition the group belongs to.
+    ``unmasked`` holds row i's column that is never masked (AP's label, DQ's pair (positive, anchor i)), one per row:
+    it is no candidate of the row's mask, which the statistics count (None: the group has no such column).
     """
 
     name: str
     direction: str
     scores: Tensor
     hard: Tensor | None = None
+    unmasked: Tensor | None = None
 
 
 def score_groups(
@@ -86,11 +90,12 @@ def score_groups(
         if options.mask_duplicates:
             col_text = text_ids[column]
             mask |= (col_text == text_ids[0][:, None]) | (col_text == text_ids[1][labels][:, None])
-        for cols in [c for c in (label, unmasked) if c is not None]:
-            mask[rows, cols] = False
+        never = label if label is not None else unmasked
+        if never is not None:
+            mask[rows, never] = False
         if excluded is not None:
             mask[rows, excluded] = True
-        return ScoredGroup(name, direction, scores.masked_fill(mask, float("-inf")), hard)
+        return ScoredGroup(name, direction, scores.masked_fill(mask, float("-inf")), hard, never)
 
     def hard(own: bool, others: bool, width: int) -> Tensor | None:
         """Where the hardness penalty applies in a query-to-document group: anchor i's own column, the others."""

@@ -30,8 +30,8 @@ SIMILARITIES = ("cos", "dot")
 
 @dataclass(frozen=True)
 class ColumnGroup:
-    """One column group of the loss (DESIGN, section 2b): every local row, anchor i (``row="a"``) or its positive
-    ``offset + i`` (``"p"``), against the rows of one column, with the group's rules.
+    """One column group of the loss (docs/design.md#column-groups): every local row, anchor i (``row="a"``) or its
+    positive ``offset + i`` (``"p"``), against the rows of one column, with the group's rules.
 
     A rule's column is given by its offset: row i meets it at column ``i + offset``. Both backends build their
     blocks from these; the dense oracle states the same rules on its own.
