@@ -1,12 +1,11 @@
 """Compile every GIST kernel ahead of time for every GPU architecture the tile tables know, on a machine without a GPU.
 
 For each architecture (``--arch``: compute capabilities, each through ``cgist.stage.devices.arch_for``; by default one per
-tile family and sm_70), each kernel (the forward, the chunk score-gradient kernel of the GEMM backward, and
-the fused backward's row and column passes), each student/guide dtype pair the launcher can meet on a GPU, with the
-input precisions the launcher passes there (``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee"
-below sm_80), each tile config that ``tile_configs`` returns for the pair on that architecture (the forward's over
-both tile sets; the score-gradient kernel reuses the forward's pick from the "gemm" set, the fused passes from the
-"fused" set), and every (D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the JIT's
+tile family and sm_70), each kernel (the forward and the chunk score-gradient kernel of the backward), each
+student/guide dtype pair the launcher can meet on a GPU, with the input precisions the launcher passes there
+(``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee" below sm_80), each tile config that
+``tile_configs`` returns for the pair on that architecture (the score-gradient kernel reuses the forward's pick), and
+every (D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the JIT's
 own rules, and reads it back with the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel. A Matryoshka
 configuration (dimensions 768/512/256/128/64, five segments) is built too, for the forward and the score-gradient
 kernel. Variants that specialise alike are one binary, compiled once per architecture and listed with every size
@@ -80,7 +79,7 @@ except ImportError:  # Triton 3.4 and 3.5: in Python, through the backend's ``ge
 
 import compile_table  # noqa: E402  (bench/, this script's folder)
 
-from cgist.kernels.gist import gist_bwd_cols_kernel, gist_bwd_rows_kernel, gist_fwd_kernel, gist_score_grad_kernel
+from cgist.kernels.gist import gist_fwd_kernel, gist_score_grad_kernel  # noqa: E402
 from cgist.kernels.launch import TL_DTYPES, input_precision  # noqa: E402
 from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs  # noqa: E402
 from cgist.stage.devices import Arch, arch_for  # noqa: E402
@@ -112,12 +111,9 @@ DEFAULT_PAIRS = ["fp32", "tf32", "bf16", "fp16", "bf16+fp32", "bf16+tf32"]
 #: The Matryoshka configuration of the check, and the pairs it is built for.
 MATRYOSHKA_DIMS = (64, 128, 256, 512, 768)
 MATRYOSHKA_PAIRS = ("fp32", "tf32", "bf16", "bf16+fp32", "bf16+tf32")  # one per operand kind
-#: The block kind (label, counting) is a runtime argument, so each kernel is one binary per config. Each
-#: kernel with the tile sets of the forwards whose pick it runs with (the fused passes follow a forward
-#: tuned over the "fused" set).
-KERNELS = {gist_fwd_kernel.fn: ("gemm", "fused"), gist_score_grad_kernel: ("gemm",), gist_bwd_rows_kernel: ("fused",),
-           gist_bwd_cols_kernel: ("fused",)}
-MATRYOSHKA_KERNELS = {gist_fwd_kernel.fn: ("gemm",), gist_score_grad_kernel: ("gemm",)}
+#: The block kind (label, counting) is a runtime argument, so each kernel is one binary per config.
+KERNELS = (gist_fwd_kernel.fn, gist_score_grad_kernel)
+MATRYOSHKA_KERNELS = (gist_fwd_kernel.fn, gist_score_grad_kernel)
 COLUMNS = ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est", "wgmma",
            "mma"]
 KEY = ("kernel", "arch", "dtype", "tiles", "dims", "D", "Dg")
@@ -163,7 +159,7 @@ def launch_values(kernel, pair: tuple, dim: int, dim_g: int, config: triton.Conf
         stride_f_seg=2 * rows * cols, stride_f_part=rows * cols, stride_f_row=cols,
         stride_rp_dim=rows * 64, stride_rp_tile=rows, stride_cp_dim=cols * 64, stride_cp_tile=cols,
         col_text_ptr=ids, row_text_ptr=ids, excluded_offset=0, unmasked_offset=0, stride_text=rows, rules=RULES_ALL,
-        backward=0, relative=0, count=1, ACC=TL_DTYPES[acc], PRECISION=precision, PRECISION_G=guide_precision,
+        relative=0, count=1, ACC=TL_DTYPES[acc], PRECISION=precision, PRECISION_G=guide_precision,
         N_DIMS=n_dims, DIMS_P2=triton.next_power_of_2(n_dims), SPLIT=precision == "tf32x3", **config.kwargs,
     )
     return {name: values[name] for name in kernel.arg_names}
@@ -310,10 +306,9 @@ def build_jobs(args) -> list[tuple]:
         for pair, n_dims, kernels, dims in variants:
             ops = operands(pair, arch)
             kind = operand_kind(*ops, arch)
-            for kernel, methods in kernels.items():
-                configs = {str(c): c for backward in methods
-                           for c in tile_configs(*ops, n_dims, backward, arch, interpret=False)}
-                for config, dim, dim_g in ((c, d, g) for c in configs.values() for d in dims for g in args.guide_dims):
+            configs = tile_configs(*ops, n_dims, arch, interpret=False)
+            for kernel in kernels:
+                for config, dim, dim_g in ((c, d, g) for c in configs for d in dims for g in args.guide_dims):
                     src = specialise(kernel, launch_values(kernel, ops, dim, dim_g, config, n_dims), backend)
                     entry = binaries.setdefault((src.hash(), config.num_warps, config.num_stages), dict(
                         kernel=kernel.__name__, dims=str(n_dims), src=src, config=config, pairs=[], sizes=[],

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check, in one call (under 8 minutes on one H100/H200; no network needed). Every measured figure is
 # printed beside the estimate it should confirm (bench/kernel_bench.py's docstring says how they are counted).
-#   1. the tests that run on CUDA (kernels in bf16/fp16/tf32/fp32, mixed pairs, both backwards, statistics,
+#   1. the tests that run on CUDA (kernels in bf16/fp16/tf32/fp32, mixed pairs, backward chunks, statistics,
 #      Matryoshka, determinism), while other processes compile and tune every kernel the benchmark runs;
 #   2. calibrations: the GEMM ceiling (torch.mm 8192^3, bf16 and tf32), the device copy bandwidth, the L2
 #      bandwidth (a resident buffer of 24 MiB read 64 times);
 #   3. torch.unique ids against fingerprint ids (same partition, time, peak memory);
-#   4. per kernel and per block, both backwards (GEMM and fused), the autotuner's pick, the loss stage and its
+#   4. per kernel and per block (forward, score gradients, GEMMs), the autotuner's pick, the loss stage and its
 #      peak memory, at B = 64k and 16k for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32, and at 4k beside the
 #      streaming path and sentence-transformers' loss stage; five Matryoshka dimensions (768/512/256/128/64,
 #      bf16, GEMM backward) at 64k and 16k, and their ratio to one dimension;
-#   5. the CSV and a table into OUTDIR; the summary (targets, fused against GEMM backward) is printed last.
+#   5. the CSV and a table into OUTDIR; the summary (the targets) is printed last.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default: gpu_check_out)
 set -uo pipefail
@@ -40,7 +40,7 @@ for pid in "${warm_pids[@]}"; do
     wait "$pid" || { echo "a warm-up process failed (see $OUT/warmup_*.log)"; status=1; }
 done
 
-echo "== 2-5. calibrations, tie ids, kernels per block, both backwards, loss stage, peak memory"
+echo "== 2-5. calibrations, tie ids, kernels per block, loss stage, peak memory"
 timeout 200 python bench/kernel_bench.py --suite check --budget-s 150 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "benchmark FAILED (see $OUT/bench.log)"; status=1; }
 

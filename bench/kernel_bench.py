@@ -12,9 +12,9 @@ The check measures, on one GPU:
 * tie ids: ``torch.unique`` over the normalised guide rows against the fingerprint ids
   (``cgist.stage.ties.tie_ids``): the same partition, the time and the peak memory of each;
 * at B = N = 16k and 64k, k = 1, D = 768, Dg = 384, for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32:
-  every kernel per block (forward row pass; the GEMM backward's score-gradient kernel and its GEMMs; the
-  fused backward's row and column passes), the loss stage with each backward, the autotuner's pick and
-  the peak memory; at 4k also the streaming path and sentence-transformers' loss stage;
+  every kernel per block (forward row pass; the backward's score-gradient kernel and its GEMMs), the loss
+  stage, the autotuner's pick and the peak memory; at 4k also the streaming path and sentence-transformers'
+  loss stage;
 * Matryoshka, bf16 at 64k and 16k: the same rows for five dimensions (768/512/256/128/64 at D = 768) with
   the GEMM backward, and their ratio to one dimension (the target: at most 1.6x).
 
@@ -35,10 +35,7 @@ BM x BN the tile and M Matryoshka dimensions (1 without):
   (D + d_{M-1} in the flops and the L2 bytes, 2M - 1 exp2);
 * backward GEMMs, per segment of width w between consecutive dimensions (one segment, w = D, without
   Matryoshka), each bound by its own limit: 4 w flops (dQ = F K and dK = F^T Q); HBM: its F read twice,
-  and per chunk the dK accumulator read and written (8 w / chunk rows bytes per score);
-* fused row pass: 2 (D + Dg) + 2 D flops; L2: the tiles, the BM x D fp32 gradient rows read and written
-  for every column tile (8 D / BN) and the column rows for the product (D s / BM); the column pass
-  likewise with BM and BN swapped.
+  and per chunk the dK accumulator read and written (8 w / chunk rows bytes per score).
 
 The estimates suite also counts the four ``MultipleNegativesRankingLoss`` directions in one softmax (``DIRECTIONS``,
 both contrast flags off, GEMM backward): at B = N their score blocks (AP, AN_1..AN_k; QQ; DQ; DD over the
@@ -176,12 +173,6 @@ def estimate(kernel: str, scores: float, dim: int, dim_g: int, dtype: torch.dtyp
             per_segment.append({"compute": compute, "hbm": (2 * split * s + 8 * width / chunk_rows) / machine.hbm})
         bounds = sorted({max(p, key=p.get) for p in per_segment})
         return sum(max(p.values()) for p in per_segment) * scores * 1e3, "+".join(bounds)
-    elif kernel in ("fused_rows", "fused_cols"):
-        if n > 1:
-            raise ValueError("the fused backward computes one dimension")
-        across, along = (bn, bm) if kernel == "fused_rows" else (bm, bn)
-        extra = 8 * dim / across + dim * s / along
-        parts = {"compute": 2 * student + guide + elementwise, "l2": (tile_bytes + extra) / machine.l2}
     else:
         raise ValueError(kernel)
     bound = max(parts, key=parts.get)
@@ -323,16 +314,15 @@ def _options(dims: tuple[int, ...] | None) -> GistOptions:
     return OPTIONS if dims is None else dataclasses.replace(OPTIONS, matryoshka_dims=dims[::-1])
 
 
-def _method_name(method: str, dims: tuple[int, ...] | None) -> str:
-    return method if dims is None else f"{method}-mat{len(dims)}"
+def _stage_name(dims: tuple[int, ...] | None) -> str:
+    """The rows' name of a run: "gemm" (the GEMM backward), with Matryoshka "gemm-mat" and the number of dimensions."""
+    return "gemm" if dims is None else f"gemm-mat{len(dims)}"
 
 
 def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: dict[str, Machine],
                dims: tuple[int, ...] | None = None) -> list[dict]:
-    """Per-kernel and per-block times of both backwards at one size, the totals, the pick and the peak memory.
-
-    With Matryoshka ``dims`` (ascending), the GEMM backward only (the fused one computes one dimension).
-    """
+    """Per-kernel and per-block times of the loss stage at one size, the totals, the pick and the peak memory;
+    with Matryoshka ``dims`` (ascending), over those dimensions."""
     dtype, guide_dtype = PAIRS[pair]
     student, guide = make_embeddings(batch, batch, dim, dim_g, k, device=DEVICE, dtype=dtype)
     guide = [g.to(guide_dtype) for g in guide]
@@ -349,63 +339,54 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         print(_format([rows[-1]], header=False), flush=True)
         return rows[-1]
 
-    for method in ("gemm", "fused") if dims is None else ("gemm",):  # each backward with its forward's tile set
-        name = _method_name(method, dims)
-        loss, state = gist_forward(student, guide, options, backward=method)  # tunes the forward
-        tiles = state.tiles
-        pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
-        work = BackwardWork(state)
-        totals = {"fwd": 0.0, "bwd": 0.0, "est_fwd": 0.0, "est_bwd": 0.0}
-        for group in state.groups:
-            scores = state.batch * group.n_cols
-            fwd = add(f"triton/{name}", f"fwd {group.name}", timed(lambda: forward_group(state, group)), "fwd",
-                      scores, tiles, note=f"pick={pick}")
-            totals["fwd"] += fwd["median_ms"]
-            totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC, dims)[0]
-            if method == "gemm":
-                chunks = work.chunks(group)
-                chunk_rows = work.buffers()[0].rows
+    name = _stage_name(dims)
+    loss, state = gist_forward(student, guide, options)  # tunes the forward
+    tiles = state.tiles
+    pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}-w{num_warps}-s{num_stages}".format(**tiles)
+    work = BackwardWork(state)
+    totals = {"fwd": 0.0, "bwd": 0.0, "est_fwd": 0.0, "est_bwd": 0.0}
+    for group in state.groups:
+        scores = state.batch * group.n_cols
+        fwd = add(f"triton/{name}", f"fwd {group.name}", timed(lambda: forward_group(state, group)), "fwd",
+                  scores, tiles, note=f"pick={pick}")
+        totals["fwd"] += fwd["median_ms"]
+        totals["est_fwd"] += estimate("fwd", scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC, dims)[0]
+        chunks = work.chunks(group)
+        chunk_rows = work.buffers()[0].rows
 
-                def score_grads():
-                    for chunk in chunks:
-                        work.score_grad_chunk(group, *chunk)
+        def score_grads():
+            for chunk in chunks:
+                work.score_grad_chunk(group, *chunk)
 
-                def gemms():
-                    for chunk in chunks:
-                        work.chunk_gemms(group, *chunk)
+        def gemms():
+            for chunk in chunks:
+                work.chunk_gemms(group, *chunk)
 
-                parts = [add(f"triton/{name}", f"bwd {group.name} score-grad", timed(score_grads), "score_grad",
-                             scores, tiles, chunk_rows,
-                             note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
-                         add(f"triton/{name}", f"bwd {group.name} gemms", timed(gemms), "gemms", scores, tiles,
-                             chunk_rows)]
-                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, dims)[0]
-                        for kind in ("score_grad", "gemms")]
-            else:
-                parts = [add("triton/fused", f"bwd {group.name} {side} pass", timed(lambda f=f: f(group)), kind, scores,
-                             tiles) for side, kind, f in (("row", "fused_rows", work.fused_rows),
-                                                          ("column", "fused_cols", work.fused_cols))]
-                ests = [estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, 1, SPEC)[0]
-                        for kind in ("fused_rows", "fused_cols")]
-            totals["bwd"] += sum(p["median_ms"] for p in parts)
-            totals["est_bwd"] += sum(ests)
-        del work, state, loss
-        add(f"triton/{name}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
-            note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
-        add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
+        parts = [add(f"triton/{name}", f"bwd {group.name} score-grad", timed(score_grads), "score_grad",
+                     scores, tiles, chunk_rows,
+                     note=f"chunks={len(chunks)} chunk={chunk_rows}x{work.buffers()[0].cols}"),
+                 add(f"triton/{name}", f"bwd {group.name} gemms", timed(gemms), "gemms", scores, tiles, chunk_rows)]
+        totals["bwd"] += sum(p["median_ms"] for p in parts)
+        totals["est_bwd"] += sum(
+            estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, dims)[0]
+            for kind in ("score_grad", "gemms"))
+    del work, state, loss
+    add(f"triton/{name}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
+        note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
+    add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))
 
-        def stage(method=method):
-            loss, state = gist_forward(student, guide, options, backward=method)
-            return loss, BackwardWork(state).run(method)
+    def stage():
+        loss, state = gist_forward(student, guide, options)
+        return loss, BackwardWork(state).run()
 
-        stage()
-        _, peak = measure_once(stage, DEVICE)
-        times = timed(stage, quick=True)
-        add(f"triton/{name}", "fwd+bwd", times, peak=peak,
-            note=f"{_vs(times[0], totals['est_fwd'] + totals['est_bwd'])} "
-                 f"est_peak={_estimated_peak_mb(batch, dim, k, dtype):.0f}MB pick={pick}")
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
+    stage()
+    _, peak = measure_once(stage, DEVICE)
+    times = timed(stage, quick=True)
+    add(f"triton/{name}", "fwd+bwd", times, peak=peak,
+        note=f"{_vs(times[0], totals['est_fwd'] + totals['est_bwd'])} "
+             f"est_peak={_estimated_peak_mb(batch, dim, k, dtype):.0f}MB pick={pick}")
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
     if batch <= ST_MAX_BATCH and dims is None:
         rows += reference_rows(batch, dim, dim_g, k, pair, student, guide)
     return rows
@@ -485,25 +466,24 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
 
     dtype, guide_dtype = PAIRS[pair]
     rows, totals = [], {}
-    gemm = ("fwd", "score_grad", "gemms")
-    runs = [("gemm", gemm, None, None), ("fused", ("fwd", "fused_rows", "fused_cols"), None, None)]
+    runs = [(None, None)]
     if dims is not None:
-        runs.append(("gemm", gemm, dims, None))
+        runs.append((dims, None))
     if directions is not None:
-        runs.append(("gemm", gemm, None, directions))
-    for method, kernels, run_dims, run_directions in runs:  # each backward with its forward's tile set
+        runs.append((None, directions))
+    for run_dims, run_directions in runs:
         n_dims = len(run_dims or (dim,))
         config = tile_configs(dtype, input_precision(dtype), guide_dtype, input_precision(guide_dtype), n_dims,
-                              method, interpret=False)[0]  # the H200's tiles (DEFAULT_ARCH, sm_90)
+                              interpret=False)[0]  # the H200's tiles (DEFAULT_ARCH, sm_90)
         tiles = config.kwargs
         pick = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**tiles)
         chunk_rows = _chunk_rows(batch, tiles, n_dims, dtype)
-        name = f"estimate/{_method_name(method, run_dims)}"
+        name = f"estimate/{_stage_name(run_dims)}"
         if run_directions is not None:
             name += f"-dir{len(run_directions)}"
         scores = batch * sum(block_columns(batch, k, run_directions))
         total = 0.0
-        for kernel in kernels:
+        for kernel in ("fwd", "score_grad", "gemms"):
             ms, bound = estimate(kernel, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, run_dims)
             total += ms
             rows.append(_row(name, kernel, batch, batch, dim, dim_g, k, pair, (ms,) * 3,
@@ -525,8 +505,6 @@ def warmup(pairs: list[str], dim: int, dim_g: int, k: int) -> None:
         student, guide = make_embeddings(512, 512, dim, dim_g, k, device=DEVICE, dtype=dtype)
         guide = [g.to(guide_dtype) for g in guide]
         gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
-        _, state = gist_forward(student, guide, OPTIONS, backward="fused")
-        BackwardWork(state).run("fused")
         if (pair, True) in {(p, mat) for p, _, mat in CHECK_ORDER}:
             gist_loss_and_grads(student, guide, _options(matryoshka_dims(dim)), need_grads=True)
         print(f"warm: {pair}", flush=True)
@@ -545,9 +523,6 @@ def summary(rows: list[dict]) -> str:
     if bf16 is not None:
         lines.append(f"target: bf16 at B={big} <= 250 ms: {bf16['median_ms']:.1f} ms "
                      f"({'met' if bf16['median_ms'] <= 250 else 'missed'})")
-        fused = stage.get(("triton/fused", "bf16", big))
-        if fused is not None:
-            lines.append(f"backwards at B={big}, bf16: fused / gemm = {fused['median_ms'] / bf16['median_ms']:.2f}")
     if bf16 is not None and fp32 is not None:
         ratio = fp32["median_ms"] / bf16["median_ms"]
         lines.append(f"target: fp32 (tf32x3) <= 2x bf16 at B={big}: {ratio:.2f}x ({'met' if ratio <= 2 else 'missed'})")

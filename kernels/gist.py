@@ -1,5 +1,5 @@
-"""Triton kernels for the GIST loss: a forward row pass, the chunk score-gradient kernel of the GEMM
-backward, and the fused backward row and column passes.
+"""Triton kernels for the GIST loss: a forward row pass and the chunk score-gradient kernel of the GEMM
+backward.
 
 Every kernel works on one column group at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
@@ -30,7 +30,7 @@ launcher forms each row's loss as ``(m - pos) ln 2 + log1p(l + expm1((pos - m) l
 Layout: the launcher makes the feature dimension of every input contiguous, so each matrix comes
 with one stride, that of its rows. Offsets into embeddings are int64.
 
-Bit-identical masks: every mask comes from one helper (``_masked_start``), and every backward kernel
+Bit-identical masks: every mask comes from one helper (``_masked_start``), and the score-gradient kernel
 recomputes the guide tiles with the same code and the same tile config as the forward, and reads the
 flag ``theta_i > T_i`` that the AP forward launch stored.
 """
@@ -44,9 +44,7 @@ import triton.language as tl
 
 from .tiles import ALL_CONFIGS, INTERPRET, INTERPRET_CONFIGS, prune_configs
 
-__all__ = [
-    "gist_bwd_cols_kernel", "gist_bwd_rows_kernel", "gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars",
-]
+__all__ = ["gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars"]
 
 #: Slots of the scalar tensor every kernel reads (see ``pack_scalars``).
 SCALE, MARGIN, HARD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -272,19 +270,19 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
 # are per program, so they cost nothing measurable.
 @triton.autotune(
     configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
-    key=["b_bucket", "n_bucket", "dim", "dim_g", "backward", "PRECISION", "PRECISION_G", "N_DIMS"],
+    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G", "N_DIMS"],
     prune_configs_by={"early_config_prune": prune_configs},
     restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
 )
-@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules", "relative",
-                               "count", "backward"])
+@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules",
+                               "relative", "count"])
 def gist_fwd_kernel(
     q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr, dims_ptr,
     thr_ptr, theta_masked_ptr, theta_ptr, pos_ptr, m_ptr, l_ptr, masked_ptr, left_ptr, scalars_ptr,
     col_text_ptr, row_text_ptr,
     n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
     stride_q, stride_qg, stride_k, stride_kg, stride_rq, stride_rk, stride_state, stride_text,
-    b_bucket, n_bucket, backward, rules, relative, count,
+    b_bucket, n_bucket, rules, relative, count,
     ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
     N_DIMS: tl.constexpr, DIMS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -298,8 +296,6 @@ def gist_fwd_kernel(
     and seeds ``m`` with the positive logit (so ``l`` starts at 0). ``col_id_ptr`` holds the tie ids
     of the columns and ``partner_id_ptr[partner_start + i]`` the tie id of row i's partner; the other
     rules are ``_masked_start``'s and ``_harden``'s. A partition's state is the launcher's view of its rows.
-
-    ``backward`` (an index into ``BACKWARD_METHODS``) only selects the configs the autotuner tries.
 
     With ``count``, adds to each row's int32 counters the entries the guide masked in this group
     (``masked_ptr``, the label excluded) and the unmasked entries other than the label (``left_ptr``).
@@ -466,108 +462,3 @@ def gist_score_grad_kernel(
             summed -= grad * rq[:, None] * rk[None, :]
             _store_operand(f_ptr + (u + 1) * stride_f_seg, local_m, local_n, stride_f_row, stride_f_part, summed,
                            mask_m[:, None] & mask_n[None, :], SPLIT)
-
-
-@triton.jit
-def _add_product(
-    out_ptr, offs_o, mask_o, stride_out, ds, v_ptr, offs_v, mask_v, stride_v, dim,
-    BLOCK_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """``out[offs_o, :] += ds @ v[offs_v, :]``, tiled over ``dim`` in BLOCK_D columns.
-
-    ds: (len(offs_o), len(offs_v)) in v's dtype; out: (rows, dim) in ACC.
-    """
-    offs_d = tl.arange(0, BLOCK_D)
-    out_ptrs = out_ptr + offs_o[:, None].to(tl.int64) * stride_out + offs_d[None, :]
-    v_ptrs = v_ptr + offs_v[:, None].to(tl.int64) * stride_v + offs_d[None, :]
-    for d0 in range(0, dim, BLOCK_D):
-        mask_d = offs_d < dim - d0
-        v = tl.load(v_ptrs, mask=mask_v[:, None] & mask_d[None, :], other=0.0)
-        out_mask = mask_o[:, None] & mask_d[None, :]
-        old = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(out_ptrs, tl.dot(ds, v, old, input_precision=PRECISION, out_dtype=ACC), mask=out_mask)
-        out_ptrs += BLOCK_D
-        v_ptrs += BLOCK_D
-
-
-@triton.jit
-def _fused_tile_grad(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, col_text_ptr, row_text_ptr, offs_m, offs_n,
-    mask_m, mask_n, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k,
-    stride_kg, stride_text, rules,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
-):
-    """One dimension: ``dL/dcos * rq * rk`` of a tile (BLOCK_M, BLOCK_N), recomputed as the forward does."""
-    partner_id, thr, theta_masked = _row_mask_state(offs_m, mask_m, partner_id_ptr, partner_start, thr_ptr,
-                                                    theta_masked_ptr)
-    start = _masked_start(qg_ptr, kg_ptr, rqg_ptr, rkg_ptr, col_id_ptr, partner_id, thr, theta_masked,
-                          col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim_g, offset, excluded_offset,
-                          unmasked_offset, stride_qg, stride_kg, stride_text, rules, BLOCK_M, BLOCK_N, BLOCK_K, ACC,
-                          PRECISION_G, False)
-    acc = _dot_range(start, q_ptr, k_ptr, offs_m, offs_n, mask_m, mask_n,
-                     0, dim, stride_q, stride_k, BLOCK_K, ACC, PRECISION)
-    rq, rk = _dim_norms(rq_ptr, rk_ptr, offs_m, offs_n, mask_m, mask_n, 0, 0, 0)
-    grad = _score_grad(acc, rq, rk, tl.load(scalars_ptr + SCALE), tl.load(scalars_ptr + HARD), offs_m, offs_n,
-                       mask_m, offset, rules, m_ptr, l_ptr, rw_ptr, 0, 0)
-    return grad * rq[:, None] * rk[None, :]
-
-
-@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules"])
-def gist_bwd_rows_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Fused backward row pass of one column group (one dimension): ``grad[i] += sum_j F[i, j] * k_raw[j]``.
-
-    ``F = dL/dcos * rq * rk``; grad (n_rows x dim) is the non-radial part of dL/dq_raw. Recomputes each
-    tile and its mask exactly as the forward; each program owns BLOCK_M gradient rows and adds into them
-    in global memory for every column tile.
-    """
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < n_rows
-    for start_n in range(0, n_cols, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_cols
-        ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
-                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
-                              col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
-                              partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k, stride_kg,
-                              stride_text, rules,
-                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        _add_product(grad_ptr, offs_m, mask_m, stride_grad, ds.to(k_ptr.dtype.element_ty), k_ptr, offs_n, mask_n,
-                     stride_k, dim, BLOCK_K // 2, ACC, PRECISION)
-
-
-@triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules"])
-def gist_bwd_cols_kernel(
-    q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr, partner_id_ptr,
-    thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr, grad_ptr, col_text_ptr, row_text_ptr,
-    n_rows, n_cols, dim, dim_g, offset, partner_start, excluded_offset, unmasked_offset,
-    stride_q, stride_qg, stride_k, stride_kg, stride_grad, stride_text, rules,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, PRECISION_G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Fused backward column pass of one column group (one dimension): ``grad[j] += sum_i F[i, j] * q_raw[i]``.
-
-    One program per BLOCK_N columns loops over the row tiles; each tile is computed in the same
-    orientation and with the same code as the forward, so the masks are bit-identical.
-    """
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_cols
-    for start_m in range(0, n_rows, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n_rows
-        ds = _fused_tile_grad(q_ptr, qg_ptr, k_ptr, kg_ptr, rq_ptr, rqg_ptr, rk_ptr, rkg_ptr, col_id_ptr,
-                              partner_id_ptr, thr_ptr, theta_masked_ptr, m_ptr, l_ptr, rw_ptr, scalars_ptr,
-                              col_text_ptr, row_text_ptr, offs_m, offs_n, mask_m, mask_n, dim, dim_g, offset,
-                              partner_start, excluded_offset, unmasked_offset, stride_q, stride_qg, stride_k, stride_kg,
-                              stride_text, rules,
-                              BLOCK_M, BLOCK_N, BLOCK_K, ACC, PRECISION, PRECISION_G)
-        _add_product(grad_ptr, offs_n, mask_n, stride_grad, tl.trans(ds).to(q_ptr.dtype.element_ty), q_ptr,
-                     offs_m, mask_m, stride_q, dim, BLOCK_K // 2, ACC, PRECISION)

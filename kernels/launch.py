@@ -15,18 +15,15 @@ directions' QQ, DQ, DD, DN_1..DN_k):
   max ``m``, which starts at the positive logit ``pos``), so each row's loss is
   ``(m - pos) ln 2 + log1p(l + expm1((pos - m) ln 2))``: a small loss keeps its relative precision.
   With ``need_stats`` the forward also counts the guide's mask in per-row int32 counters, reduced once.
-* backward, ``method="gemm"`` (the default): for each chunk of a group (rows x columns sized by the
-  byte budget ``options.block_bytes``), ``gist_score_grad_kernel`` recomputes the chunk's tiles with
-  the forward's code and tile config (so the masks are bit-identical) and writes the score gradient
-  with both inverse norms folded in, ``F = dL/dcos * rq * rk``, as a GEMM operand (the student's dtype;
-  fp32 at the default matmul precision as a tf32 pair for a tf32x3 product). Then
-  ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are ``torch`` GEMMs (cuBLAS on a GPU), in a
-  fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one
-  operand per segment between consecutive dimensions, and the GEMMs cover each segment once.
-* backward, ``method="fused"``: the row and the column pass of each group add ``F @ k`` and
-  ``F^T @ q`` into the gradient rows in global memory, tile by tile (one dimension only). Parked until the
-  first GPU run decides (``BACKWARD_METHODS``); not reachable from ``cgist.gist_loss``.
-* both end in the normalisation backward (``cgist.stage.spec.problem.normalization_backward_``) on the summed products ``h``.
+* backward: for each chunk of a group (rows x columns sized by the byte budget ``options.block_bytes``),
+  ``gist_score_grad_kernel`` recomputes the chunk's tiles with the forward's code and tile config (so the masks
+  are bit-identical) and writes the score gradient with both inverse norms folded in, ``F = dL/dcos * rq * rk``,
+  as a GEMM operand (the student's dtype; fp32 at the default matmul precision as a tf32 pair for a tf32x3
+  product). Then ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are ``torch`` GEMMs (cuBLAS on a GPU), in
+  a fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one operand
+  per segment between consecutive dimensions, and the GEMMs cover each segment once. It ends in the normalisation
+  backward (``cgist.stage.spec.problem.normalization_backward_``) on the summed products ``h``. The fused backward
+  (row and column passes) was removed after commit e096582; history keeps it.
 
 fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every product of the loss stage
 as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
@@ -77,19 +74,16 @@ from .gist import (
     RULE_LABEL,
     RULE_TEXTS,
     RULE_UNMASKED,
-    gist_bwd_cols_kernel,
-    gist_bwd_rows_kernel,
     gist_fwd_kernel,
     gist_score_grad_kernel,
     pack_scalars,
 )
-from .tiles import BACKWARD_METHODS
 
 if TYPE_CHECKING:
     from cgist.stage.spec.options import GistOptions
 
 __all__ = [
-    "BACKWARD_METHODS", "BackwardWork", "ForwardState", "forward_group", "gist_backward",
+    "BackwardWork", "ForwardState", "forward_group", "gist_backward",
     "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32",
 ]
 
@@ -243,7 +237,6 @@ class ForwardState:
     flags: dict
     guided: bool = True  # False: no guide masking (the guide pointers are not read)
     row_texts: Tensor | None = None  # (2, B) int32: the text ids of anchor i and of its positive (mask_duplicates)
-    backward: str = "gemm"
     tiles: dict | None = None
 
     @property
@@ -339,7 +332,7 @@ def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: 
             n_rows=state.batch, n_cols=group.n_cols,
             stride_rq=group.rows.rx.stride(0), stride_rk=group.cols.rx.stride(0), stride_state=batch,
             b_bucket=triton.next_power_of_2(batch), n_bucket=triton.next_power_of_2(state.groups[0].n_cols),
-            backward=BACKWARD_METHODS.index(state.backward), relative=int(state.options.relative), count=int(count),
+            relative=int(state.options.relative), count=int(count),
             DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
         )
     config = gist_fwd_kernel.best_config
@@ -349,15 +342,10 @@ def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: 
 @torch.no_grad()
 def gist_forward(
     embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions,
-    need_stats: bool = False, backward: str = "gemm", text_ids: Sequence[Tensor] | None = None,
+    need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, ForwardState]:
-    """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs.
-
-    ``backward="fused"`` autotunes over the tiles the fused backward compiles without spills (use it
-    before ``gist_backward(state, "fused")``); the default, "gemm", over all of them.
-    """
+    """The loss (0-dim, float64 for float64 inputs else float32) and the state ``gist_backward`` needs."""
     state = prepare_forward(embeddings, guide_embeddings, options, need_stats, text_ids)
-    state.backward = backward
     for i, group in enumerate(state.groups):
         forward_group(state, group, count=need_stats)
         if i == 0:  # AP, first, seeded partition 0 with the positive logits; the other partitions start there too
@@ -369,7 +357,7 @@ def gist_forward(
 class BackwardWork:
     """The buffers of one backward: summed products ``h`` and radial sums per embedding, and the chunk operands.
 
-    ``run(method)`` computes everything; ``gemm_group`` / ``fused_group`` do one group (benchmarks).
+    ``run()`` computes everything; ``gemm_group`` does one group (benchmarks).
     """
 
     def __init__(self, state: ForwardState, block_bytes: int | None = None) -> None:
@@ -385,8 +373,6 @@ class BackwardWork:
         self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
         self._operands = None
         self._buffers = None
-
-    # -- the GEMM backward ------------------------------------------------------------------------------------
 
     def operands(self) -> list[tuple[Tensor, ...]]:
         """Each embedding's first ``top`` columns as GEMM operands: ``(x,)``, or its tf32 split for tf32x3."""
@@ -473,41 +459,9 @@ class BackwardWork:
             self.score_grad_chunk(group, *chunk)
             self.chunk_gemms(group, *chunk)
 
-    # -- the fused backward -----------------------------------------------------------------------------------
-
-    def fused_rows(self, group: BoundGroup[_KernelColumn]) -> None:
-        """The fused row pass of one group: ``h[rows] += F @ k``."""
-        self._fused_pass(group, gist_bwd_rows_kernel, _rows(group, self.state.batch), "BLOCK_M")
-
-    def fused_cols(self, group: BoundGroup[_KernelColumn]) -> None:
-        """The fused column pass of one group: ``h[cols] += F^T @ q``."""
-        self._fused_pass(group, gist_bwd_cols_kernel, group.cols, "BLOCK_N")
-
-    def fused_group(self, group: BoundGroup[_KernelColumn]) -> None:
-        """The fused row and column passes of one group, adding into ``h``."""
-        self.fused_rows(group)
-        self.fused_cols(group)
-
-    def _fused_pass(self, group: BoundGroup[_KernelColumn], kernel, side: _KernelColumn, tile: str) -> None:
-        state = self.state
-        if len(state.dims) > 1:
-            raise NotImplementedError("the fused backward computes one dimension; Matryoshka runs on the GEMM backward")
-        out = self.h[side.grad][side.start : side.start + side.x.shape[0]]
-        with _launch_device(state.pos.device):
-            kernel[(triton.cdiv(side.x.shape[0], state.tiles[tile]),)](
-                **self.kernel_args(group), grad_ptr=out, stride_grad=out.stride(0),
-                n_rows=state.batch, n_cols=group.n_cols,
-                ACC=state.flags["ACC"], PRECISION=state.flags["PRECISION"], PRECISION_G=state.flags["PRECISION_G"],
-                **state.tiles,
-            )
-
-    # -- both -------------------------------------------------------------------------------------------------
-
-    def run(self, method: str = "gemm") -> list[Tensor]:
-        if method not in BACKWARD_METHODS:
-            raise ValueError(f"method must be one of {BACKWARD_METHODS}, got {method!r}")
+    def run(self) -> list[Tensor]:
         for group in self.state.groups:
-            (self.gemm_group if method == "gemm" else self.fused_group)(group)
+            self.gemm_group(group)
         return self.gradients()
 
     def gradients(self) -> list[Tensor]:
@@ -525,13 +479,10 @@ class BackwardWork:
 
 
 @torch.no_grad()
-def gist_backward(state: ForwardState, method: str = "gemm", block_bytes: int | None = None) -> list[Tensor]:
-    """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state.
-
-    ``method``: "gemm" (chunk operands and library GEMMs, the default) or "fused" (the fused row and
-    column passes, one dimension only). ``block_bytes`` overrides ``options.block_bytes`` for the chunks.
-    """
-    return BackwardWork(state, block_bytes).run(method)
+def gist_backward(state: ForwardState, *, block_bytes: int | None = None) -> list[Tensor]:
+    """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state (chunk operands and library
+    GEMMs). ``block_bytes`` overrides ``options.block_bytes`` for the chunks."""
+    return BackwardWork(state, block_bytes).run()
 
 
 def gist_loss_and_grads(

@@ -1,8 +1,8 @@
 """The tile configs of the GIST kernels: which tiles (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages) each architecture
-family, operand kind, number of Matryoshka dimensions and backward method gets, under each Triton release; the
-shared-memory estimate that checks a table against an architecture the tables do not know; and the autotuner's
-pruning. Measured per family (spills, shared memory): ``bench/aot_compile.py`` compiles every entry and fails on a
-spill; its tables (``bench/results/aot_compile*.txt``) record the result.
+family, operand kind and number of Matryoshka dimensions gets, under each Triton release; the shared-memory estimate
+that checks a table against an architecture the tables do not know; and the autotuner's pruning. Measured per family
+(spills, shared memory): ``bench/aot_compile.py`` compiles every entry and fails on a spill; its tables
+(``bench/results/aot_compile*.txt``) record the result.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import triton
 from cgist.stage.devices import Arch, arch_for, gpu_arch, triton_release
 
 __all__ = [
-    "ALL_CONFIGS", "BACKWARD_METHODS", "DEFAULT_ARCH", "FMA_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON",
-    "operand_kind", "prune_configs", "shared_memory_estimate", "tile_configs",
+    "ALL_CONFIGS", "DEFAULT_ARCH", "FMA_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON", "operand_kind",
+    "prune_configs", "shared_memory_estimate", "tile_configs",
 ]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -37,10 +37,8 @@ DEFAULT_ARCH = arch_for((9, 0))
 
 # Tile configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by tile family (``cgist.stage.devices.Arch.family``) and operand
 # kind (``operand_kind``): for each, the largest configs that every kernel using them compiles for on that
-# architecture without spills and within its shared memory (bench/aot_compile.py builds each one). The forward and
-# the score-gradient kernel use all of a table ("gemm"); the fused backward passes, which hold a gradient tile
-# beside the score tile, those of at most FUSED_TILE_VALUES values, or the table's entry in _FUSED_TILES. Spills
-# below are ptxas's bytes of spill stores.
+# architecture without spills and within its shared memory (bench/aot_compile.py builds each one): the forward and
+# the score-gradient kernel, which reuses the forward's pick. Spills below are ptxas's bytes of spill stores.
 #
 # mma.sync (sm_80, 86, 89, 120) and tcgen05 (sm_100): 128 x 128 spills on 8 warps (the forward 188 to 524 B, the
 # score-gradient kernel 52 to 92 B with mma.sync), and on 16 warps, where the registers are capped at 128; 128 x 64
@@ -72,14 +70,6 @@ _TILES = {
     (80, "mixed3"): [(64, 64, 16, 4, 3)],  # the 128 x 64 forward spills 8 B
     (120, "mixed3"): [(128, 64, 16, 8, 3)],  # the 64 x 64 forward on 4 warps spills 68 B
 }
-#: The fused passes' configs where a pass spills with one of the table's configs of at most FUSED_TILE_VALUES.
-_FUSED_TILES = {
-    **{(family, "mixed3"): [(128, 64, 16, 8, 3)] for family in (86, 89)},  # 64 x 64: 4 and 8 B in the two passes
-    (100, "tf32x3"): [(64, 64, 16, 4, 3)],  # the 128 x 64 column pass spills 12 B
-    (100, "tf32"): [(64, 64, 32, 4, 3)],  # the 128 x 64 column pass spills 36 B
-    # the 64 x 64 x 64 column pass spills 56 B on sm_100, the row pass 12 B on sm_120
-    **{(family, "half"): [(128, 64, 64, 8, 3)] for family in (100, 120)},
-}
 #: Several Matryoshka dimensions carry a second tile (the running segment sum) through the score-gradient
 #: kernel: 64 x 64 on 8 warps (128 x 64 spills; on 4 warps the score-gradient kernel spills 120 B on sm_86).
 _MATRYOSHKA_TILES = {
@@ -99,20 +89,18 @@ _MATRYOSHKA_TILES = {
     (100, "mixed3"): [(64, 32, 16, 4, 3)],  # 64 x 64 spills 52 B in the forward on 8 warps, 36 B in the other on 4
 }
 # The tables above are Triton 3.9's. Older releases spill with some of their configs: a release (major, minor) in
-# _OLDER_TRITON takes its entries over the tables' ("gemm": _TILES, "fused": _FUSED_TILES, "matryoshka":
-# _MATRYOSHKA_TILES): where a config spills under it, the first smaller one found that compiles spill-free with every
-# kernel using it (bench/aot_compile.py under each release: bench/results/aot_compile_triton-*.txt, sm_80 to sm_90
-# with bf16 and fp32). Spills below are ptxas's under the release named.
+# _OLDER_TRITON takes its entries over the tables' ("gemm": _TILES, "matryoshka": _MATRYOSHKA_TILES): where a config
+# spills under it, the first smaller one found that compiles spill-free with every kernel using it (bench/aot_compile.py
+# under each release: bench/results/aot_compile_triton-*.txt, sm_80 to sm_90 with bf16 and fp32). Spills below are
+# ptxas's under the release named.
 #
-# With mma.sync, half operands at BLOCK_K = 64 spill under 3.4 to 3.7: the forward 4 to 48 B on sm_80 to sm_89, the
-# fused passes 8 to 64 B on sm_80; BLOCK_K = 32 fits.
+# With mma.sync, half operands at BLOCK_K = 64 spill under 3.4 to 3.7: the forward 4 to 48 B on sm_80 to sm_89;
+# BLOCK_K = 32 fits.
 _HALF_K32 = {(family, "half"): [(128, 64, 32, 8, 3), (64, 64, 32, 4, 3)] for family in (80, 86, 89)}
 _OLDER_TRITON: dict[tuple[int, int], dict[str, dict[tuple[int, str], list[tuple[int, ...]]]]] = {
     (3, 8): {
         # the score-gradient kernel at 128 x 64 x 16 spills 4 B on sm_86 and sm_89
         "gemm": {(family, "tf32x3"): [(128, 32, 16, 8, 3)] for family in (86, 89)},
-        # the row pass spills 32 B at 128 x 64 x 16 and at 64 x 64 x 16 on 4 warps (16 B on 8), the column pass 16 B
-        "fused": {(80, "tf32x3"): [(64, 32, 16, 8, 3)]},
         # the score-gradient kernel spills 28 B at 32 x 32 x 32 on sm_80, 8 B at 64 x 64 x 32 on sm_90, where the
         # forward's shared memory (56 KiB) also passes the estimate
         "matryoshka": {(80, "tf32x3"): [(32, 32, 16, 4, 3)], (90, "tf32x3"): [(64, 64, 16, 8, 3)]},
@@ -125,17 +113,12 @@ _OLDER_TRITON: dict[tuple[int, int], dict[str, dict[tuple[int, str], list[tuple[
     (3, 5): {
         # sm_90's 128 x 128 x 64 forward spills 100 B; sm_80's 64 x 64 x 16 tf32x3 forward on 4 warps 20 B
         "gemm": {**_HALF_K32, (90, "half"): _MMA_HALF, (80, "tf32x3"): [(128, 64, 16, 8, 3)]},
-        # the row pass spills 8 B at 128 x 64 x 16 and 24 B at 64 x 64 x 16 on 4 warps
-        "fused": {(80, "tf32x3"): [(64, 64, 16, 8, 3)]},
         # the score-gradient kernel spills 40 B at 64 x 32 x 32 on sm_86 and sm_89, 52 B at 64 x 64 x 32 on sm_90
         "matryoshka": {**{(family, "tf32x3"): [(64, 32, 16, 8, 3)] for family in (86, 89)},
                        (90, "tf32x3"): [(64, 64, 16, 8, 3)]},
     },
     (3, 4): {
         "gemm": {**_HALF_K32, (80, "tf32x3"): [(128, 64, 16, 8, 3)]},  # 64 x 64 x 16 on 4 warps: the forward spills 8 B
-        # Triton 3.4's tl.dot takes no dimension below 16, and the fused passes multiply over BLOCK_K / 2 columns; at
-        # BLOCK_K = 32 tf32x3 spills 76 to 244 B with 64 x 64 tiles, 12 to 64 B with 32 x 64 ones
-        "fused": {(family, "tf32x3"): [(32, 32, 32, 4, 3)] for family in (80, 86, 89, 90)},
         # the score-gradient kernel spills 28 B at 32 x 32 x 32 on sm_80, 32 B at 64 x 32 x 32 on sm_86 and sm_89; on
         # sm_90 64 x 64 x 32 takes 57 KiB of shared memory, over the estimate
         "matryoshka": {(80, "tf32x3"): [(32, 32, 16, 4, 3)],
@@ -148,7 +131,7 @@ _FP64_TILES = [(64, 32, 16, 4, 2)]
 FMA_CONFIGS = _configs(_FP64_TILES)
 INTERPRET_CONFIGS = _configs([(16, 16, 16, 1, 1)])
 #: Every config a table can return under any release: the autotuner's list, fixed when the kernel is decorated.
-ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_FUSED_TILES.values(), *_MATRYOSHKA_TILES.values(),
+ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_MATRYOSHKA_TILES.values(),
                                                *(tiles for older in _OLDER_TRITON.values()
                                                  for table in older.values() for tiles in table.values()),
                                                _FP64_TILES) for t in group}))
@@ -156,24 +139,11 @@ ALL_CONFIGS = _configs(sorted({t for group in (*_TILES.values(), *_FUSED_TILES.v
 
 @functools.lru_cache(maxsize=None)
 def _tables(release: tuple[int, int]) -> dict[str, dict[tuple[int, str], list[tuple[int, ...]]]]:
-    """The tile tables ("gemm", "fused", "matryoshka") of a Triton release (``_OLDER_TRITON``)."""
-    tables = {"gemm": dict(_TILES), "fused": dict(_FUSED_TILES), "matryoshka": dict(_MATRYOSHKA_TILES)}
+    """The tile tables ("gemm", "matryoshka") of a Triton release (``_OLDER_TRITON``)."""
+    tables = {"gemm": dict(_TILES), "matryoshka": dict(_MATRYOSHKA_TILES)}
     for name, entries in _OLDER_TRITON.get(release, {}).items():
         tables[name].update(entries)
     return tables
-
-
-#: The backward's methods. "gemm" is the default: score-gradient chunks, then library GEMMs. "fused" (row and column
-#: passes adding into the gradient rows tile by tile: gist_bwd_rows_kernel, gist_bwd_cols_kernel) is parked, one
-#: dimension only, until the first GPU run times both (bench/gpu_check.sh prints the fused passes beside the GEMM
-#: backward per kernel and block): if the fused passes are not faster there at any size, they go. Keeping them costs
-#: about 120 lines of kernels (the two passes, _fused_tile_grad, _add_product), 30 of launcher, two of the four
-#: one-dimension binaries per architecture and pair in the compile table, and their interpreter tests.
-#: The forward's ``backward`` argument is an index into these: it autotunes over any config for "gemm", over the
-#: fused passes' spill-free tiles for "fused" (the backward recomputes the forward's tiles).
-BACKWARD_METHODS = ("gemm", "fused")
-#: The largest tile (BLOCK_M * BLOCK_N values) of the fused passes, where a table has no _FUSED_TILES entry.
-FUSED_TILE_VALUES = 128 * 64
 
 
 def operand_kind(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str,
@@ -205,10 +175,13 @@ def shared_memory_estimate(config: triton.Config, kind: str) -> int:
     The largest of two buffers, plus 1 KiB for barriers and alignment (sm_100 adds 16 B):
     - the pipelined operand loads of the K loops, ``num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * e`` with ``e``
       the largest operand element size (Triton keeps num_stages - 1 buffers with mma.sync and num_stages with
-      wgmma and tcgen05), taken as 4 for the FMA loops, whose fused passes stage more than 2-byte operands;
-    - the fused column pass's transposed score tile in the student's element size ``s`` (twice with tf32x3: a
-      high and a low part) with ``num_stages + 1`` buffers of the (BLOCK_M, BLOCK_K / 2) student rows it
-      multiplies, ``parts * BLOCK_M * BLOCK_N * s + (num_stages + 1) * BLOCK_M * BLOCK_K / 2 * s``.
+      wgmma and tcgen05), taken as 4 for both FMA kinds ("fma-half" also takes an fp32 guide);
+    - a score tile in the student's element size ``s`` (4 for the FMA kinds; twice with tf32x3: a high and a low
+      part) beside ``num_stages + 1`` buffers of (BLOCK_M, BLOCK_K / 2) student rows,
+      ``parts * BLOCK_M * BLOCK_N * s + (num_stages + 1) * BLOCK_M * BLOCK_K / 2 * s``. It was sized for the
+      fused backward's column pass, since removed, and stays because some binaries hold more than their loads:
+      the tf32x3 forward and score-gradient kernel on sm_90 take 40960 B at 128 x 64 x 16 under Triton 3.8,
+      over the 37888 B of the first term.
     bench/aot_compile.py checks it against every binary it builds.
     """
     bm, bn, bk = (config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
@@ -222,15 +195,14 @@ def shared_memory_estimate(config: triton.Config, kind: str) -> int:
 
 
 def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
-                 backward: str = "gemm", arch: Arch | None = None, interpret: bool = INTERPRET,
+                 arch: Arch | None = None, interpret: bool = INTERPRET,
                  release: tuple[int, int] | None = None) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
     Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
     row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.stage.devices.Arch``; None:
     ``DEFAULT_ARCH``) the configs are its family's: from sm_80 on every dtype pair but fp64 runs on the
-    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. ``backward="fused"`` keeps to the tiles
-    the fused backward compiles without spills. On an architecture the tables do not know
+    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. On an architecture the tables do not know
     (``arch.known`` false) only the configs whose ``shared_memory_estimate`` fits its shared memory are
     kept, or the smallest one if none does. The tables are those of Triton ``release`` (``(major, minor)``;
     None: the running one, ``TRITON``).
@@ -243,13 +215,7 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
         return FMA_CONFIGS
     key = arch.family, kind
     tables = _tables(release or TRITON)
-    if n_dims > 1:
-        tiles = tables["matryoshka"][key]
-    elif backward == "fused":
-        tiles = tables["fused"].get(key) or [t for t in tables["gemm"][key] if t[0] * t[1] <= FUSED_TILE_VALUES]
-    else:
-        tiles = tables["gemm"][key]
-    configs = _configs(tiles)
+    configs = _configs(tables["matryoshka" if n_dims > 1 else "gemm"][key])
     if not arch.known:
         estimate = {str(c): shared_memory_estimate(c, kind) for c in configs}
         configs = ([c for c in configs if estimate[str(c)] <= arch.shared_bytes]
@@ -270,8 +236,7 @@ def _device_arch(device: torch.device) -> Arch | None:
 
 
 def prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
-    """The autotuner's pruning: the configs ``tile_configs`` gives for a launch's operands, dimensions, backward
-    method and device."""
+    """The autotuner's pruning: the configs ``tile_configs`` gives for a launch's operands, dimensions and device."""
     args = {**named_args, **kwargs}  # keyword launches leave named_args empty
     return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
-                        args["N_DIMS"], BACKWARD_METHODS[args["backward"]], _device_arch(args["q_ptr"].device))
+                        args["N_DIMS"], _device_arch(args["q_ptr"].device))

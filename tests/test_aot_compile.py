@@ -8,7 +8,7 @@ arch's shared memory and the tables' estimate. The SASS shows the tensor cores: 
 and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100, and none on
 sm_75, where ``tl.dot`` is FMA loops.
 
-The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 370 binaries, 21
+The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 230 binaries, 15
 minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
 ``bench/results/aot_compile.txt`` holds its last output, with a hash of what it was built from that
 tests/test_triton_versions.py checks against the sources.
@@ -29,9 +29,8 @@ from cgist.kernels.tiles import tile_configs  # noqa: E402
 from cgist.stage.devices import arch_for  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
-#: Each kernel with the tile sets of the forwards whose pick it runs with.
-KERNELS = {"gist_fwd_kernel": ("gemm", "fused"), "gist_score_grad_kernel": ("gemm",),
-           "gist_bwd_rows_kernel": ("fused",), "gist_bwd_cols_kernel": ("fused",)}
+#: The kernels, each built with the configs the forward autotunes over (the score-gradient kernel reuses its pick).
+KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel")
 MATRYOSHKA_KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel")
 #: Student and guide dtypes, and the fp32 matmul precision of each pair.
 PAIRS = {"fp32": (torch.float32, torch.float32, "highest"), "tf32": (torch.float32, torch.float32, "high"),
@@ -49,8 +48,8 @@ MMA_OPCODE = {"sm_70": "?", "sm_75": "-", "sm_80": "HMMA", "sm_86": "HMMA", "sm_
 ARCH = {f"sm_{a}": arch_for(divmod(a, 10)) for a in CHECKED_ARCHS}
 
 
-def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int, release: tuple[int, int] | None = None) -> set[str]:
-    """The configs the launcher can run ``kernel`` with on this arch under Triton ``release`` (None: the running one),
+def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] | None = None) -> set[str]:
+    """The configs the launcher can run a kernel with on this arch under Triton ``release`` (None: the running one),
     as the table writes them."""
     dtype, guide_dtype, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
@@ -59,10 +58,8 @@ def launcher_tiles(kernel: str, arch: str, pair: str, n_dims: int, release: tupl
         ops = (dtype, input_precision(dtype, ARCH[arch]), guide_dtype, input_precision(guide_dtype, ARCH[arch]))
     finally:
         torch.set_float32_matmul_precision(previous)
-    sets = KERNELS[kernel] if n_dims == 1 else ("gemm",)
     return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-            for backward in sets
-            for c in tile_configs(*ops, n_dims, backward, ARCH[arch], interpret=False, release=release)}
+            for c in tile_configs(*ops, n_dims, ARCH[arch], interpret=False, release=release)}
 
 
 def parse_table(lines: list[str]) -> list[dict]:
@@ -85,8 +82,8 @@ def tiles_seen(rows: list[dict]) -> dict[tuple, set]:
 
 def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[tuple, set]:
     """What ``tiles_seen`` must give for a table of these archs (names) and pairs under Triton ``release``."""
-    want = {(k, a, pair, "1"): launcher_tiles(k, a, pair, 1, release) for k in KERNELS for a in archs for pair in pairs}
-    want |= {(k, a, pair, "5"): launcher_tiles(k, a, pair, 5, release)
+    want = {(k, a, pair, "1"): launcher_tiles(a, pair, 1, release) for k in KERNELS for a in archs for pair in pairs}
+    want |= {(k, a, pair, "5"): launcher_tiles(a, pair, 5, release)
              for k in MATRYOSHKA_KERNELS for a in archs for pair in pairs if pair in MATRYOSHKA_PAIRS}
     return want
 

@@ -50,7 +50,6 @@ def test_gist_loss_is_bitwise_deterministic(backend, batch, world, dim, guide_di
 
 
 KERNEL_VARIANTS = {
-    "fused-backward": dict(backward="fused"),
     "gemm-backward-chunked": dict(block_bytes=1100),  # 16-row chunks against 16-column chunks
     "matryoshka": dict(matryoshka_dims=(40, 24, 9), matryoshka_weights=(1.0, 0.5, 2.0), block_bytes=5000),
 }
@@ -58,18 +57,16 @@ KERNEL_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_kernel_backwards_are_bitwise_deterministic(variant):
-    """The Triton launcher's backwards (fused; GEMM over several chunks; Matryoshka segments) and counters."""
+    """The Triton launcher's backward (GEMM over several chunks; Matryoshka segments) and counters."""
     from cgist.kernels.launch import gist_backward, gist_forward
 
-    kw = dict(KERNEL_VARIANTS[variant])
-    backward = kw.pop("backward", "gemm")
-    options = cgist.GistOptions(margin=0.05, offset=13, **kw)
+    options = cgist.GistOptions(margin=0.05, offset=13, **KERNEL_VARIANTS[variant])
 
     def run(seed: int) -> list[torch.Tensor]:
         student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, seed)
         loss, state = gist_forward([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
-                                   need_stats=True, backward="fused" if backward == "fused" else "gemm")
-        return [loss, *state.counters(), *gist_backward(state, backward)]
+                                   need_stats=True)
+        return [loss, *state.counters(), *gist_backward(state)]
 
     _check(run)
 

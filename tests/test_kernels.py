@@ -1,12 +1,11 @@
-"""cgist.kernels: the Triton launcher against the dense float64 oracle, with both backwards.
+"""cgist.kernels: the Triton launcher against the dense float64 oracle.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1), here in float32 and float64; every dtype pair the launcher picks (bf16, fp16, a
 half student with an fp32 guide, fp32 as tf32x3 with an fp32 or a bf16 guide) runs at small sizes in
 test_kernels_dtypes, with the interpreter's bf16 ``tl.dot`` fixed by the tests (interpreter_dot). The GPU-sized cases at the end need
 a GPU, as tf32 does (the interpreter has none; see test_kernels_precision for its rounding).
-The GEMM backward (the default) runs every case; the fused one a handful, and chunked budgets force
-the GEMM backward through several row and column chunks.
+Every case runs the backward; chunked budgets force it through several row and column chunks.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 import cgist
 from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
-from cgist.kernels.launch import gist_backward, gist_forward
+from cgist.kernels.launch import gist_forward
 from cgist.stage.budget import backward_chunks
 from cgist.stage.reference import gist_loss_reference, gist_scores
 from cgist.stage.ties import tie_ids
@@ -40,18 +39,9 @@ def _exact_norm_row(dim_g, seed):
     return values[torch.randperm(dim_g, generator=gen)] * signs
 
 
-def _run(student, guide, options, backward):
-    """Loss and gradients through the launcher with ``backward`` ("gemm" as gist_loss runs it, or "fused")."""
-    if backward == "gemm":
-        loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
-        return loss, grads
-    loss, state = gist_forward(student, guide, options, backward="fused")
-    return loss, gist_backward(state, "fused")
-
-
 def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, strategy="absolute",
-           anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0, backward="gemm",
-           block_bytes=None, guide_precision=None):
+           anchors=True, positives=True, temperature=0.05, ties=(), scale=1.0, seed=0, block_bytes=None,
+           guide_precision=None):
     """Loss and gradients (two runs, bitwise equal) match the float64 oracle.
 
     ``ties`` lists (column, row, anchor): that guide row becomes ``scale`` times the guide vector of
@@ -86,8 +76,8 @@ def _check(batch, n_cand, dim, dim_g, k, precision, *, offset=0, margin=0.1, str
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
     try:
-        runs = [_run([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options, backward)
-                for _ in range(2)]
+        runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options,
+                                    need_grads=True)[:2] for _ in range(2)]
     finally:
         torch.set_float32_matmul_precision(previous)
 
@@ -133,21 +123,17 @@ OPTIONS = _params([
 ])
 
 
-# The fused backward, and budgets that split the GEMM backward into chunks (16 x 16 tiles under the
-# interpreter): column chunks of one tile (block_bytes=2100 in fp64), chunks of 16 rows against whole
-# blocks (2400 in fp32), and chunks of 16 rows against two column tiles (5000 in fp64).
-BACKWARDS = _params([
-    (13, 26, 40, 24, 1, "fp64", dict(offset=13, backward="fused")),
-    (37, 37, 70, 33, 1, "fp32", dict(backward="fused")),
-    (21, 42, 40, 24, 2, "fp64", dict(offset=17, margin=3.0, backward="fused")),
-    (13, 26, 40, 24, 1, "fp64", dict(offset=11, margin=-2.5, backward="fused")),
+# Budgets that split the backward into chunks (16 x 16 tiles under the interpreter): column chunks of one
+# tile (block_bytes=2100 in fp64), chunks of 16 rows against whole blocks (2400 in fp32), and chunks of 16
+# rows against two column tiles (5000 in fp64).
+CHUNKS = _params([
     (13, 39, 40, 24, 2, "fp64", dict(offset=20, block_bytes=2100)),
     (37, 37, 70, 33, 1, "fp32", dict(block_bytes=2400)),
     (37, 45, 40, 24, 1, "fp64", dict(offset=3, block_bytes=5000)),
 ])
 
 
-@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "precision", "kw"), SHAPES + OPTIONS + BACKWARDS)
+@pytest.mark.parametrize(("batch", "n_cand", "dim", "dim_g", "k", "precision", "kw"), SHAPES + OPTIONS + CHUNKS)
 def test_matches_reference(batch, n_cand, dim, dim_g, k, precision, kw):
     _check(batch, n_cand, dim, dim_g, k, precision, **kw)
 
@@ -208,29 +194,6 @@ def test_gradcheck_through_gist_loss(batch, n_cand, k, offset, strategy):
                                backend="triton")
 
     assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
-
-
-class _FusedBackward(torch.autograd.Function):
-    """The launcher's forward and its fused backward as an autograd node, for gradcheck."""
-
-    @staticmethod
-    def forward(ctx, options, guide, *student):
-        loss, state = gist_forward(list(student), guide, options, backward="fused")
-        ctx.grads = gist_backward(state, "fused")
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return (None, None, *(grad_output * g for g in ctx.grads))
-
-
-def test_gradcheck_through_fused_backward():
-    student, guide = make_inputs(3, 5, 6, 5, 1, seed=1)
-    leaves = [x.to(DEVICE).requires_grad_() for x in student]
-    options = GistOptions(temperature=0.5, margin=0.05, offset=2)
-    guide = [g.to(DEVICE) for g in guide]
-    assert torch.autograd.gradcheck(lambda *xs: _FusedBackward.apply(options, guide, *xs), leaves, eps=1e-6,
-                                    atol=1e-7, fast_mode=True)
 
 
 class _HostReads(TorchDispatchMode):
@@ -315,7 +278,5 @@ def test_gpu_mixed_pairs(precision, guide_precision):
 
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("backward", ["fused", "gemm-chunked"])
-def test_gpu_backwards(precision, backward):
-    kw = dict(backward="fused") if backward == "fused" else dict(block_bytes=2**20)
-    _check(300, 600, 384, 384, 1, precision, offset=300, **kw)
+def test_gpu_backward_chunks(precision):
+    _check(300, 600, 384, 384, 1, precision, offset=300, block_bytes=2**20)

@@ -2,8 +2,8 @@
 
 The pairs: bf16, fp16, a half student with an fp32 guide, fp32 at torch's default matmul precision ("highest",
 tf32x3 products), and fp32 with a bf16 guide. Each runs odd shapes, rank offsets, ties at zero margin, Matryoshka
-dimensions, the directions (joint and per direction), the student as its own guide and no guide, a chunked GEMM
-backward and the fused one, and checks the mask counters exactly.
+dimensions, the directions (joint and per direction), the student as its own guide and no guide, a chunked
+backward, and checks the mask counters exactly.
 
 Without CUDA this runs under the Triton interpreter, whose ``tl.dot`` multiplies bf16 operands by value only with the
 test-only fix of ``interpreter_dot`` (installed by conftest; ``test_interpreter_dot_*`` below show that it is needed
@@ -100,7 +100,7 @@ def test_interpreter_dot_needs_the_fix_for_bf16():
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One problem: the shape, the options, where the guide comes from, guide ties and the backward."""
+    """One problem: the shape, the options, where the guide comes from and guide ties."""
 
     name: str
     shape: tuple[int, int, int, int, int]  # batch, candidates, dim, guide dim, negative sets
@@ -109,7 +109,6 @@ class Case:
     ties: tuple[tuple[int, int, int], ...] = ()  # (column, row, anchor): that guide row copies anchor's positive
     texts: bool = False  # text ids with duplicates (for mask_duplicates; not with everyone)
     everyone: bool = False  # a last column of every rank's anchors, this rank's at the offset (directions)
-    backward: str = "gemm"
 
 
 # Copies of the positives of anchors 3 and 7 among the positives and negatives, in other tiles and at other positions
@@ -137,7 +136,6 @@ CASES = [
     Case("self", (13, 26, 40, 24, 1), dict(offset=13, margin=-0.1, mask_self=True, mask_duplicates=True),
          source="self", texts=True),
     Case("none", (13, 26, 40, 24, 1), dict(offset=13, mask_self=True), source="none"),
-    Case("fused", (13, 26, 40, 24, 1), dict(offset=13, margin=0.1), backward="fused"),
 ]
 
 
@@ -200,9 +198,8 @@ def _errors(case: Case, pair: str) -> tuple[float, float, dict, dict, tuple, tup
         try:
             loss, state = gist_forward(
                 [s.to(DEVICE) for s in student], None if guide is None else [g.to(DEVICE) for g in guide], options,
-                need_stats=True, backward="fused" if case.backward == "fused" else "gemm",
-                text_ids=None if texts is None else [i.to(DEVICE) for i in rank_ids(texts)])
-            grads = gist_backward(state, case.backward)
+                need_stats=True, text_ids=None if texts is None else [i.to(DEVICE) for i in rank_ids(texts)])
+            grads = gist_backward(state)
         finally:
             torch.set_float32_matmul_precision(previous)
     assert loss.dtype == torch.float32 and all(g.dtype == student_dtype for g in grads)

@@ -2,7 +2,7 @@
 
 No guide (nothing is guide-masked), the student as its own guide, and a guide's embeddings, each with and
 without ``mask_self`` (AA[i, i], PP[i, o + i]) and ``mask_duplicates`` (candidates with anchor i's or its
-positive's text), through both backwards and with the mask counters. Under the interpreter on CPU, in float64
+positive's text), through the backward and with the mask counters. Under the interpreter on CPU, in float64
 and float32 (see test_kernels).
 """
 
@@ -35,7 +35,7 @@ def _texts(seed: int) -> list[torch.Tensor]:
     return texts
 
 
-def _check(source: str, precision: str, *, backward: str = "gemm", **options) -> None:
+def _check(source: str, precision: str, **options) -> None:
     dtype = torch.float64 if precision == "fp64" else torch.float32
     student, guide = make_inputs(B, N, D, DG, K, dtype, seed=5)
     if source == "self":
@@ -55,9 +55,8 @@ def _check(source: str, precision: str, *, backward: str = "gemm", **options) ->
         assert torch.isinf(scores[2, N + B + N + 5]) and torch.isinf(scores[7, N + B + N + 11])
 
     loss, state = gist_forward([s.to(DEVICE) for s in student], None if guide is None else [g.to(DEVICE) for g in guide],
-                               options, need_stats=True, backward="fused" if backward == "fused" else "gemm",
-                               text_ids=[i.to(DEVICE) for i in ids])
-    grads = gist_backward(state, backward)
+                               options, need_stats=True, text_ids=[i.to(DEVICE) for i in ids])
+    grads = gist_backward(state)
     assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), tolerance("triton", precision))
     # the counters count every exclusion in its block, as the streaming path does
     counts, _ = state.counters()
@@ -83,8 +82,3 @@ CASES = [
                          ids=[f"{s}-" + "-".join(f"{k}{v}" for k, v in o.items()) for s, o in CASES])
 def test_guide_sources_and_masks(source, options, precision):
     _check(source, precision, **options)
-
-
-@pytest.mark.parametrize("source", ["none", "self", "guide"])
-def test_fused_backward(source):
-    _check(source, "fp64", backward="fused", mask_self=True, mask_duplicates=True, margin=0.02)

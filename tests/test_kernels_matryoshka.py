@@ -15,7 +15,6 @@ from helpers import DEVICE, DTYPES, Tol, assert_close, make_inputs, one_thread, 
 import cgist
 from cgist import GistOptions
 from cgist.kernels import gist_loss_and_grads
-from cgist.kernels.launch import gist_backward, gist_forward
 from cgist.stage.reference import gist_loss_reference
 
 
@@ -86,10 +85,3 @@ def test_statistics_do_not_depend_on_the_dimensions():
     plain = gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)[2]
     counters = gist_loss_and_grads(student, guide, nested, need_grads=False, need_stats=True)[2]
     assert all(torch.equal(a, b) for a, b in zip(plain, counters)) and plain[0][:4].sum() > 0
-
-
-def test_fused_backward_refuses_several_dimensions():
-    student, guide = make_inputs(5, 5, 8, 6, 0, torch.float64, seed=0)
-    _, state = gist_forward(student, guide, GistOptions(matryoshka_dims=(8, 4)))
-    with pytest.raises(NotImplementedError, match="one dimension"):
-        gist_backward(state, "fused")

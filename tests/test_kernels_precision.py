@@ -26,7 +26,7 @@ from helpers import DEVICE, TF32X3_BOUND, one_thread, tf32_addmm  # noqa: F401  
 from cgist.kernels import launch
 from cgist.kernels.gist import _round_tf32
 from cgist.kernels.launch import input_precision, split_tf32
-from cgist.kernels.tiles import BACKWARD_METHODS, operand_kind, shared_memory_estimate, tile_configs
+from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs
 from cgist.stage.devices import KNOWN_ARCHS, arch_for
 
 U = 2.0**-11
@@ -117,9 +117,8 @@ def _launcher_pair(student, guide, precision, arch):
 
 
 def _every_list(pair, arch):
-    """``tile_configs`` for one and five dimensions and both backward methods' tile sets, as ``(n_dims, backward, configs)``."""
-    return [(n_dims, backward, tile_configs(*pair, n_dims, backward, arch=arch, interpret=False))
-            for n_dims in (1, 5) for backward in BACKWARD_METHODS]
+    """``tile_configs`` for one and five dimensions, as ``(n_dims, configs)``."""
+    return [(n_dims, tile_configs(*pair, n_dims, arch=arch, interpret=False)) for n_dims in (1, 5)]
 
 
 @pytest.mark.parametrize("arch", [a for family, a in FAMILIES.items() if family >= 80], ids=lambda a: a.name)
@@ -131,7 +130,7 @@ def test_no_dtype_pair_falls_back_to_fma_tiles(arch, student, guide, precision):
     pair = _launcher_pair(student, guide, precision, arch)
     assert all(p != "ieee" for d, p in zip(pair[::2], pair[1::2]) if d == torch.float32)
     assert operand_kind(*pair, arch) not in ("fp64", "fma")
-    for _, _, configs in _every_list(pair, arch):
+    for _, configs in _every_list(pair, arch):
         rows = 64 if arch.wgmma else 32
         assert configs and all(c.kwargs["BLOCK_M"] >= rows and c.kwargs["BLOCK_K"] >= 16 for c in configs)
 
@@ -151,7 +150,7 @@ def test_fma_tiles_for_every_pair_without_tensor_cores(capability, student, guid
     fma = {str(c) for n_dims in (1, 5) for c in tile_configs(student, "ieee", student, "ieee", n_dims,
                                                                arch=arch, interpret=False)}
     for candidate in (pair, split):
-        for _, _, configs in _every_list(candidate, arch):
+        for _, configs in _every_list(candidate, arch):
             assert configs and {str(c) for c in configs} <= fma
             assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 for c in configs)
 
@@ -168,9 +167,9 @@ def test_unknown_capability_takes_the_newest_family_pruned_to_its_shared_memory(
         for precision in ("highest", "high"):
             pair = _launcher_pair(student, guide, precision, arch)
             kind = operand_kind(*pair, arch)
-            for (n_dims, backward, configs), (_, _, full) in zip(_every_list(pair, arch), _every_list(pair, newest)):
+            for (n_dims, configs), (_, full) in zip(_every_list(pair, arch), _every_list(pair, newest)):
                 fits = [c for c in full if shared_memory_estimate(c, kind) <= arch.shared_bytes]
                 want = fits or [min(full, key=lambda c: shared_memory_estimate(c, kind))]
-                assert configs and [str(c) for c in configs] == [str(c) for c in want], (pair, n_dims, backward)
+                assert configs and [str(c) for c in configs] == [str(c) for c in want], (pair, n_dims)
                 pruned_any |= len(configs) < len(full)
     assert pruned_any == (shared_kib < 99)

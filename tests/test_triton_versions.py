@@ -121,7 +121,7 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
 
     tiles = tmp_path / "kernels" / "tiles.py"
     source = tiles.read_text()
-    # the second config of sm_80's tf32x3 tiles, in the fused backward's set: a smaller tile
+    # the second config of sm_80's tf32x3 tiles: a smaller tile
     changed = source.replace("_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]",
                              "_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 32, 16, 4, 3)]")
     assert changed != source
