@@ -5,8 +5,9 @@ sentence-transformers' class and cgist's drop-in on one tiny float64 model: the 
 parameter must agree. It runs under whichever release is installed (CI runs it under the newest release in the
 range, and ``.ci/parity-oldest`` again under the oldest), so a release that moves a rule fails here first.
 
-* **Classes**: ``CachedGISTEmbedLoss``, ``CachedMultipleNegativesRankingLoss`` and
-  ``CachedMultipleNegativesSymmetricRankingLoss``, each plain or inside ``MatryoshkaLoss`` (dimensions, weights and
+* **Classes**: ``CachedGISTEmbedLoss``, ``CachedMultipleNegativesRankingLoss``,
+  ``CachedMultipleNegativesSymmetricRankingLoss`` and the plain ``GISTEmbedLoss``, ``MultipleNegativesRankingLoss``
+  and ``MultipleNegativesSymmetricRankingLoss``, each alone or inside ``MatryoshkaLoss`` (dimensions, weights and
   ``n_dims_per_step`` drawn).
 * **What real data has and grids miss**: an anchor equal to its positive, repeated anchors, repeated positives, a
   negative equal to another row's positive (or to its own), any of them at once; margins of 0 (the default, where a
@@ -30,6 +31,7 @@ A failure prints the drawn batch and options (Hypothesis's falsifying example).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,11 +46,21 @@ from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
     CachedMultipleNegativesSymmetricRankingLoss,
+    GISTEmbedLoss,
     MatryoshkaLoss,
+    MultipleNegativesRankingLoss,
+    MultipleNegativesSymmetricRankingLoss,
 )
 from sentence_transformers.util import cos_sim, dot_score
 
-from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss, gist_loss
+from cgist import (
+    FusedCachedGISTLoss,
+    FusedCachedMultipleNegativesRankingLoss,
+    FusedGISTEmbedLoss,
+    FusedMultipleNegativesRankingLoss,
+    FusedMultipleNegativesSymmetricRankingLoss,
+    gist_loss,
+)
 from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
 #: Examples per class (plain and Matryoshka together) in the "ci" profile.
@@ -226,12 +238,14 @@ def _tolerance(student, columns: list[list[str]], logit_bound: Callable[[float],
     return (Tol(model_tol[0].rtol, max(model_tol[0].atol, floor)), Tol(model_tol[1].rtol, max(model_tol[1].atol, floor * scale)))
 
 
-def _gist(batch: Batch, options: dict, models, wrap: dict | None, train: bool) -> None:
+def _gist(batch: Batch, options: dict, models, wrap: dict | None, train: bool, plain: bool = False) -> None:
     student, guide = models
 
     def make(fused: bool):
-        cls = FusedCachedGISTLoss if fused else CachedGISTEmbedLoss
         extra = dict(backend="torch") if fused else {}
+        if plain:
+            return (FusedGISTEmbedLoss if fused else GISTEmbedLoss)(student, guide, **options, **extra)
+        cls = FusedCachedGISTLoss if fused else CachedGISTEmbedLoss
         return cls(student, guide, mini_batch_size=batch.mini_batch_size, **options, **extra)
 
     event(f"margin {'0' if options['margin'] == 0 else '<0' if options['margin'] < 0 else '>0'}, "
@@ -240,9 +254,14 @@ def _gist(batch: Batch, options: dict, models, wrap: dict | None, train: bool) -
 
 
 def _ranking(cls, fused_cls, batch: Batch, options: dict, student, wrap: dict | None, train: bool) -> None:
+    """``cls`` (sentence-transformers') against ``fused_cls``; the cached ones embed in ``batch``'s mini-batches."""
+    cached = "mini_batch_size" in inspect.signature(cls).parameters
+
     def make(fused: bool):
         extra = dict(backend="torch") if fused else {}
-        return (fused_cls if fused else cls)(student, mini_batch_size=batch.mini_batch_size, **options, **extra)
+        if cached:
+            extra["mini_batch_size"] = batch.mini_batch_size
+        return (fused_cls if fused else cls)(student, **options, **extra)
 
     def logit_bound(squared_norm: float) -> float:  # a cosine is at most 1 (also under MatryoshkaLoss), a dot product not
         dot = options["similarity_fct"] is dot_score and wrap is None
@@ -272,6 +291,28 @@ def test_ranking_matches_sentence_transformers(batch, options, wrap, train, mode
 def test_symmetric_ranking_matches_sentence_transformers(batch, options, wrap, train, models):
     _ranking(CachedMultipleNegativesSymmetricRankingLoss, FusedCachedMultipleNegativesSymmetricRankingLoss, batch,
              options, models[0], wrap, train)
+
+
+# The plain losses (no GradCache): sentence-transformers' plain GIST loss takes at most one negative column.
+
+@CI
+@given(batch=batches(max_negatives=1), options=gist_options(), wrap=matryoshka(), train=st.booleans())
+def test_plain_gist_matches_sentence_transformers(batch, options, wrap, train, models):
+    _gist(batch, options, models, wrap, train, plain=True)
+
+
+@CI
+@given(batch=batches(), options=ranking_options(), wrap=matryoshka(), train=st.booleans())
+def test_plain_ranking_matches_sentence_transformers(batch, options, wrap, train, models):
+    _ranking(MultipleNegativesRankingLoss, FusedMultipleNegativesRankingLoss, batch, options, models[0], wrap, train)
+
+
+@CI
+@pytest.mark.filterwarnings("ignore:.*MultipleNegativesSymmetricRankingLoss is deprecated:DeprecationWarning")
+@given(batch=batches(), options=symmetric_options(), wrap=matryoshka(), train=st.booleans())
+def test_plain_symmetric_ranking_matches_sentence_transformers(batch, options, wrap, train, models):
+    _ranking(MultipleNegativesSymmetricRankingLoss, FusedMultipleNegativesSymmetricRankingLoss, batch, options,
+             models[0], wrap, train)
 
 
 @pytest.mark.slow

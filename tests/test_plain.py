@@ -56,16 +56,6 @@ def _texts(negatives: int, seed: int = 0) -> list[list[str]]:
     return columns
 
 
-@pytest.fixture(scope="module")
-def guide():
-    return guide_model(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("student"), dropout=0.1)
-
-
 def _compare(make, student, columns, *, train: bool = False, seed: int = 7, matryoshka: dict | None = None):
     """``make(fused)`` builds sentence-transformers' loss (False) or the drop-in (True), wrapped in ``MatryoshkaLoss``
     if asked; both give the same loss and every parameter gradient. Returns the drop-in."""

@@ -246,11 +246,26 @@ class FusedMatryoshka:
                  with_backward: bool = False) -> Tensor:
         """``calculate_loss`` over the sampled dimensions; ``reps_guided`` is the GIST loss's guide embeddings, or the
         labels of the ranking losses (unused)."""
-        if self.loss.resolve() is None:
+        if self.loss.resolve() is None and (with_backward or not torch.is_grad_enabled()):
             return self.decorator(reps, reps_guided, with_backward=with_backward)
         dims, weights = self.decorator.matryoshka_dims, self.decorator.matryoshka_weights
         indices: range | list[int] = range(len(dims))
         if 0 < self.decorator.n_dims_per_step < len(indices):
             indices = random.sample(indices, self.decorator.n_dims_per_step)
         chosen = tuple((dims[i], float(weights[i])) for i in indices)
+        if self.loss.resolve() is None:
+            return self._per_dimension(reps, reps_guided, chosen)
         return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=chosen)
+
+    def _per_dimension(self, reps: list[list[Tensor]], reps_guided: object,
+                       chosen: tuple[tuple[int, float], ...]) -> Tensor:
+        """A plain drop-in's unfused loss under ``MatryoshkaLoss``, differentiable: sentence-transformers' loop over
+        the dimensions (ascending, as it sorts the sampled ones), each on the embeddings truncated and normalised by
+        its ``shrink``. (Its cached-loss decorator expects each dimension's gradients in the leaves instead.)"""
+        from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+
+        loss = 0.0
+        for dim, weight in sorted(chosen, key=lambda pair: self.decorator.matryoshka_dims.index(pair[0])):
+            truncated = [[shrink(r, dim) for r in column] for column in reps]
+            loss = loss + weight * self.fn(truncated, reps_guided)
+        return loss

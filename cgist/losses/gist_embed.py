@@ -100,10 +100,11 @@ class FusedGISTEmbedLoss(_FusedGIST, GISTEmbedLoss):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         """The student's embeddings of the batch (sentence-transformers' ``embed_columns``), the guide's, and the fused
-        loss stage over them; sentence-transformers' own ``forward`` where the fused stage does not run."""
+        loss stage over them; sentence-transformers' own ``forward`` where the fused stage does not run (but under
+        ``MatryoshkaLoss``, whose decoration of ``calculate_loss`` then runs its computation once per dimension)."""
         sentence_features = list(sentence_features)
         options = self.resolve()
-        if options is None:
+        if options is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
             self.last_stats = None
             return super().forward(sentence_features, labels)
         source = self.guide_source
@@ -111,7 +112,7 @@ class FusedGISTEmbedLoss(_FusedGIST, GISTEmbedLoss):
         # the features.
         guide_features = [dict(feature) for feature in sentence_features] if source.runs_model else None
         embeddings = embed_columns(self.model, sentence_features)
-        batch = {"text_ids": text_fingerprints(sentence_features, needed=options.mask_duplicates)}
+        batch = {"text_ids": text_fingerprints(sentence_features, needed=options is not None and options.mask_duplicates)}
         if source.runs_model:
             with torch.no_grad():
                 guided = [[g] for g in self._guide_embeddings(sentence_features, guide_features)]

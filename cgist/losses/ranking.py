@@ -174,7 +174,7 @@ class _PlainRanking(_FusedRanking):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         """The student's embeddings of the batch and the fused loss stage over them; sentence-transformers' own
         ``forward`` where the fused stage does not run."""
-        if self.resolve() is None:
+        if self.resolve() is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
             self.last_stats = None
             return super().forward(sentence_features, labels)
         embeddings = embed_columns(self.model, list(sentence_features))
