@@ -7,6 +7,7 @@ This script measures (providers, setup, timing, memory, the per-process runner, 
     python bench/loss_stage.py --matryoshka [--matryoshka-dims 384,192,96,48] ...   # the Matryoshka comparison
     python bench/loss_stage.py --directions ...   # four MultipleNegativesRankingLoss directions against one
     python bench/loss_stage.py --mnrl ...         # CachedMultipleNegativesRankingLoss against its drop-in
+    python bench/loss_stage.py --plain ...        # the plain losses (no GradCache) against their drop-ins
     python bench/loss_stage.py --from-csv bench/results/loss_stage_cpu.csv   # redraw plot and table only
 
 Every provider gets the same cached embeddings (``common.make_embeddings``: fixed seed, float32,
@@ -43,6 +44,14 @@ These providers are measured only when ``--providers`` names them:
 * ``mnrl-cgist-torch``  ``FusedCachedMultipleNegativesRankingLoss(model, backend="torch")``, the same call;
 * ``mnrl-gemm``     ``gemm_step`` over the query-to-document blocks without the guide's products: the limit
                     of the two ``mnrl-*`` loss stages.
+
+The ``plain-*`` providers (``plain_providers``) are the plain losses, without GradCache, each column one leaf:
+``plain-gist-st`` / ``plain-gist-cgist`` (``GISTEmbedLoss`` / ``cgist.FusedGISTEmbedLoss``, margin 0.05),
+``plain-mnrl-st`` / ``plain-mnrl-cgist`` (``MultipleNegativesRankingLoss`` / its drop-in, against ``mnrl-gemm``),
+``plain-msrl-st`` / ``plain-msrl-cgist`` (the symmetric ones, against ``msrl-gemm``: query-to-document and
+document-to-query) and ``plain-mat-gist-st`` / ``plain-mat-gist-cgist`` (``MatryoshkaLoss`` around the GIST pair);
+``--plain`` selects them with their limits (``_plain`` in the file names), and the lines under the table give each
+drop-in's speed-up over sentence-transformers' class.
 
 ``--matryoshka`` selects the three ``mat-*`` providers and ``gemm`` (and adds ``_matryoshka`` to the file
 names). Their dimensions are ``--matryoshka-dims`` (default D, D/2, D/4, D/8 for each D), recorded in
@@ -88,6 +97,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import loss_stage_report  # noqa: E402
+from plain_providers import PLAIN  # noqa: E402
+from plain_providers import UNGUIDED as PLAIN_UNGUIDED  # noqa: E402
 
 from cgist.compat import MissingExtraError, import_extra  # noqa: E402
 from cgist.stage.budget import ROW_TARGET  # noqa: E402
@@ -106,17 +117,25 @@ DIRECTIONS_LIMIT = "dir-gemm"
 DIRECTIONS_RUN = ("cgist-torch", LIMIT, "dir-cgist-torch", DIRECTIONS_LIMIT)
 MNRL_LIMIT = "mnrl-gemm"
 MNRL = ("mnrl-st", "mnrl-cgist-torch", MNRL_LIMIT)
+#: The symmetric losses' limit: query-to-document and document-to-query, without a guide.
+MSRL_LIMIT = "msrl-gemm"
 #: The bare-GEMM providers: the directions whose blocks they compute (None: GIST's AP, AA, PP, AN_1..AN_k).
-GEMMS = {LIMIT: None, DIRECTIONS_LIMIT: DIRECTIONS, MNRL_LIMIT: ("query_to_doc",)}
+GEMMS = {LIMIT: None, DIRECTIONS_LIMIT: DIRECTIONS, MNRL_LIMIT: ("query_to_doc",),
+         MSRL_LIMIT: ("query_to_doc", "doc_to_query")}
+#: ``--plain``: the plain losses (no GradCache: each column one leaf), sentence-transformers' and cgist's
+#: (``plain_providers``), and their limits.
+PLAIN_RUN = (*PLAIN, LIMIT, MNRL_LIMIT, MSRL_LIMIT)
 #: Every provider, in table and plot order.
 ALL_PROVIDERS = (*BASELINES, "cgist-torch", NOSTATS, CORE, "cgist-triton", "dense", *MATRYOSHKA, LIMIT,
-                 "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL)
+                 "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL, *PLAIN, MSRL_LIMIT)
 #: Providers that take the whole columns, not GradCache's mini-batch leaves.
 WHOLE_COLUMNS = (CORE, *GEMMS)
 #: Providers without a guide: their rows have Dg = 0 and their loss stage gets no guide columns.
-UNGUIDED = MNRL
+UNGUIDED = (*MNRL, MSRL_LIMIT, *(p for p, (family, _, _) in PLAIN.items() if family in PLAIN_UNGUIDED))
+#: Providers with Matryoshka dimensions.
+MATRYOSHKA_ALL = (*MATRYOSHKA, *(p for p, (_, _, matryoshka) in PLAIN.items() if matryoshka))
 #: Providers whose version is sentence-transformers'.
-ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim", "mnrl-st")
+ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim", "mnrl-st", *(p for p in PLAIN if p.endswith("-st")))
 OP = "fwd+bwd"
 GUIDE_DIM = 384
 MARGIN = 0.05
@@ -130,16 +149,22 @@ LEGEND = loss_stage_report.Legend(
     baselines=BASELINES,
     limit=LIMIT,
     featured=("cgist-torch", "cgist-triton"),
-    separate=(*MATRYOSHKA, "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL),
-    speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")), ("mnrl-cgist-torch", ("mnrl-st",))),
+    separate=(*MATRYOSHKA, "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL, *PLAIN, MSRL_LIMIT),
+    speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")), ("mnrl-cgist-torch", ("mnrl-st",)),
+              *((p, (p.replace("-cgist", "-st"),)) for p in PLAIN if p.endswith("-cgist"))),
     overheads=(("statistics", "cgist-torch", NOSTATS), ("mini-batches, checks and hand-back", "cgist-torch", CORE)),
-    limits=(("dir-cgist-torch", DIRECTIONS_LIMIT), ("mnrl-st", MNRL_LIMIT), ("mnrl-cgist-torch", MNRL_LIMIT)),
+    limits=(("dir-cgist-torch", DIRECTIONS_LIMIT), ("mnrl-st", MNRL_LIMIT), ("mnrl-cgist-torch", MNRL_LIMIT),
+            *((p, MNRL_LIMIT if PLAIN[p][0] == "mnrl" else MSRL_LIMIT) for p in PLAIN if PLAIN[p][0] in PLAIN_UNGUIDED)),
     beside=(("loss stage over its bare GEMMs", ("cgist-torch", "dir-cgist-torch")),),
     header=f"Loss stage {OP}, Dg={GUIDE_DIM}, margin={MARGIN}, mini_batch_size={MINI_BATCH_SIZE}, float32",
     title=f"CachedGIST loss stage, {OP}",
     headers=((MNRL, f"Loss stage {OP}, CachedMultipleNegativesRankingLoss (scale=20, cos_sim, query_to_doc, "
                     f"no guide), mini_batch_size={MINI_BATCH_SIZE}, float32",
-              f"CachedMultipleNegativesRankingLoss loss stage, {OP}"),),
+              f"CachedMultipleNegativesRankingLoss loss stage, {OP}"),
+             (PLAIN_RUN, f"Loss stage {OP} of the plain losses (no GradCache) on the same embeddings: GISTEmbedLoss "
+                         f"(Dg={GUIDE_DIM}, margin={MARGIN}), MultipleNegativesRankingLoss and its symmetric variant "
+                         "(scale=20, cos_sim), sentence-transformers' against cgist's drop-ins, float32",
+              f"Plain losses' loss stage, {OP}")),
 )
 
 
@@ -246,6 +271,10 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
     from cgist.stage.reference import gist_loss_reference
     from cgist.stage.spec.options import GistOptions
 
+    if impl in PLAIN:
+        from plain_providers import plain_step
+
+        return plain_step(impl, matryoshka_dims)
     options = dict(margin=MARGIN, mini_batch_size=MINI_BATCH_SIZE)
     if impl == "mnrl-st":
         loss = CachedMultipleNegativesRankingLoss(constructor_model(), mini_batch_size=MINI_BATCH_SIZE)
@@ -390,8 +419,9 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     elif point.impl == CORE:
         call = core_step(student, guide)
     else:
-        reps = common.split_leaves(student, MINI_BATCH_SIZE)
-        reps_guided = None if guide is None else common.split_detached(guide, MINI_BATCH_SIZE)
+        rows = max(point.B, point.N) if point.impl in PLAIN else MINI_BATCH_SIZE  # plain: each column one leaf
+        reps = common.split_leaves(student, rows)
+        reps_guided = None if guide is None else common.split_detached(guide, rows)
 
         def call() -> None:
             step(reps, reps_guided)
@@ -564,7 +594,7 @@ def build_points(args: argparse.Namespace) -> list[Point]:
     """Grid of (D, k, provider, B), B ascending so that each size can extrapolate from the last."""
 
     def dims_of(impl: str, dim: int) -> tuple[int, ...]:
-        if impl not in MATRYOSHKA:
+        if impl not in MATRYOSHKA_ALL:
             return ()
         if not args.matryoshka_dims:
             return default_matryoshka_dims(dim)
@@ -577,7 +607,7 @@ def build_points(args: argparse.Namespace) -> list[Point]:
 
 
 #: The options that select a comparison: its providers and the end of the file names.
-COMPARISONS = {"matryoshka": (*MATRYOSHKA, LIMIT), "directions": DIRECTIONS_RUN, "mnrl": MNRL}
+COMPARISONS = {"matryoshka": (*MATRYOSHKA, LIMIT), "directions": DIRECTIONS_RUN, "mnrl": MNRL, "plain": PLAIN_RUN}
 
 
 def output_stem(args: argparse.Namespace) -> str:
@@ -634,8 +664,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name} must be positive integers, got {getattr(args, name)}")
     if args.matryoshka_dims is not None:
         dims = args.matryoshka_dims
-        if not set(args.providers) & set(MATRYOSHKA):
-            parser.error(f"--matryoshka-dims needs a Matryoshka provider ({', '.join(MATRYOSHKA)})")
+        if not set(args.providers) & set(MATRYOSHKA_ALL):
+            parser.error(f"--matryoshka-dims needs a Matryoshka provider ({', '.join(MATRYOSHKA_ALL)})")
         if not dims or min(dims) < 1 or len(set(dims)) < len(dims) or max(dims) > min(args.dims):
             parser.error(f"--matryoshka-dims must be distinct positive integers up to every D (--dims {args.dims}), "
                          f"got {dims}")

@@ -470,3 +470,48 @@ def test_phases_smoke():
     call, gemm = (float(c) for c in _cells(rows[0])[2:4])
     phases = [float(re.fullmatch(r"([\d.]+) \(\d+%\)", c).group(1)) for c in _cells(rows[0])[5:8]]
     assert call > 0 and gemm > 0 and all(p > 0 for p in phases), rows[0]
+
+
+# The plain losses (--plain) -------------------------------------------------------------------------------------
+
+PLAIN_PAIRS = [("plain-gist-st", "plain-gist-cgist"), ("plain-mnrl-st", "plain-mnrl-cgist"),
+               ("plain-msrl-st", "plain-msrl-cgist"), ("plain-mat-gist-st", "plain-mat-gist-cgist")]
+
+
+@pytest.mark.parametrize("negatives", [0, 1], ids=["k0", "k1"])
+def test_plain_providers_do_the_same_work(bench, negatives):
+    """Each plain drop-in and sentence-transformers' class (each column one leaf, the models stand-ins that hand back
+    the bench's embeddings): the same loss and gradients, also under MatryoshkaLoss."""
+    loss_stage, _ = bench
+    student, guide = loss_stage.common.make_embeddings(40, 40, 24, 12, negatives, seed=5)
+    for pair in PLAIN_PAIRS:
+        dims = (24, 12, 6) if "mat" in pair[0] else ()
+        results = []
+        for impl in pair:
+            reps = loss_stage.common.split_leaves(student, 40)
+            reps_guided = None if impl in loss_stage.UNGUIDED else loss_stage.common.split_detached(guide, 40)
+            if "msrl" in impl:  # the symmetric losses take pairs
+                reps, reps_guided = reps[:2], None
+            loss = loss_stage.make_step(impl, dims)(reps, reps_guided)
+            results.append((loss, [leaf.grad for column in reps for leaf in column]))
+        (want, want_grads), (got, grads) = results
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{pair}: loss")
+        for g, g0 in zip(grads, want_grads):
+            torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5 * float(g0.abs().max()), msg=f"{pair}: gradients")
+
+
+def test_loss_stage_plain_smoke(tmp_path):
+    """--plain: every plain provider and limit measured, each drop-in's speed-up over sentence-transformers' class
+    under the table."""
+    proc = _run("--device", "cpu", "--out", str(tmp_path), "--threads", "1", "--plain", "--sizes", "24",
+                "--dims", "16", "--negatives", "1", "--matryoshka-dims", "16,8", "--repeats", "3",
+                "--point-seconds", "0.01", "--budget", "600")
+    with (tmp_path / "loss_stage_cpu_plain.csv").open(newline="") as f:
+        rows = {r["impl"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {impl for pair in PLAIN_PAIRS for impl in pair} | {"gemm", "mnrl-gemm", "msrl-gemm"}
+    assert all(float(r["median_ms"]) > 0 for r in rows.values()), rows
+    assert {impl for impl, r in rows.items() if r["Dg"] == "0"} == {"plain-mnrl-st", "plain-mnrl-cgist",
+                                                                   "plain-msrl-st", "plain-msrl-cgist", "mnrl-gemm",
+                                                                   "msrl-gemm"}
+    for st, ours in PLAIN_PAIRS:
+        assert re.search(rf"^{ours} at B=24, D=16, k=1.*: [0-9.]+x faster than {st}$", proc.stdout, re.M), proc.stdout
