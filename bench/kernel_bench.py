@@ -265,7 +265,7 @@ def calibrations(mm_size: int, copy_bytes: int, l2_bytes: int, l2_reps: int) -> 
         rows.append(_row("torch.mm", f"gemm {mm_size}^3", mm_size, mm_size, mm_size, 0, 0, name, times,
                          note=f"tflops={rates[name] / 1e12:.1f} spec={spec / 1e12:.0f} of_spec={rates[name] / spec:.2f}",
                          impl_version=f"torch {torch.__version__}"))
-        del a, b
+        a = b = None  # freed before the next dtype's operands
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     times = timed(lambda: dst.copy_(src))
@@ -273,7 +273,7 @@ def calibrations(mm_size: int, copy_bytes: int, l2_bytes: int, l2_reps: int) -> 
     rows.append(_row("copy", f"d2d {copy_bytes / 2**20:.0f}MiB", 0, 0, 0, 0, 0, "uint8", times,
                      note=f"GB/s={hbm / 1e9:.0f} (read+write) spec={SPEC.hbm / 1e9:.0f}",
                      impl_version=f"torch {torch.__version__}"))
-    del src, dst
+    src = dst = None
     times, l2 = l2_bandwidth(l2_bytes, l2_reps)
     rows.append(_row("l2-read", f"{l2_bytes // 1024}KiB x{l2_reps}", 0, 0, 0, 0, 0, "fp32", times,
                      note=f"GB/s={l2 / 1e9:.0f} assumed={SPEC.l2 / 1e9:.0f}"))
@@ -370,7 +370,8 @@ def stage_rows(batch: int, dim: int, dim_g: int, k: int, pair: str, machines: di
         totals["est_bwd"] += sum(
             estimate(kind, scores, dim, dim_g, dtype, guide_dtype, tiles, chunk_rows, SPEC, dims)[0]
             for kind in ("score_grad", "gemms"))
-    del work, state, loss
+    del loss
+    work = state = None  # freed before the whole stage is timed
     add(f"triton/{name}", "fwd (sum of blocks)", (totals["fwd"],) * 3,
         note=f"{_vs(totals['fwd'], totals['est_fwd'])} pick={pick}")
     add(f"triton/{name}", "bwd (sum of blocks)", (totals["bwd"],) * 3, note=_vs(totals["bwd"], totals["est_bwd"]))

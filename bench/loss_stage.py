@@ -66,12 +66,13 @@ the two ratios side by side. ``--mnrl`` selects the three ``mnrl-*`` providers (
 
 On CPU each (provider, size) runs in a fresh process: it builds the inputs, rewinds the RSS high-water
 mark, runs once (the peak RSS above the baseline is ``peak_mb``; the run doubles as warm-up) and then
-times further calls with ``perf_counter``. On CUDA the points run in this process; time comes from
+times further calls with ``perf_counter``; a first call longer than ``LONG_CALL_S`` is the point's only timing
+(its one-time costs are a negligible share of it, and repeating minutes-long calls would take hours). On CUDA the points run in this process; time comes from
 ``triton.testing.do_bench`` and memory from ``torch.cuda.max_memory_allocated`` above the inputs.
 
 A provider is skipped at a size (a row whose ``note`` says why) when the time measured at the previous
 size, scaled by (B / B_prev)^2, exceeds ``--budget`` seconds per call, or, on CPU, when its scaled peak
-memory would not fit in half of the available RAM. Results:
+memory would not fit in ``--memory-share`` (default half) of the available RAM. Results:
 ``loss_stage_<device>[_quick][_matryoshka|_directions|_mnrl].csv`` and ``.png`` (log-log time and peak
 memory against B) under ``--out``, and a markdown table printed last (also saved as ``.md``) with speed
 ratios against ``st`` and ``st-cos_sim``, each time as a multiple of its limit's time at the same size
@@ -137,6 +138,8 @@ MATRYOSHKA_ALL = (*MATRYOSHKA, *(p for p, (_, _, matryoshka) in PLAIN.items() if
 #: Providers whose version is sentence-transformers'.
 ST_PROVIDERS = (*BASELINES, "mat-st-cos_sim", "mnrl-st", *(p for p in PLAIN if p.endswith("-st")))
 OP = "fwd+bwd"
+#: CPU: a point whose first call takes longer than this many seconds is timed by that call alone.
+LONG_CALL_S = 60.0
 GUIDE_DIM = 384
 MARGIN = 0.05
 MINI_BATCH_SIZE = 32
@@ -196,6 +199,7 @@ class Settings:
     point_s: float
     threads: int | None = None
     seed: int = 0
+    memory_share: float = 0.5
 
 
 @functools.cache
@@ -432,10 +436,13 @@ def measure(point: Point, settings: Settings) -> dict[str, object]:
     if device.type == "cuda":
         median, p20, p80 = common.time_cuda(call)
     else:
-        if first_s < 1.0:
-            call()  # a second warm-up for short calls, whose first run is dominated by one-time costs
-        repeats = max(3, min(settings.max_repeats, int(settings.point_s / max(first_s, 1e-6))))
-        median, p20, p80 = common.time_cpu(call, repeats)
+        if first_s > LONG_CALL_S:
+            median = p20 = p80 = first_s * 1e3
+        else:
+            if first_s < 1.0:
+                call()  # a second warm-up for short calls, whose first run is dominated by one-time costs
+            repeats = max(3, min(settings.max_repeats, int(settings.point_s / max(first_s, 1e-6))))
+            median, p20, p80 = common.time_cpu(call, repeats)
     return {**row_head(point), "median_ms": median, "p20_ms": p20, "p80_ms": p80, "peak_mb": peak_mb}
 
 
@@ -518,8 +525,8 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
     if est_s > settings.budget_s:
         return f"skipped: estimated {est_s:.0f} s per call (B^2 from B={prev['B']}) > budget {settings.budget_s:g} s"
     est_mb = prev["peak_mb"] * scale
-    if point.device == "cpu" and est_mb > available_mb() / 2:
-        return f"skipped: estimated peak {est_mb:.0f} MB > half the available RAM"
+    if point.device == "cpu" and est_mb > available_mb() * settings.memory_share:
+        return f"skipped: estimated peak {est_mb:.0f} MB > {settings.memory_share:g} of the available RAM"
     return None
 
 
@@ -639,6 +646,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="CPU: give up on one point after this many s")
     parser.add_argument("--threads", type=int, help="CPU: torch threads per measuring process (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-share", type=float, default=0.5,
+                        help="CPU: skip a point whose extrapolated peak exceeds this share of the available RAM")
     parser.add_argument("--from-csv", type=Path, help="measure nothing: redraw the plot and table of this CSV")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
@@ -699,7 +708,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
     settings = Settings(
-        budget_s=args.budget, max_repeats=args.repeats, point_s=args.point_seconds, threads=args.threads, seed=args.seed
+        budget_s=args.budget, max_repeats=args.repeats, point_s=args.point_seconds, threads=args.threads, seed=args.seed,
+        memory_share=args.memory_share,
     )
     rows = sweep(args, build_points(args), settings)
     loss_stage_report.publish(rows, args.out, output_stem(args), args.device, LEGEND)

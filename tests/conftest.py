@@ -8,7 +8,7 @@
   test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
-* The models the test modules share are defined here, once (``helpers_models`` builds them). The guides are loaded
+* The models (and the standard-library pairs) the test modules share are defined here, once (``helpers_models`` builds them). The guides are loaded
   once for the whole run: the losses only run a guide, and a test that switches one to training mode switches it
   back. Each module gets its own students, since tests train them, switch dropout on and leave gradients on them.
 """
@@ -145,3 +145,11 @@ def student32(tmp_path_factory):
 def students(student, student32):
     """The tiny student by dtype: float64 and float32, the same weights."""
     return {torch.float64: student, torch.float32: student32}
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[dict[str, str]]:
+    """Real pairs from the standard library (anchor = docstring summary, positive = code)."""
+    from cgist.cli.data import stdlib_pairs
+
+    return stdlib_pairs(40, seed=1)

@@ -16,6 +16,7 @@ API:
     tf32(x, mode)                 fp32 rounded to tf32, to nearest or toward zero.
     tf32_addmm(mode)              the launcher's ``_addmm_`` on emulated tf32 tensor cores.
     TF32X3_BOUND                  a tf32x3 product's error bound per unit of sum_k |a_k b_k|.
+    LossStageCalls(monkeypatch)   counts the drop-ins' loss-stage calls while a test runs.
 
 It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
 ``helpers_models``.
@@ -337,3 +338,19 @@ def tf32_addmm(mode: str):
     def addmm_(out, a, b):
         out.add_(tf32(a, mode).double() @ tf32(b, mode).double())
     return addmm_
+
+
+class LossStageCalls:
+    """Counts the drop-ins' loss-stage calls (``cgist.losses.base.gist_loss_with_options``) while a test runs."""
+
+    def __init__(self, monkeypatch) -> None:
+        import cgist.losses.base
+
+        self.calls = 0
+        real = cgist.losses.base.gist_loss_with_options
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", counted)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers_models import tiny_model
 from safetensors.torch import load_file
-from test_data import pairs, write_csv, write_jsonl  # noqa: F401 (pairs is a fixture)
+from test_data import write_csv, write_jsonl
 
 from cgist.cli import arguments, build_parser, config, guide_cache, main, report, run
 from cgist.cli.common import UsageError

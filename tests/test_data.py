@@ -1,6 +1,6 @@
 """cgist.cli.data: the pair file formats, the split and retrieval task, and the standard-library pair builder.
 
-``pairs``, ``write_jsonl`` and ``write_csv`` are shared with the command-line tests.
+``write_jsonl`` and ``write_csv`` are shared with the command-line tests (``pairs`` is a conftest fixture).
 """
 
 from __future__ import annotations
@@ -13,12 +13,6 @@ import pytest
 from datasets import Dataset
 
 from cgist.cli.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
-
-
-@pytest.fixture(scope="module")
-def pairs() -> list[dict[str, str]]:
-    """Real pairs from the standard library (anchor = docstring summary, positive = code)."""
-    return stdlib_pairs(40, seed=1)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

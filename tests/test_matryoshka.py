@@ -11,7 +11,9 @@ import random
 
 import pytest
 import torch
-from helpers import Tol, assert_close, make_inputs, one_thread, precision, tolerance  # noqa: F401  (one_thread: autouse)
+from helpers import (  # noqa: F401  (one_thread: autouse)
+    LossStageCalls, Tol, assert_close, make_inputs, one_thread, precision, tolerance,
+)
 from helpers_models import random_texts, run_loss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
@@ -26,20 +28,6 @@ from cgist.losses.base import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
 
 MINI_BATCH = 5  # random_texts puts each duplicate at the same place in its mini-batch as the original
-
-
-class _Counting:
-    """Counts the loss-stage calls of a loss (its ``gist_loss_with_options`` or its ``calculate_loss``)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        real = cgist.losses.base.gist_loss_with_options
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", counted)
 
 
 def _compare(student, guide, columns, *, dims, weights=None, n_dims_per_step=-1, train=False, **options):
@@ -77,7 +65,7 @@ def test_matryoshka_loss_matches_sentence_transformers(student, guide, kwargs, n
 
 def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
     """The fused path calls the loss stage once for all dimensions; sentence-transformers' loop once per dimension."""
-    counting = _Counting(monkeypatch)
+    counting = LossStageCalls(monkeypatch)
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, [32, 16, 8, 4])
     run_loss(loss, student, random_texts(1, seed=6), seed=0)
@@ -94,7 +82,7 @@ def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, g
         want.append(run_loss(MatryoshkaLoss(student, inner, dims), student, columns, seed=3))
         if cls is FusedCachedGISTLoss:
             assert not isinstance(inner.calculate_loss, FusedMatryoshka)
-    counting = _Counting(monkeypatch)
+    counting = LossStageCalls(monkeypatch)
     run_loss(MatryoshkaLoss(student, FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH, margin=0.1), dims),
          student, columns, seed=3)
     assert counting.calls == len(dims)

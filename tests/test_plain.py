@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from datasets import Dataset
-from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
+from helpers import LossStageCalls, assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
 from helpers_models import guide_model, run_loss, tiny_model
 from sentence_transformers import SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import (
@@ -125,20 +125,6 @@ MATRYOSHKA_CASES = [
 ]
 
 
-class _Counting:
-    """Counts the loss-stage calls of the drop-ins."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls = 0
-        real = cgist.losses.base.gist_loss_with_options
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", counted)
-
-
 @pytest.mark.parametrize("matryoshka, train", MATRYOSHKA_CASES)
 @pytest.mark.parametrize("pair", ["gist", "mnrl", "symmetric"])
 def test_matryoshka_is_one_loss_stage_with_sentence_transformers_loss(pair, matryoshka, train, student, guide,
@@ -149,7 +135,7 @@ def test_matryoshka_is_one_loss_stage_with_sentence_transformers_loss(pair, matr
                FusedMultipleNegativesRankingLoss), "symmetric": (MultipleNegativesSymmetricRankingLoss,
                FusedMultipleNegativesSymmetricRankingLoss)}[pair]
     options = dict(margin=0.05) if pair == "gist" else {}
-    counting = _Counting(monkeypatch)
+    counting = LossStageCalls(monkeypatch)
     arguments = (student, guide) if pair == "gist" else (student,)
     loss = _compare(lambda fused: classes[fused](*arguments, **options), student,
                     _texts(0 if pair == "symmetric" else 1), train=train, matryoshka=matryoshka)

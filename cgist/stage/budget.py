@@ -87,23 +87,19 @@ def row_blocks(batch: int, block_widths: Sequence[int], top: int, n_dims: int, i
                block_bytes: int | None, device: torch.device = torch.device("cpu"), half: bool = False) -> RowBlocks:
     """The streaming path's row blocks for B = ``batch`` anchor rows against groups of ``block_widths`` columns.
 
-    The budget bounds the workspace (``cgist.stage.pytorch.workspace.Workspace``), per row: the softmax terms of every kept column for
-    each of the ``n_dims`` dimensions, one tile's guide scores (and with ``half`` products its score gradients
-    as a half operand), and the row block's operands and product (a few R x ``top``). One pass keeps all
-    ``sum(block_widths)`` columns. The rows per block are the budget divided by that; with the default budget (``block_bytes=None``) it first grows so that ``ROW_TARGET``
-    rows fit, unless that exceeds an eighth of the available memory or 1 GiB. When fewer than
-    ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with ``min(ROW_FLOOR, B)`` rows per block and
-    as many columns per tile as the budget allows (at least one, at most ``TILE_COLS`` on a CPU).
+    The budget bounds the workspace (``cgist.stage.pytorch.workspace.Workspace``), per row: the softmax terms of
+    every kept column for each of the ``n_dims`` dimensions, one tile's guide scores (and with ``half`` products its
+    score gradients as a half operand), and the row block's operands and product (a few R x ``top``). One pass keeps
+    all ``sum(block_widths)`` columns. The rows per block are the budget divided by that; with the default budget
+    (``block_bytes=None``) it first grows so that ``ROW_TARGET`` rows fit, unless that exceeds an eighth of the
+    available memory or 1 GiB. When fewer than ``min(ROW_FLOOR, B)`` rows fit, the call runs in two passes with
+    ``min(ROW_FLOOR, B)`` rows per block and as many columns per tile as the budget allows (at least one, at most
+    ``TILE_COLS`` on a CPU).
 
-    Measured (``gist_loss_and_grads`` with gradients and statistics, fp32, D = Dg = 384, k = 1, 2 threads,
-    one-pass schedules forced by the budget; median of 5 calls). B = N = 4096: 256 rows per block 981 ms,
-    512 rows 892 ms, 1024 rows 870 ms, 2048 rows 881 ms (the bare GEMMs of the same shapes in blocks of
-    those rows: 748, 726, 704, 697 ms); with 256 rows, tiles of 1024 columns 1067 ms, 2048 1018 ms, 4096
-    988 ms, 8192 or 16384 within 1% of 4096. B = N = 1024: 762 rows 71.0 ms, one block of 1024 rows 66.3 ms.
-    Larger blocks read and write the columns' gradients fewer times and keep the products' inner
-    dimension wide. Hence ``ROW_TARGET`` = 1024 and ``TILE_COLS`` = 4096. ``ROW_FLOOR`` = 256 is the
-    smallest one-pass block: a budget too small for it gets two passes of 256 rows instead, blocks that
-    stay GEMM-efficient at any B for one more set of score products.
+    Larger blocks read and write the columns' gradients fewer times and keep the products' inner dimension wide;
+    ``ROW_TARGET`` and ``TILE_COLS`` are where the measured time stopped falling (docs/performance.md#memory).
+    ``ROW_FLOOR`` is the smallest one-pass block: a budget too small for it gets two passes of blocks that stay
+    GEMM-efficient at any B, for one more set of score products.
     """
     # On a GPU one launch per block is better than cache-sized tiles.
     tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCKS", "COUNT_FIELDS", "EPS", "STATS_FIELDS", "SUM_FIELDS", "HalfRows", "TieIndex", "addmm_", "available_bytes", "compute_dtype", "copy_rows", "default_block_bytes", "fingerprint_words", "guide_mask", "half_products", "half_rows", "rank_ids", "normalize", "row_chunks", "row_dots", "stack_rows", "threshold", "tie_ids", "token_fingerprints"]
+__all__ = [
+    "EPS", "HalfRows", "addmm_", "compute_dtype", "copy_rows", "guide_mask", "half_accumulation", "half_products",
+    "half_rows", "normalize", "row_chunks", "row_dots", "stack_rows", "threshold",
+]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
 EPS = 1e-8

@@ -49,13 +49,12 @@ def score_groups(
     """Every column group of the loss, masked: GIST's AP, AA, PP, AN_1..AN_k, then the directions' QQ, DQ, DD, DN_1..DN_k.
 
     Row i is anchor i, or for PP, DQ, DD and DN its positive ``offset + i``. An entry is masked when its guide score
-    (the guide's rows and columns alike) is strictly above T_i, a column whose normalised guide vector equals the
-    row's partner (the positive for anchor rows, anchor i for positive rows) tying with theta_i; not at all
-    without a guide (``guide_embeddings=None``). Always masked: QQ's anchor i (itself), DD's and DN's column
+    (the guide's rows and columns alike) is strictly above T_i, a column with the text (``text_ids``; without them,
+    the normalised guide vector) of the row's partner (the positive for anchor rows, anchor i for positive rows)
+    tying with theta_i; not at all without a guide. Always masked: QQ's anchor i (itself), DD's and DN's column
     ``offset + i`` (anchor i's own documents); with ``mask_self`` AA[i, i] and PP[i, offset + i]; with
     ``mask_duplicates`` every column whose text id equals anchor i's or its positive's. Never masked: the label
-    AP[i, offset + i] and DQ's pair (positive, anchor i). ``options.temperature`` plays no part. These are the
-    scores of one dimension: with Matryoshka dimensions, score each truncation with options without them.
+    AP[i, offset + i] and DQ's pair (positive, anchor i). The scores of one dimension, whatever the temperature.
     """
     if options.matryoshka_dims is not None:
         raise ValueError("gist_scores scores one dimension; truncate the embeddings and drop matryoshka_dims")
@@ -67,7 +66,7 @@ def score_groups(
     rows = torch.arange(a.shape[0], device=a.device)
     labels = rows + options.offset
     own_anchor = labels if options.all_anchors else rows  # anchor i among ``everyone``
-    column_of = {"p": 1, "a": 0, "all": len(embeddings) - 1 if options.all_anchors else 0}  # text-id columns
+    everyone = len(embeddings) - 1 if options.all_anchors else 0  # the column of every rank's anchors
 
     guided = guide_embeddings is not None
     if guided:
@@ -116,9 +115,9 @@ def score_groups(
                      hard=hard(mode in ("hard_negatives", "all_negatives"), mode != "hard_negatives", n_cand))
                for k in range(n_neg)]
     if "query_to_query" in options.directions:
-        groups.append(group("qq", "query_to_query", "a", column_of["all"], excluded=own_anchor))
+        groups.append(group("qq", "query_to_query", "a", everyone, excluded=own_anchor))
     if "doc_to_query" in options.directions:
-        groups.append(group("dq", "doc_to_query", "p", column_of["all"], unmasked=own_anchor))
+        groups.append(group("dq", "doc_to_query", "p", everyone, unmasked=own_anchor))
     if "doc_to_doc" in options.directions:
         groups += [group("dd" if k == 0 else "dn", "doc_to_doc", "p", 1 if k == 0 else 1 + k, excluded=labels)
                    for k in range(1 + n_neg)]

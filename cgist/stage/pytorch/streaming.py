@@ -1,44 +1,23 @@
 """Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
 
-Anchors are processed in row blocks. A row block is scored against the columns of every column group bound to
-the call (``cgist.stage.spec.problem.bind_groups``) in tiles of up to ``cgist.stage.budget.TILE_COLS`` columns: one matrix
-product for the guide scores, which a float comparison turns into the mask, one for the student logits, then
-``exp2``. The gradients with respect to the normalised embeddings come from the same tiles (two more products per
-tile), and one normalisation backward at the end turns them into embedding gradients. Nothing of size B x N is
-ever allocated: the tiles live in a workspace (``cgist.stage.pytorch.workspace.Workspace``) whose size is the byte budget
-(``cgist.stage.budget.row_blocks``).
+The algorithm is docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
+against the columns of every column group bound to the call (``cgist.stage.spec.problem.bind_groups``) in tiles:
+one matrix product for the guide scores (the mask), one for the student logits, then ``exp2``; the gradients with
+respect to the normalised embeddings come from the same tiles, and one normalisation backward at the end turns them
+into embedding gradients. Nothing of size B x N is ever allocated: the tiles live in a workspace
+(``cgist.stage.pytorch.workspace.Workspace``) whose size is the byte budget, which also chooses one pass or two
+(``cgist.stage.budget.row_blocks``: two passes recompute each tile, so its masks are the same).
 
-Two schedules, chosen per call by ``cgist.stage.budget.row_blocks``:
+Precision. Logits are in base 2 and shifted by each row's positive logit, which the product subtracts itself
+(``[scale * x_hat, -shift] . [k_hat, 1]``); the label is kept out of the sum of the other terms, so a small loss keeps
+its relative precision, and a row whose sum passes ``LARGEST_SUM`` (a candidate far above the positive) is redone
+shifted by its maximum. Shifted logits below the smallest normal exponent plus 24 are dropped before ``exp2``: many
+CPUs compute on subnormal floats a hundred times slower (docs/performance.md#memory), and each dropped term is below
+2^-102 of the positive's.
 
-* one pass (the usual case): a row block keeps the tiles of all C candidate columns from the softmax
-  sums to the gradients, so every score is computed once;
-* two passes, when even ``ROW_FLOOR`` rows against all columns would not fit the budget: the sums first,
-  then a second sweep that recomputes each tile (the same products, so the same masks) and forms its
-  gradients. Memory is then bounded at any B, for one more set of score products.
-
-Precision. Logits are in base 2 (``log2(e) / tau`` rides on the product) and shifted by each row's
-positive logit, which the product subtracts itself (``[scale * x_hat, -shift] . [k_hat, 1]``). The label
-is kept out of the sum of the other terms, so the loss is ``log1p(others)`` (in general
-``(shift - positive) ln 2 + log1p(others + expm1((positive - shift) ln 2))``): a small loss keeps its
-relative precision instead of inheriting the absolute rounding of a number near 1/tau. The label's score
-gradient is ``-others / total``, exact where ``softmax - 1`` would cancel. When a row's sum passes
-``LARGEST_SUM`` (a candidate far above the positive) the row block is redone shifted by its maximum.
-
-Subnormal numbers. Many CPUs run arithmetic on subnormal floats a hundred times slower (a matrix
-product with subnormal operands was measured 200x slower here), and at tau = 0.01 a large share of the
-softmax underflows into that range. Shifted logits below the smallest normal exponent plus 24 are dropped
-before ``exp2`` (to -inf, which ``exp2`` maps to 0 at full speed), so that neither the terms nor their
-products with embedding components down to 2^-23 are subnormal. Each dropped term is below 2^-102 of the
-positive's (fp32), so all of them together change the loss by less than C * 2^-102 relative.
-
-Half products (one dimension, on CUDA): see ``cgist.stage.numerics.half_products``.
-
-Matryoshka. Student rows are normalised over the largest dimension; dimension d scores the prefix dot
-products, summed segment by segment (the columns between consecutive dimensions) in the top dimension's
-buffer, times the ratios ``rho_d`` of the norms. The guide tile and the mask are computed once per tile
-for all dimensions; each dimension has its own sums, and segment s of the gradient gets the sum, over
-the dimensions that contain it, of their weighted score gradients: about one full-dimension set of
-products in all, not one per dimension.
+Half products (one dimension, on CUDA): ``cgist.stage.numerics.half_products``. Matryoshka (docs/design.md#matryoshka):
+student rows are normalised over the largest dimension, dimension d scores the prefix dot products summed segment by
+segment times the norms' ratios ``rho_d``; the guide tile and the mask are computed once for every dimension.
 """
 
 from __future__ import annotations
@@ -52,29 +31,11 @@ from torch import Tensor
 
 from ..budget import RowBlocks, row_blocks
 from ..numerics import (
-    EPS,
-    HalfRows,
-    addmm_,
-    compute_dtype,
-    copy_rows,
-    guide_mask,
-    half_products,
-    half_rows,
-    row_chunks,
-    row_dots,
-    threshold,
+    EPS, HalfRows, addmm_, compute_dtype, copy_rows, guide_mask, half_products, half_rows, row_chunks, row_dots, threshold,
 )
 from ..spec.options import GistOptions
 from ..spec.problem import (
-    BoundGroup,
-    Dims,
-    bind_groups,
-    label_terms,
-    normalization_backward_,
-    prefix_norms,
-    row_losses,
-    row_weights,
-    totals,
+    BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
 )
 from ..stats import COUNT_FIELDS, SUM_FIELDS
 from ..ties import TieIndex, tie_ids

@@ -20,8 +20,8 @@ _THREAD = threading.local()
 def _thread_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``numel`` elements of scratch; on a CPU, carved from a buffer that this thread keeps between calls.
 
-    A fresh buffer of many megabytes is paged in by the kernel at its first write, one page fault per 4 KiB
-    (measured at B = 1024: ~7,500 faults per call, about a tenth of the loss stage's time). The kept buffer
+    A fresh buffer of many megabytes is paged in by the kernel at its first write, one page fault per 4 KiB (a
+    tenth of the loss stage's time at B = 1024: docs/performance.md#memory). The kept buffer
     is the largest workspace this thread has used in ``dtype`` (at most the byte budget of that call),
     replaced when a call needs more; ``release_workspace`` frees it. CUDA's caching allocator already
     reuses its blocks.
