@@ -6,7 +6,9 @@ API:
     other_vocab_tokenizer(directory)       a WordPiece tokenizer whose vocabulary differs from the guide's,
                                            so a model built on it forces ``must_retokenize``.
     random_texts(negatives, seed, ...)     columns [anchor, positive, *negatives] of random sentences over WORDS.
-    run_loss(loss, model, columns, seed)   a seeded forward and backward: the loss and every parameter gradient.
+    run_loss(loss, model, columns, seed)   a seeded forward and backward: the loss and every parameter gradient; a
+                                           cgist drop-in must compute it on the path named (the fused stage by default).
+    dropin_of(loss), computed_on(loss, path)  the drop-in inside a loss (or None), and a check of the path it ran.
 
 tests/conftest.py builds the shared models from these (``guide``, ``student`` and their float32 and tiny variants).
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +30,8 @@ import torch  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import Pooling, Transformer  # noqa: E402
 from transformers import AutoTokenizer, BertConfig, BertModel, BertTokenizerFast, PreTrainedTokenizerBase  # noqa: E402
+
+from cgist.losses.base import FUSED, FusedDropIn  # noqa: E402
 
 #: Sequence length of the tiny models; below the guide's 256 so that a shared vocabulary means no retokenisation.
 MAX_SEQ_LENGTH = 64
@@ -126,15 +132,42 @@ def random_texts(negatives: int, seed: int = 0, *, batch: int = 13, duplicates: 
     return columns
 
 
+def dropin_of(loss: object) -> FusedDropIn | None:
+    """The cgist drop-in that computes ``loss``: itself, or the one a wrapper holds in ``.loss`` (``MatryoshkaLoss``);
+    None for sentence-transformers' own losses."""
+    while not isinstance(loss, FusedDropIn):
+        loss = getattr(loss, "loss", None)
+        if loss is None:
+            return None
+    return loss
+
+
+@contextmanager
+def computed_on(loss: object, path: str = FUSED) -> Iterator[None]:
+    """The body computes ``loss`` on ``path`` (``cgist.losses.base.FUSED`` or ``UNFUSED``) and only there, at least
+    once; nothing is checked when ``loss`` holds no cgist drop-in. Without this, a drop-in that fell back to
+    sentence-transformers' code would pass every comparison with sentence-transformers by comparing it with itself."""
+    dropin = dropin_of(loss)
+    before = dropin.path_counts if dropin is not None else None
+    yield
+    if dropin is None:
+        return
+    ran = {name: count - before[name] for name, count in dropin.path_counts.items()}
+    assert ran[path] > 0 and not any(count for name, count in ran.items() if name != path), (
+        f"{type(dropin).__name__} computed the loss {ran} times by path, expected only on {path!r}")
+
+
 def run_loss(loss, model: SentenceTransformer, columns: list[list[str]], seed: int,
-             labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             labels: torch.Tensor | None = None, path: str = FUSED) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Seed torch and Python's random (MatryoshkaLoss samples dimensions with it), run ``loss`` forward and
-    backward on ``columns`` (with ``labels``); return the loss and every parameter gradient."""
+    backward on ``columns`` (with ``labels``); return the loss and every parameter gradient. A cgist drop-in (or a
+    wrapper of one) must compute it on ``path`` alone (``computed_on``)."""
     model.zero_grad(set_to_none=True)
     features = [model.preprocess(texts) for texts in columns]
     torch.manual_seed(seed)
     random.seed(seed)
-    value = loss(features, labels)
+    with computed_on(loss, path):
+        value = loss(features, labels)
     value.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

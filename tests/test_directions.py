@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 from helpers import assert_close, make_inputs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
+from helpers_models import computed_on
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MatryoshkaLoss,
@@ -230,7 +231,8 @@ TEXTS = [
 
 def _train_step(loss, model, columns):
     model.zero_grad()
-    value = loss([model.preprocess(texts) for texts in columns], None)
+    with computed_on(loss):
+        value = loss([model.preprocess(texts) for texts in columns], None)
     value.backward()
     return value.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 

@@ -125,16 +125,20 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
     """Forward and backward of ``loss_cls`` on this rank's texts, then its loss stage alone on random embeddings."""
     student.to(case.dtype)
     guide.to(case.dtype)
+    from helpers_models import computed_on  # a drop-in that fell back would compare sentence-transformers with itself
+
     loss_fn = loss_cls(student, guide, mini_batch_size=MINI, gather_across_devices=True, **loss_kwargs(case.options))
     student.zero_grad(set_to_none=True)
-    loss = loss_fn([student.preprocess(column) for column in _texts(case, _rows(rank, size))], None)
+    with computed_on(loss_fn):
+        loss = loss_fn([student.preprocess(column) for column in _texts(case, _rows(rank, size))], None)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
 
     embeddings, guide_embeddings = _embeddings(case)
     reps = [[x.clone().requires_grad_() for x in e[_rows(rank)].split(MINI)] for e in embeddings]
     reps_guided = [list(g[_rows(rank)].split(MINI)) for g in guide_embeddings]
-    emb_loss = loss_fn.calculate_loss(reps, reps_guided, with_backward=True)
+    with computed_on(loss_fn):
+        emb_loss = loss_fn.calculate_loss(reps, reps_guided, with_backward=True)
     emb_grads = [torch.cat([x.grad for x in column]) for column in reps]
     result = {"loss": loss.detach(), "grads": grads, "emb_loss": emb_loss.detach(), "emb_grads": emb_grads}
     if hasattr(loss_fn, "last_stats"):  # the statistics of that call, and summed over ranks as the callback does
@@ -147,6 +151,7 @@ def _run_labels(case: Case, rank: int, student, guide) -> dict:
     """``FusedCachedGISTLoss(student, "labels")`` forward and backward on this rank's texts, with their guide
     embeddings from ``cgist.add_guide_embeddings(..., model=student)`` as the labels."""
     from datasets import Dataset
+    from helpers_models import computed_on
 
     from cgist import FusedCachedGISTLoss, add_guide_embeddings
 
@@ -159,7 +164,8 @@ def _run_labels(case: Case, rank: int, student, guide) -> dict:
     loss_fn = FusedCachedGISTLoss(student, "labels", mini_batch_size=MINI, gather_across_devices=True,
                                   **loss_kwargs(case.options))
     student.zero_grad(set_to_none=True)
-    loss = loss_fn([student.preprocess(column) for column in columns], labels)
+    with computed_on(loss_fn):
+        loss = loss_fn([student.preprocess(column) for column in columns], labels)
     loss.backward()
     return {"loss": loss.detach(), "grads": {name: p.grad.clone() for name, p in student.named_parameters()
                                              if p.grad is not None}}

@@ -87,8 +87,11 @@ def _texts(rank: int) -> list[list[str]]:
 
 
 def _model_step(loss_fn, student, rank: int) -> dict:
+    from helpers_models import computed_on  # a drop-in that fell back would compare sentence-transformers with itself
+
     student.zero_grad(set_to_none=True)
-    loss = loss_fn([student.preprocess(column) for column in _texts(rank)], None)
+    with computed_on(loss_fn):
+        loss = loss_fn([student.preprocess(column) for column in _texts(rank)], None)
     loss.backward()
     return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in student.named_parameters()
                                              if p.grad is not None}}
@@ -104,6 +107,8 @@ def _worker(rank: int, port: int, workdir: Path) -> None:
         CachedMultipleNegativesSymmetricRankingLoss,
         MatryoshkaLoss,
     )
+
+    from helpers_models import computed_on
 
     import cgist
 
@@ -123,7 +128,8 @@ def _worker(rank: int, port: int, workdir: Path) -> None:
         gist = cgist.FusedCachedGISTLoss(student, student, temperature=0.05, margin=0.05, mini_batch_size=MINI,
                                          contrast_anchors=False, contrast_positives=False, gather_across_devices=True,
                                          backend="torch", **case.kwargs)
-        emb_loss = gist.calculate_loss(reps, reps_guided, with_backward=True)
+        with computed_on(gist):
+            emb_loss = gist.calculate_loss(reps, reps_guided, with_backward=True)
         results[case.id] = {"st": st, "cgist": fused, "emb_loss": emb_loss.detach(),
                             "emb_grads": [torch.cat([x.grad for x in column]) for column in reps]}
     # The symmetric drop-in (query-to-document and document-to-query, per direction), plain and under MatryoshkaLoss.

@@ -21,7 +21,7 @@ import logging
 import pytest
 import torch
 from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import random_texts, run_loss
+from helpers_models import computed_on, random_texts, run_loss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -42,6 +42,8 @@ from cgist import (
     FusedMultipleNegativesSymmetricRankingLoss,
 )
 from cgist.compat import release_rules
+from cgist.losses.base import FUSED
+from cgist.losses.base import UNFUSED as UNFUSED_PATH  # UNFUSED below: the settings that are not fused
 from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
 MATRYOSHKA = dict(matryoshka_dims=[32, 16, 8], matryoshka_weights=[1.0, 0.5, 0.25])
@@ -89,8 +91,8 @@ def _assert_same(got, want) -> None:
     assert_close("model", want, got, MODELS)
 
 
-def _run(loss, student, columns):
-    return run_loss(loss, student, columns, seed=7)
+def _run(loss, student, columns, path: str = FUSED):
+    return run_loss(loss, student, columns, seed=7, path=path)
 
 
 # Assigned hyperparameters take effect ---------------------------------------------------------------------------
@@ -263,8 +265,8 @@ def test_what_is_not_fused_runs_sentence_transformers_own_loss(pair, name, value
             del loss._modules[name]
         setattr(loss, name, value)
     with caplog.at_level(logging.WARNING, logger="cgist"):
-        got = _run(ours, student, texts)
-        _run(ours, student, texts)
+        got = _run(ours, student, texts, path=UNFUSED_PATH)
+        _run(ours, student, texts, path=UNFUSED_PATH)
     _assert_same(got, _run(theirs, student, texts))
     warnings = [r for r in caplog.records if "sentence-transformers' own loss computation" in r.getMessage()]
     assert len(warnings) == 1 and name in warnings[0].getMessage()
@@ -376,7 +378,9 @@ def test_a_loss_built_by_hand_works_as_sentence_transformers(mini_batch_size):
 
     def run(cls):
         reps = [[anchors.clone().requires_grad_()], [positives.clone().requires_grad_()]]
-        loss = _by_hand(cls, 0.1, mini_batch_size).calculate_loss(reps, [[anchors], [positives]], with_backward=True)
+        loss_obj = _by_hand(cls, 0.1, mini_batch_size)
+        with computed_on(loss_obj):
+            loss = loss_obj.calculate_loss(reps, [[anchors], [positives]], with_backward=True)
         return loss, [r[0].grad for r in reps]
 
     (ours, our_grads), (theirs, their_grads) = run(FusedCachedGISTLoss), run(CachedGISTEmbedLoss)

@@ -36,6 +36,7 @@ from sentence_transformers.sentence_transformer.training_args import SentenceTra
 
 import cgist
 from cgist import FusedCachedGISTLoss
+from cgist.losses.base import FUSED, UNFUSED
 from cgist.losses.precompute import must_retokenize
 from cgist.stage.reference import gist_loss_reference, gist_scores
 from cgist.stage.ties import token_fingerprints
@@ -91,8 +92,8 @@ def _labels(model: SentenceTransformer, guide: SentenceTransformer, columns: lis
 
 
 def _run(loss, model: SentenceTransformer, columns: list[list[str]], labels: torch.Tensor | None,
-         seed: int = 1234) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return run_loss(loss, model, columns, seed, labels)
+         seed: int = 1234, path: str = FUSED) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return run_loss(loss, model, columns, seed, labels, path=path)
 
 
 def _assert_same(got: tuple, want: tuple, tol: dict, what: str) -> None:
@@ -289,10 +290,11 @@ LABEL_CASES = [
 ]
 
 
-def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wrap=None, adjust=None, **options):
+def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wrap=None, adjust=None, path=FUSED,
+                             **options):
     """``FusedCachedGISTLoss(model, "labels")`` with labels from ``add_guide_embeddings``, against the same loss
     with the guide model and against ``CachedGISTEmbedLoss(model, guide)``; ``adjust`` changes each loss object
-    after construction.
+    after construction; the drop-ins compute on ``path``.
 
     Duplicate texts only with a margin: at margin 0 a duplicate ties with theta, and the live guide embeds the two
     copies in mini-batches of different padding widths, so rounding would decide the tie.
@@ -306,7 +308,7 @@ def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wra
             "st": lambda: CachedGISTEmbedLoss(model, guide, mini_batch_size=MINI_BATCH, **options)}
     model.train(train)
     try:
-        runs = {name: _run(wrap(adjust(build())), model, columns, labels if name == "labels" else None)
+        runs = {name: _run(wrap(adjust(build())), model, columns, labels if name == "labels" else None, path=path)
                 for name, build in make.items()}
     finally:
         model.eval()
@@ -337,7 +339,8 @@ def _plain_cross_entropy(loss):
 def test_labels_unfused_run_sentence_transformers_own_loss(matryoshka, guides, students):
     model = students[FP64]
     wrap = (lambda loss: MatryoshkaLoss(model, loss, [32, 16, 8])) if matryoshka else None
-    _compare_with_live_guide(model, guides[FP64], FP64, negatives=1, margin=0.1, wrap=wrap, adjust=_plain_cross_entropy)
+    _compare_with_live_guide(model, guides[FP64], FP64, negatives=1, margin=0.1, wrap=wrap, adjust=_plain_cross_entropy,
+                             path=UNFUSED)
 
 
 @pytest.mark.parametrize("dtype", [FP64, FP32], ids=precision)

@@ -18,11 +18,18 @@ import pytest
 import torch
 from datasets import Dataset
 from helpers import assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import other_vocab_tokenizer, random_texts, run_loss, tiny_model
+from helpers_models import computed_on, other_vocab_tokenizer, random_texts, run_loss, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, MatryoshkaLoss
+from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
+    CachedMultipleNegativesRankingLoss,
+    GISTEmbedLoss,
+    MatryoshkaLoss,
+    MultipleNegativesSymmetricRankingLoss,
+)
 from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
 
+import cgist
 from cgist import FusedCachedGISTLoss
 
 BATCH = 13
@@ -107,13 +114,41 @@ def test_evaluation_under_no_grad(student, guide):
     options = dict(mini_batch_size=MINI_BATCH, margin=0.1)
     with torch.no_grad():
         expected = CachedGISTEmbedLoss(student, guide, **options)(features, None)
-        loss = FusedCachedGISTLoss(student, guide, **options)(features, None)
+        fused = FusedCachedGISTLoss(student, guide, **options)
+        with computed_on(fused):
+            loss = fused(features, None)
     assert not loss.requires_grad
     tol, _ = tolerance("models", expected.dtype)
     assert_close("no_grad loss", expected, loss, tol)
     with_grad = FusedCachedGISTLoss(student, guide, **options)(features, None)
     assert_close("loss", expected, with_grad, tol)
     student.zero_grad(set_to_none=True)
+
+
+TRITON_CASES = [
+    pytest.param(CachedGISTEmbedLoss, cgist.FusedCachedGISTLoss, dict(mini_batch_size=MINI_BATCH, margin=0.05), 1,
+                 id="cached-gist"),
+    pytest.param(GISTEmbedLoss, cgist.FusedGISTEmbedLoss, dict(margin=-0.05, margin_strategy="relative"), 1,
+                 id="plain-gist"),
+    pytest.param(CachedMultipleNegativesRankingLoss, cgist.FusedCachedMultipleNegativesRankingLoss,
+                 dict(mini_batch_size=MINI_BATCH, directions=("query_to_doc", "doc_to_query", "doc_to_doc"),
+                      hardness_mode="hard_negatives", hardness_strength=5.0), 2, id="cached-mnrl-directions-hardness"),
+    pytest.param(MultipleNegativesSymmetricRankingLoss, cgist.FusedMultipleNegativesSymmetricRankingLoss, dict(), 0,
+                 id="plain-symmetric"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:.*MultipleNegativesSymmetricRankingLoss is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("st_cls, fused_cls, options, negatives", TRITON_CASES)
+def test_the_triton_backend_matches_sentence_transformers(st_cls, fused_cls, options, negatives, student, guide):
+    """The drop-ins with ``backend="triton"`` (the kernels, under the interpreter on a CPU; an explicit backend never
+    falls back to the PyTorch path) against sentence-transformers' classes on real models: the loss and every
+    parameter gradient, with duplicate texts."""
+    models = (student, guide) if "guide" in inspect.signature(st_cls).parameters else (student,)
+    columns = random_texts(negatives, seed=11, batch=12)
+    want = run_loss(st_cls(*models, **options), student, columns, seed=5)
+    got = run_loss(fused_cls(*models, **options, backend="triton"), student, columns, seed=5)
+    assert_close("triton drop-in vs sentence-transformers", want, got, tolerance("models", torch.float64))
 
 
 def test_guide_with_another_tokenizer(student, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from helpers import (  # noqa: F401  (one_thread: autouse)
     LossStageCalls, Tol, assert_close, make_inputs, one_thread, precision, tolerance,
 )
-from helpers_models import random_texts, run_loss
+from helpers_models import computed_on, random_texts, run_loss
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -262,7 +262,8 @@ def test_half_embeddings_under_matryoshka(dtype, temperature, student, guide):
         reps = [[c.to(run_dtype)[i:i + MINI_BATCH].clone().requires_grad_() for i in range(0, batch, MINI_BATCH)]
                 for c in columns]
         guided = [[g.to(run_dtype)[i:i + MINI_BATCH] for i in range(0, batch, MINI_BATCH)] for g in guides]
-        loss = inner.calculate_loss(reps, guided, with_backward=True)
+        with computed_on(inner):
+            loss = inner.calculate_loss(reps, guided, with_backward=True)
         results[name] = loss.double(), torch.cat([torch.cat([r.grad for r in column]) for column in reps]).double()
     assert results["cgist"][1].dtype == torch.float64 and torch.isfinite(results["cgist"][1]).all()
     assert_close("fused vs float64", results["st-fp64"], results["cgist"], tolerance("streaming", dtype))

@@ -19,6 +19,7 @@ from helpers import LossStageCalls, assert_close, one_thread, tolerance  # noqa:
 from helpers_models import guide_model, run_loss, tiny_model
 from sentence_transformers import SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
     GISTEmbedLoss,
     MatryoshkaLoss,
     MultipleNegativesRankingLoss,
@@ -33,6 +34,7 @@ import cgist.losses.base
 from cgist import FusedGISTEmbedLoss, FusedMultipleNegativesRankingLoss, FusedMultipleNegativesSymmetricRankingLoss
 from cgist.losses.base import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
+from cgist.stage.ties import token_fingerprints
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*MultipleNegativesSymmetricRankingLoss is deprecated:DeprecationWarning")
 
@@ -176,8 +178,6 @@ def test_self_and_no_guide_equal_the_oracle(guide_kind, student):
     assert options.mask_self and options.mask_duplicates
     features = [student.preprocess(texts) for texts in columns]
     embeddings = [student(f)["sentence_embedding"] for f in features]
-    from cgist.stage.ties import token_fingerprints
-
     text_ids = [token_fingerprints(f["input_ids"], f["attention_mask"]) for f in features]
     guide_embeddings = [e.detach() for e in embeddings] if guide_kind == "self" else None
     reference = gist_loss_reference(embeddings, guide_embeddings, options, text_ids)
@@ -239,11 +239,26 @@ def test_trainer_logs_the_guide_statistics(student, guide, tmp_path):
     assert any(not torch.equal(b, a.detach()) for b, a in zip(before, model.parameters()))
 
 
-def test_more_negative_columns_than_sentence_transformers_takes(student, guide):
+@pytest.mark.parametrize("negatives", [2, 3])
+def test_more_negative_columns_than_sentence_transformers_takes(negatives, student, guide):
     """sentence-transformers' plain GIST loss takes at most one negative column; the drop-in takes any number, with
-    the loss of the dense oracle."""
-    columns = _texts(3, seed=9)
-    with pytest.raises(ValueError, match="Expected 2 or 3 embeddings, got 5"):
+    the loss and gradients of sentence-transformers' cached class in one mini-batch (which takes any number: the same
+    loss) and of the dense oracle on the same embeddings."""
+    columns = _texts(negatives, seed=9)
+    with pytest.raises(ValueError, match=f"Expected 2 or 3 embeddings, got {2 + negatives}"):
         run_loss(GISTEmbedLoss(student, guide), student, columns, seed=0)
-    value, _ = run_loss(FusedGISTEmbedLoss(student, guide), student, columns, seed=0)
-    assert torch.isfinite(value)
+    options = dict(margin=0.05, contrast_anchors=negatives == 2)
+    loss = FusedGISTEmbedLoss(student, guide, **options)
+    got = run_loss(loss, student, columns, seed=0)
+    want = run_loss(CachedGISTEmbedLoss(student, guide, mini_batch_size=BATCH, **options), student, columns, seed=0)
+    assert_close("k > 1 vs sentence-transformers' cached class", want, got, MODELS)
+    features = [student.preprocess(texts) for texts in columns]
+    embeddings = [student(f)["sentence_embedding"] for f in features]
+    with torch.no_grad():
+        guide_embeddings = [guide(student.preprocess(texts))["sentence_embedding"] for texts in columns]
+    text_ids = [token_fingerprints(f["input_ids"], f["attention_mask"]) for f in features]
+    reference = gist_loss_reference(embeddings, guide_embeddings, loss.options, text_ids)
+    reference.backward()
+    oracle = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad(set_to_none=True)
+    assert_close("k > 1 vs the oracle", (reference.detach(), oracle), got, MODELS)

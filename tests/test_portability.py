@@ -75,8 +75,6 @@ def _call(inputs, backend: str, options: dict):
 @pytest.mark.parametrize("pair", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
                          ids=["fp32", "bf16+fp32"])
 def test_a_float32_call_creates_no_float64_tensor(pair, case, backend):
-    if backend == "triton" and pair[0] == torch.bfloat16:
-        pytest.skip("bf16 tl.dot is broken in the interpreter")
     spec = dict(CALLS[case])
     inputs = _inputs(*pair, spec.pop("k"), spec.pop("chunked", False))
     with _Float64Ops() as probe:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import assert_close, loss_kwargs, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
+from helpers_models import computed_on
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
@@ -129,7 +130,8 @@ def _run_loss_object(loss_obj, module, monkeypatch, case, local, local_guide, ga
     """``loss_obj.calculate_loss(..., with_backward=True)``: (loss, gradient of every leaf, column-wise)."""
     _patch_gather(monkeypatch, module, case, gathered + gathered_guide)
     reps = _leaves(local, True)
-    loss = loss_obj.calculate_loss(reps, _leaves(local_guide, False), with_backward=True)
+    with computed_on(loss_obj):
+        loss = loss_obj.calculate_loss(reps, _leaves(local_guide, False), with_backward=True)
     assert not loss.requires_grad
     return loss, [torch.cat([leaf.grad for leaf in column]) for column in reps]
 
@@ -168,7 +170,8 @@ def _check(case: Case, models, monkeypatch) -> None:
     assert_close("fused vs ST", (st_loss, dict(zip(names, st_grads))), (fused_loss, dict(zip(names, fused_grads))),
                  tol)
 
-    # The functional form and the streaming path with one-row blocks, on the already gathered inputs.
+    # The functional form, and the streaming path on a 1-byte budget (two passes over one-column tiles; the batch,
+    # below ROW_FLOOR rows, is one row block), on the already gathered inputs.
     candidates = [c.detach() for c in candidates]
     functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", mask_self=mask_self,
                            **loss_kwargs(case.options))

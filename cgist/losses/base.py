@@ -23,9 +23,14 @@ from ..stage.spec.options import GistOptions
 from ..stage.stats import GistStats
 from ..stage.ties import token_fingerprints
 
-__all__ = ["FusedDropIn", "FusedMatryoshka"]
+__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "FusedMatryoshka"]
 
 logger = logging.getLogger(__name__)
+
+#: The two paths that compute a drop-in's loss: cgist's fused loss stage, or sentence-transformers' own code where the
+#: fused stage does not compute what the attributes ask (``FusedDropIn.resolve``).
+FUSED, UNFUSED = "fused", "sentence-transformers"
+PATHS = (FUSED, UNFUSED)
 
 
 def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
@@ -138,6 +143,9 @@ class FusedDropIn:
     backend: str = "auto"
     block_bytes: int | None = None
     last_stats: GistStats | None = None
+    #: The path of the last loss computation: ``FUSED`` (cgist's loss stage) or ``UNFUSED`` (sentence-transformers'
+    #: own code); None before the first.
+    last_path: str | None = None
     #: cgist's own constructor arguments and their defaults: ``get_config_dict`` lists those that differ.
     OWN_DEFAULTS: dict[str, object] = {"backend": "auto", "block_bytes": None}
 
@@ -147,6 +155,19 @@ class FusedDropIn:
         if name == "calculate_loss":
             value = FusedMatryoshka.take_over(self, value)
         super().__setattr__(name, value)
+
+    def record_path(self, path: str, stats: GistStats | None = None) -> None:
+        """Note which path computed this loss (``FUSED`` or ``UNFUSED``) and the fused stage's statistics (None on
+        the unfused path): ``last_path``, ``last_stats`` and the running counts of ``path_counts``."""
+        self.last_path, self.last_stats = path, stats
+        counts = self.__dict__.setdefault("_path_counts", dict.fromkeys(PATHS, 0))  # past nn.Module.__setattr__
+        counts[path] += 1
+
+    @property
+    def path_counts(self) -> dict[str, int]:
+        """How many loss computations each path ran since this drop-in was built: ``{FUSED: n, UNFUSED: m}``. Under
+        ``MatryoshkaLoss`` a fused step is one computation, an unfused one a computation per dimension."""
+        return dict(self.__dict__.get("_path_counts", dict.fromkeys(PATHS, 0)))
 
     def options_key(self) -> tuple:
         """The attribute values the options are built from (``attribute_key``)."""

@@ -20,7 +20,9 @@ from ..stage.dispatch.route import requested_backend
 from ..stage.spec.guide import LABELS, MODEL, NONE, SELF, GuideSource
 from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real
 from ..stage.stats import GistStats
-from .base import FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints
+from .base import (
+    FUSED, UNFUSED, FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints,
+)
 
 __all__ = ["FusedCachedGISTLoss"]
 
@@ -232,7 +234,7 @@ class _FusedGIST(FusedDropIn):
         options = self.resolve()
         guide = self._guide_columns(reps_guided)
         if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
-            self.last_stats = None
+            self.record_path(UNFUSED)
             if self.guide_source.reads_labels:
                 reps_guided = [[column] for column in guide]
             return self._unfused_loss(reps, reps_guided, with_backward)
@@ -242,7 +244,7 @@ class _FusedGIST(FusedDropIn):
                              "(calculate_loss alone does not see them), or pass mask_duplicates=False")
         loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
                                        gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
-        self.last_stats = stats
+        self.record_path(FUSED, stats)
         if torch.is_grad_enabled() and any(t.requires_grad for column in reps for t in column):  # a training step
             self.__dict__.setdefault("_training_stats", []).append(stats)
             self._check_positive_only(stats, options)

@@ -16,7 +16,7 @@ from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLos
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
 
-from .base import check_gather, text_fingerprints
+from .base import UNFUSED, check_gather, text_fingerprints
 from .gist import _FusedGIST, check_scalars, guide_source, label_guide
 
 __all__ = ["FusedGISTEmbedLoss"]
@@ -105,7 +105,7 @@ class FusedGISTEmbedLoss(_FusedGIST, GISTEmbedLoss):
         sentence_features = list(sentence_features)
         options = self.resolve()
         if options is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
-            self.last_stats = None
+            self.record_path(UNFUSED)
             return super().forward(sentence_features, labels)
         source = self.guide_source
         # As sentence-transformers does: the guide runs on copies made before the student writes its outputs into

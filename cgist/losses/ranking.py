@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..stage.dispatch.route import requested_backend
 from ..stage.spec.options import GistOptions, _check_real
-from .base import FusedDropIn, attribute_key, check_embedding_stage, check_gather, fused_loss_stage
+from .base import FUSED, UNFUSED, FusedDropIn, attribute_key, check_embedding_stage, check_gather, fused_loss_stage
 
 __all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
            "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss", "similarity_name"]
@@ -105,11 +105,11 @@ class _FusedRanking(FusedDropIn):
                     dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
         options = self.resolve()
         if options is None:
-            self.last_stats = None
+            self.record_path(UNFUSED)
             return self._unfused_loss(reps, labels, with_backward)
-        loss, self.last_stats = fused_loss_stage(reps, None, None, options, backend=self.backend,
-                                                 gather=self.gather_across_devices, with_backward=with_backward,
-                                                 dims=dims)
+        loss, stats = fused_loss_stage(reps, None, None, options, backend=self.backend,
+                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
+        self.record_path(FUSED, stats)
         return loss
 
     def get_config_dict(self) -> dict:
@@ -175,7 +175,7 @@ class _PlainRanking(_FusedRanking):
         """The student's embeddings of the batch and the fused loss stage over them; sentence-transformers' own
         ``forward`` where the fused stage does not run."""
         if self.resolve() is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
-            self.last_stats = None
+            self.record_path(UNFUSED)
             return super().forward(sentence_features, labels)
         embeddings = embed_columns(self.model, list(sentence_features))
         return self.calculate_loss([[e] for e in embeddings], labels)
