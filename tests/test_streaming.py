@@ -75,7 +75,9 @@ def test_matches_oracle(shape, rank, name, dtype):
 
 @pytest.mark.parametrize("offset", [0, 5, 19], ids=lambda o: f"offset{o}")
 def test_any_offset_and_tiny_budget(offset):
-    """Offsets that are not a multiple of B, and a 1-byte budget that forces one row per block."""
+    """Offsets that are not a multiple of B, on budgets of 1 and 3000 bytes: both too small for one pass, so two
+    passes over one-column tiles. The batch stays one row block (below ``ROW_FLOOR`` rows a row block is the whole
+    batch, whatever the budget); tests/test_blocks.py has several."""
     student, guide = make_inputs(11, 30, 20, 12, 1, seed=offset)
     _check(student, guide, GistOptions(offset=offset, margin=0.05), block_bytes=1)
     _check(student, guide, GistOptions(offset=offset, margin=0.05, margin_strategy="relative"), block_bytes=3000)
