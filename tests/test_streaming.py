@@ -346,3 +346,22 @@ def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to
     assert middle.one_pass and budget.ROW_FLOOR < middle.rows < 600
     small = budget.row_blocks(4096, widths, top, 1, item, 100 * per_row)
     assert not small.one_pass and small.rows == budget.ROW_FLOOR and 1 <= small.cols < budget.TILE_COLS
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=precision)
+def test_hardness_in_a_smaller_dimension_after_the_shift_is_raised(dtype):
+    """A candidate far above the positive raises the row's shift (a sum past ``LARGEST_SUM``); in a smaller Matryoshka
+    dimension the hardness penalty then lifts a logit that, unpenalised, is far below the cutoff, up to the row's
+    maximum: the cutoff applies to the penalised logit, or the row's largest term vanishes and the loss is -inf.
+    Found by the property fuzz, shrunk by hand."""
+    columns = [torch.tensor(rows, dtype=torch.float64) for rows in
+               ([[1.0, 1.0]], [[-12.0, -52.0], [16.7, 3.1]], [[5.8, -4.8], [793.0, 9375.0]])]
+    options = GistOptions(temperature=0.01, contrast_anchors=False, contrast_positives=False,
+                          hardness_mode="in_batch_negatives", hardness_strength=1.0, similarity="dot",
+                          matryoshka_dims=(1, 2))
+    leaves = [c.clone().requires_grad_() for c in columns]
+    reference = gist_loss_reference(leaves, None, options)
+    reference.backward()
+    loss, grads, _ = gist_loss_and_grads([c.to(dtype) for c in columns], None, options, need_grads=True)
+    assert_close("loss and gradients", (reference.detach(), [x.grad for x in leaves]), (loss, grads),
+                 tolerance("streaming", dtype))

@@ -409,13 +409,15 @@ class _RowBlock:
         *smaller, top = self.masked_logits(group, lo, hi, unmasked)
         out = []
         for m, t in enumerate(smaller):
-            torch.nn.functional.threshold_(t, self.call.cutoff, -MASKED)  # finite: 0 * logit stays 0
             term = self.call.work.terms(m, group.index, lo, t.shape)
-            if group.hard:  # the penalised logits, in the terms' buffer
+            if group.hard:
+                # The penalised logits, in the terms' buffer, from the plain ones as they are: the cutoff applies to
+                # the penalised logit, which a raised shift can lift far above a plain one below the cutoff.
                 self.harden(group, lo, hi, term.copy_(t), m)
                 torch.nn.functional.threshold_(term, self.call.cutoff, -MASKED)
                 out.append(term.exp2_())
             else:
+                torch.nn.functional.threshold_(t, self.call.cutoff, -MASKED)  # finite: 0 * logit stays 0
                 out.append(torch.exp2(t, out=term))
             t.mul_(out[-1])
         self.harden(group, lo, hi, top, len(smaller))
