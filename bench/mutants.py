@@ -172,6 +172,39 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_directions.py",),
     ),
     Mutant(
+        "tile-column-gradients",
+        "the PyTorch path adds every column tile's column gradients at the first tile's columns (one dimension)",
+        "cgist/stage/pytorch/streaming.py",
+        "cols.grad[lo:hi].addmm_(tile.T, rows.weighted)",
+        "cols.grad[0:hi - lo].addmm_(tile.T, rows.weighted)",
+        ("tests/test_blocks.py", "tests/test_streaming.py"),
+    ),
+    Mutant(
+        "hardness-cutoff-first",
+        "a smaller Matryoshka dimension's plain logits are cut off before the hardness penalty lifts them",
+        "cgist/stage/pytorch/streaming.py",
+        "            term = self.call.work.terms(m, group.index, lo, t.shape)\n            if group.hard:\n",
+        "            term = self.call.work.terms(m, group.index, lo, t.shape)\n"
+        "            torch.nn.functional.threshold_(t, self.call.cutoff, -MASKED)\n            if group.hard:\n",
+        ("tests/test_streaming.py", "tests/test_properties.py"),
+    ),
+    Mutant(
+        "kernel-row-chunk-scores",
+        "the Triton backward computes every row chunk's score gradients at the first chunk's rows",
+        "kernels/launch.py",
+        "row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,",
+        "row_stop=r1 - r0, col_stop=c1, row_start=0, col_start=c0,",
+        ("tests/test_blocks.py", "tests/test_kernels.py"),
+    ),
+    Mutant(
+        "kernel-row-chunk-gemm",
+        "the Triton backward adds a later row chunk's gradients at the first chunk's rows",
+        "kernels/launch.py",
+        "h_rows = self.h[rows.grad][rows.start + r0 : rows.start + r1]",
+        "h_rows = self.h[rows.grad][rows.start : rows.start + r1 - r0]",
+        ("tests/test_blocks.py", "tests/test_kernels.py"),
+    ),
+    Mutant(
         "kernel-last-column-tile",
         "the forward kernel's last column tile is pulled back to end at column N, counting columns of the tile "
         "before it twice when BLOCK_N does not divide N",
