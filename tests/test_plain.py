@@ -167,6 +167,26 @@ def test_label_guide_equals_the_live_guide(student, guide):
     assert_close("labels vs live guide", live, precomputed, MODELS)
 
 
+def _oracle_run(student, columns, options, guide) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The dense oracle's loss and every parameter gradient on the student's embeddings of ``columns``, its texts'
+    ids and the guide's embeddings: a guide model's, the student's own (``"self"``) or none."""
+    features = [student.preprocess(texts) for texts in columns]
+    embeddings = [student(f)["sentence_embedding"] for f in features]
+    text_ids = [token_fingerprints(f["input_ids"], f["attention_mask"]) for f in features]
+    if guide == "self":
+        guide_embeddings = [e.detach() for e in embeddings]
+    elif guide is not None:
+        with torch.no_grad():
+            guide_embeddings = [guide(student.preprocess(texts))["sentence_embedding"] for texts in columns]
+    else:
+        guide_embeddings = None
+    reference = gist_loss_reference(embeddings, guide_embeddings, options, text_ids)
+    reference.backward()
+    grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad(set_to_none=True)
+    return reference.detach(), grads
+
+
 @pytest.mark.parametrize("guide_kind", ["self", None], ids=["self", "none"])
 def test_self_and_no_guide_equal_the_oracle(guide_kind, student):
     """``"self"`` (the student's embeddings, detached, as the guide) and None (no guide) against the dense oracle on
@@ -174,17 +194,8 @@ def test_self_and_no_guide_equal_the_oracle(guide_kind, student):
     columns = _texts(1, seed=4)
     loss = FusedGISTEmbedLoss(student, guide_kind, margin=-0.1)
     value, grads = run_loss(loss, student, columns, seed=0)
-    options = loss.options
-    assert options.mask_self and options.mask_duplicates
-    features = [student.preprocess(texts) for texts in columns]
-    embeddings = [student(f)["sentence_embedding"] for f in features]
-    text_ids = [token_fingerprints(f["input_ids"], f["attention_mask"]) for f in features]
-    guide_embeddings = [e.detach() for e in embeddings] if guide_kind == "self" else None
-    reference = gist_loss_reference(embeddings, guide_embeddings, options, text_ids)
-    reference.backward()
-    want = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
-    student.zero_grad(set_to_none=True)
-    assert_close("self/none vs oracle", (reference.detach(), want), (value, grads), MODELS)
+    assert loss.options.mask_self and loss.options.mask_duplicates
+    assert_close("self/none vs oracle", _oracle_run(student, columns, loss.options, guide_kind), (value, grads), MODELS)
 
 
 def test_no_guide_without_contrast_blocks_is_mnrl(student):
@@ -252,13 +263,4 @@ def test_more_negative_columns_than_sentence_transformers_takes(negatives, stude
     got = run_loss(loss, student, columns, seed=0)
     want = run_loss(CachedGISTEmbedLoss(student, guide, mini_batch_size=BATCH, **options), student, columns, seed=0)
     assert_close("k > 1 vs sentence-transformers' cached class", want, got, MODELS)
-    features = [student.preprocess(texts) for texts in columns]
-    embeddings = [student(f)["sentence_embedding"] for f in features]
-    with torch.no_grad():
-        guide_embeddings = [guide(student.preprocess(texts))["sentence_embedding"] for texts in columns]
-    text_ids = [token_fingerprints(f["input_ids"], f["attention_mask"]) for f in features]
-    reference = gist_loss_reference(embeddings, guide_embeddings, loss.options, text_ids)
-    reference.backward()
-    oracle = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
-    student.zero_grad(set_to_none=True)
-    assert_close("k > 1 vs the oracle", (reference.detach(), oracle), got, MODELS)
+    assert_close("k > 1 vs the oracle", _oracle_run(student, columns, loss.options, guide), got, MODELS)
