@@ -6,8 +6,8 @@ MultipleNegativesRanking family, cached or not).
 ``datasets.Dataset``, so they (and with them sentence-transformers) are imported on first use.
 
 The layers: ``losses/`` (the drop-ins) -> ``function`` (the functional form and its autograd Function) -> ``stage/``
-(the loss stage: its specification, dispatch, the PyTorch path and the oracle) -> ``cgist.kernels`` (the Triton
-path). ``cli/`` is the ``cgist`` command.
+(the loss stage: its specification, dispatch, the PyTorch and Triton backends and the oracle) -> ``cgist.kernels`` (the
+Triton kernels, device code only). ``cli/`` is the ``cgist`` command.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ check_sentence_transformers()
 if TYPE_CHECKING:
     from .losses.callbacks import GuideStatsCallback
     from .losses.gist import FusedCachedGISTLoss
-    from .losses.gist_embed import FusedGISTEmbedLoss
+    from .losses.gist import FusedGISTEmbedLoss
     from .losses.precompute import add_guide_embeddings
     from .losses.ranking import (
         FusedCachedMultipleNegativesRankingLoss,
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
-_LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedGISTEmbedLoss": "losses.gist_embed",
+_LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedGISTEmbedLoss": "losses.gist",
          "FusedCachedMultipleNegativesRankingLoss": "losses.ranking", "FusedMultipleNegativesRankingLoss": "losses.ranking",
          "FusedCachedMultipleNegativesSymmetricRankingLoss": "losses.ranking",
          "FusedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",

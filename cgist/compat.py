@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 
-__all__ = ["EXTRAS", "NEWEST_TESTED", "RELEASE_RULES", "SENTENCE_TRANSFORMERS", "IncompatibleVersionError",
+__all__ = ["EXTRAS", "NEWEST_RULES", "NEWEST_TESTED", "RELEASE_RULES", "SENTENCE_TRANSFORMERS", "IncompatibleVersionError",
            "MissingExtraError", "ReleaseRules", "check_sentence_transformers", "import_extra", "installed_version",
            "note_untested_release", "release_rules", "tested_range_status"]
 
@@ -69,6 +69,9 @@ RELEASE_RULES: tuple[tuple[str, ReleaseRules], ...] = (
     ("6.2.0", ReleaseRules(self_pairs_excluded=False, matryoshka_upcasts_half=False, matryoshka_follows_wrappers=False)),
     ("6.3.0", ReleaseRules(self_pairs_excluded=True, matryoshka_upcasts_half=True, matryoshka_follows_wrappers=True)),
 )
+#: The newest release's rules: the functional form's (``gist_loss``), which mirrors no installed class
+#: (docs/design.md#rules-by-release).
+NEWEST_RULES = RELEASE_RULES[-1][1]
 
 
 @functools.lru_cache(maxsize=8)
@@ -78,7 +81,7 @@ def release_rules(version: str | None = None) -> ReleaseRules:
 
     version = installed_version("sentence-transformers") if version is None else version
     if version is None:
-        return RELEASE_RULES[-1][1]
+        return NEWEST_RULES
     found = Version(version)
     chosen = RELEASE_RULES[0][1]
     for since, rules in RELEASE_RULES:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .compat import NEWEST_RULES
 from .stage.dispatch.route import Backend, select_backend
 from .stage.spec.checks import check_embeddings, check_text_ids, rows
 from .stage.spec.guide import kind_of, masks
@@ -24,26 +26,39 @@ from .stage.stats import GistStats
 __all__ = ["GistLossFunction", "gist_loss", "gist_loss_with_options"]
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What ``GistLossFunction`` takes beside the tensors: the backend, the options, each column's number of row
+    chunks (``layout``, student columns first, ``n_cols`` of them), and whether to compute the embedding gradients
+    and the statistics."""
+
+    backend: Backend
+    options: GistOptions
+    layout: tuple[int, ...]
+    n_cols: int
+    need_grads: bool
+    need_stats: bool
+
+
 class GistLossFunction(torch.autograd.Function):
     """Autograd node: forward returns the loss and the mask counters (counts, sums); backward scales the kept
-    gradients.
+    gradients (docs/design.md#the-drop-in-protocol: the Function's contract).
 
-    ``tensors`` are the row chunks of the student columns, then of the guide columns; ``layout`` gives each
-    column's number of chunks, student columns first (``n_cols`` of them). The backends take the columns
-    as lists of chunks, and each chunk gets its rows of its column's gradient.
+    ``tensors`` are the row chunks of the student columns, then of the guide columns, as ``call.layout`` counts them.
+    The backends take the columns as lists of chunks, and each chunk gets its rows of its column's gradient.
     """
 
     @staticmethod
-    def forward(ctx, backend: Backend, options: GistOptions, layout: tuple[int, ...], n_cols: int, need_grads: bool,
-                need_stats: bool, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(ctx, call: _Call, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         columns, start = [], 0
-        for n in layout:
+        for n in call.layout:
             columns.append(list(tensors[start : start + n]))
             start += n
-        guide = columns[n_cols:] or None  # no guide columns: no guide masking
-        loss, grads, counters = backend(columns[:n_cols], guide, options, need_grads=need_grads, need_stats=need_stats)
-        ctx.chunk_rows = [[t.shape[0] for t in column] for column in columns[:n_cols]]
-        ctx.n_guide_chunks = sum(layout[n_cols:])
+        guide = columns[call.n_cols:] or None  # no guide columns: no guide masking
+        loss, grads, counters = call.backend(columns[:call.n_cols], guide, call.options, need_grads=call.need_grads,
+                                             need_stats=call.need_stats)
+        ctx.chunk_rows = [[t.shape[0] for t in column] for column in columns[:call.n_cols]]
+        ctx.n_guide_chunks = sum(call.layout[call.n_cols:])
         if grads is not None:
             ctx.save_for_backward(*grads)
         counts, sums = counters if counters is not None else (loss.new_zeros(0, dtype=torch.int64), loss.new_zeros(0))
@@ -55,7 +70,7 @@ class GistLossFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor, _grad_counts: Tensor, _grad_sums: Tensor) -> tuple[Tensor | None, ...]:
         grads = [chunk for g, sizes in zip(ctx.saved_tensors, ctx.chunk_rows)
                  for chunk in (g * grad_output.to(g.dtype)).split(sizes)]
-        return (None,) * 6 + (*grads, *([None] * ctx.n_guide_chunks))
+        return (None, *grads, *([None] * ctx.n_guide_chunks))  # no gradient for the call, nor for the guide
 
 
 def gist_loss_with_options(
@@ -84,7 +99,8 @@ def gist_loss_with_options(
     guide = [[g.detach() for g in column] for column in guide or []]
     layout = tuple(len(column) for column in student + guide)
     flat = [t for column in student + guide for t in column]
-    loss, counts, sums = GistLossFunction.apply(run, options, layout, len(student), need_grads, return_stats, *flat)
+    call = _Call(run, options, layout, len(student), need_grads, return_stats)
+    loss, counts, sums = GistLossFunction.apply(call, *flat)
     if not return_stats:
         return loss
     stats = GistStats.from_counters(counts, sums, batch=rows(student[0]), n_cand=rows(student[1]),
@@ -157,7 +173,8 @@ def gist_loss(
         differentiable with respect to ``embeddings``; with ``return_stats``, ``(loss, stats)``.
     """
     source = kind_of(guide_embeddings)
-    mask_self, mask_duplicates = masks(source, mask_self, mask_duplicates, text_ids is not None)
+    mask_self, mask_duplicates = masks(source, mask_self, mask_duplicates, text_ids is not None,
+                                       self_pairs_excluded=NEWEST_RULES.self_pairs_excluded)
     if all_anchors is not None:
         embeddings, guide_embeddings, text_ids = _with_all_anchors(
             embeddings, guide_embeddings, text_ids, all_anchors, all_anchors_guide, all_anchors_text_ids,

@@ -249,3 +249,10 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():
     assert pages, "docs/ holds no page"
     assert sorted(set(pages) - set(nav)) == [], "pages of docs/ missing from mkdocs.yml's nav"
     assert sorted(set(nav) - set(pages)) == [], "mkdocs.yml's nav names pages that docs/ does not hold"
+
+
+def test_the_losses_page_shows_the_options_table():
+    """docs/losses.md#cgists-own-options is the options table as ``cgist.losses.options`` renders it."""
+    from cgist.losses.options import markdown_table
+
+    assert markdown_table() in (DOCS / "losses.md").read_text(encoding="utf-8")

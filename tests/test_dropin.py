@@ -16,6 +16,7 @@ difference.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import pytest
@@ -158,41 +159,67 @@ def test_an_assigned_hyperparameter_takes_effect(case, matryoshka, student, guid
         assert not torch.isclose(after[0], before[0]), "the assignment should change the loss"
 
 
-#: cgist's own attributes of FusedCachedGISTLoss (guide "self"), each assigned against a loss constructed with it.
-OWN = [
-    dict(mask_self=False, mask_duplicates=False), dict(block_bytes=4096),
-    dict(directions=("query_to_doc", "doc_to_query"), contrast_anchors=False),
-    dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction", contrast_anchors=False,
-         contrast_positives=False),
-    dict(hardness_mode="all_negatives", hardness_strength=5.0),
-]
+# cgist's own options: the table ----------------------------------------------------------------------------------
+
+#: The base of each drop-in in the options walk: GIST guided by its own embeddings without the contrast blocks (so
+#: every example is valid) and with a margin below -1 (only the masks drop the self-pairs and the duplicate).
+OWN_BASE = {"gist": dict(contrast_anchors=False, contrast_positives=False, margin=-1.5), "ranking": {}}
+OWN_CASES = [(pair, option.name) for pair, (_, ours, _) in PAIRS.items() for option in ours.own_options()]
 
 
-@pytest.mark.parametrize("own", OWN, ids=lambda own: "-".join(f"{k}={v}" for k, v in own.items()))
-def test_cgist_own_attributes_take_effect(own, student):
-    """Each of cgist's own attributes assigned equals it passed to the constructor."""
-    texts = short_texts(1)
-    texts[0][5] = texts[0][1]  # a duplicate anchor: mask_duplicates has something to mask
-    # A margin below -1 masks nothing by the guide, so only the masks drop the self-pairs and the duplicate.
-    fresh = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5, **own)
-    assigned = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch", margin=-1.5)
-    default = _run(assigned, student, texts)
-    for name, value in own.items():
-        setattr(assigned, name, value)
-    _assert_same(_run(assigned, student, texts), _run(fresh, student, texts))
-    if "block_bytes" not in own:  # the budget keeps the loss
-        assert not torch.isclose(default[0], _run(assigned, student, texts)[0])
-
-
-def test_the_backend_and_budget_assigned_reach_the_loss_stage(student, monkeypatch):
+def _stage_arguments(loss, student, texts, monkeypatch) -> tuple[object, tuple]:
+    """The loss stage's arguments of one step of ``loss`` (its options and backend), and the step's loss and
+    gradients."""
     seen = []
     real = cgist.losses.base.gist_loss_with_options
     monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options",
-                        lambda *a, **k: seen.append((k["backend"], a[2].block_bytes)) or real(*a, **k))
-    loss = FusedCachedGISTLoss(student, "self", mini_batch_size=4, backend="torch")
-    loss.backend, loss.block_bytes = "auto", 1 << 20
-    _run(loss, student, short_texts(0))
-    assert seen == [("auto", 1 << 20)]
+                        lambda *a, **k: seen.append((a[2], k["backend"])) or real(*a, **k))
+    result = _run(loss, student, texts)
+    monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", real)
+    (arguments,) = seen
+    return arguments, result
+
+
+@pytest.mark.parametrize(("pair", "name"), OWN_CASES, ids=[f"{pair}-{name}" for pair, name in OWN_CASES])
+def test_every_own_option_assigned_equals_it_passed_to_the_constructor(pair, name, student, monkeypatch):
+    """Every option of the table (``cgist.losses.options.OPTIONS``), on every drop-in that takes it: assigned after
+    construction, the next step's loss stage gets the arguments, loss and gradients of a drop-in built with it, and
+    not those of the default."""
+    _, ours, guided = PAIRS[pair]
+    option = next(o for o in ours.own_options() if o.name == name)
+    texts = short_texts(1)
+    texts[0][5] = texts[0][1]  # a duplicate anchor: mask_duplicates has something to mask
+    base = OWN_BASE[ours.family]
+
+    def build(**kw):
+        return _build(pair, True, student, "self" if guided else None, mini_batch_size=4, **base, **kw)
+
+    assigned, default = build(), build()
+    setattr(assigned, name, option.example)
+    assert getattr(assigned, name) == option.example
+    want, want_result = _stage_arguments(build(**{name: option.example}), student, texts, monkeypatch)
+    got, got_result = _stage_arguments(assigned, student, texts, monkeypatch)
+    assert got == want
+    assert got != _stage_arguments(default, student, texts, monkeypatch)[0], f"{name}={option.example!r} is the default"
+    _assert_same(got_result, want_result)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_the_constructor_is_sentence_transformers_then_the_own_options_keyword_only(pair):
+    theirs, ours, _ = PAIRS[pair]
+    parameters = list(inspect.signature(ours.__init__).parameters.values())
+    expected = list(inspect.signature(theirs.__init__).parameters.values())
+    assert [(p.name, p.default, p.kind) for p in parameters[:len(expected)]] == \
+        [(p.name, p.default, p.kind) for p in expected]
+    assert [(p.name, p.default, p.kind) for p in parameters[len(expected):]] == \
+        [(o.name, o.default, inspect.Parameter.KEYWORD_ONLY) for o in ours.own_options()]
+
+
+def test_an_unknown_keyword_names_itself(student):
+    with pytest.raises(TypeError, match="mask_selff"):
+        FusedCachedGISTLoss(student, "self", mask_selff=True)
+    with pytest.raises(TypeError, match="mask_self"):  # a GIST option, not a ranking one
+        FusedCachedMultipleNegativesRankingLoss(student, mask_self=True)
 
 
 # Bad assigned values get the constructor's error ---------------------------------------------------------------
@@ -402,14 +429,7 @@ def test_symmetric_equals_sentence_transformers(columns, similarity, matryoshka,
     assert _inner(ours).last_stats is not None
 
 
-def test_symmetric_has_the_arguments_and_deprecation_of_sentence_transformers(student):
-    import inspect
-
-    theirs = [(n, p.default) for n, p in inspect.signature(CachedMultipleNegativesSymmetricRankingLoss.__init__)
-              .parameters.items()]
-    ours = [(n, p.default) for n, p in inspect.signature(FusedCachedMultipleNegativesSymmetricRankingLoss.__init__)
-            .parameters.items()]
-    assert ours == theirs + [("backend", "auto"), ("block_bytes", None)]
+def test_symmetric_has_the_deprecation_of_sentence_transformers(student):
     with pytest.warns(DeprecationWarning, match="directions=\\('query_to_doc', 'doc_to_query'\\)"):
         loss = cgist.FusedCachedMultipleNegativesSymmetricRankingLoss(student)
     assert loss.directions == ("query_to_doc", "doc_to_query") and loss.partition_mode == "per_direction"

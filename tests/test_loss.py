@@ -209,19 +209,6 @@ def test_citation_names_gistembed_and_gradcache(student, guide):
     assert "GISTEmbed" in citation and "2101.06983" in citation
 
 
-def test_constructor_has_the_parameters_and_defaults_of_sentence_transformers():
-    ours = dict(inspect.signature(FusedCachedGISTLoss.__init__).parameters)
-    theirs = dict(inspect.signature(CachedGISTEmbedLoss.__init__).parameters)
-    backend = ours.pop("backend")
-    assert backend.default == "auto" and backend.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    extras = {"block_bytes": None, "mask_self": None, "mask_duplicates": None, "directions": ("query_to_doc",),
-              "partition_mode": "joint", "hardness_mode": None, "hardness_strength": 0.0}
-    for name, default in extras.items():
-        extra = ours.pop(name)
-        assert extra.default == default and extra.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    assert [(p.name, p.default, p.kind) for p in ours.values()] == [(p.name, p.default, p.kind) for p in theirs.values()]
-
-
 def test_config_dict_round_trip(student, guide):
     loss = FusedCachedGISTLoss(
         student, guide, temperature=0.05, mini_batch_size=3, mini_batch_num_tokens=64, margin_strategy="relative",

@@ -24,7 +24,7 @@ from sentence_transformers.sentence_transformer.losses import (
 import cgist
 from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss, GistOptions
 from cgist.compat import release_rules
-from cgist.losses.base import FusedMatryoshka
+from cgist.losses.matryoshka import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
 
 MINI_BATCH = 5  # random_texts puts each duplicate at the same place in its mini-batch as the original
@@ -92,13 +92,13 @@ def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, g
 def test_sampled_dimensions_follow_the_same_random_calls(student, guide, monkeypatch):
     """Seeded alike, n_dims_per_step picks the same dimensions as sentence-transformers, step after step."""
     picked = []
-    real = cgist.losses.gist.FusedCachedGISTLoss._loss_stage
+    real = cgist.losses.gist.FusedCachedGISTLoss.loss_stage
 
     def spy(self, reps, reps_guided, *, with_backward, dims=None):
         picked.append(tuple(d for d, _ in dims))
         return real(self, reps, reps_guided, with_backward=with_backward, dims=dims)
 
-    monkeypatch.setattr(cgist.losses.gist.FusedCachedGISTLoss, "_loss_stage", spy)
+    monkeypatch.setattr(cgist.losses.gist.FusedCachedGISTLoss, "loss_stage", spy)
     dims = [32, 24, 16, 8, 4]
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, dims, n_dims_per_step=2)

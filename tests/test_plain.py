@@ -32,7 +32,7 @@ from sentence_transformers.util import dot_score
 import cgist
 import cgist.losses.base
 from cgist import FusedGISTEmbedLoss, FusedMultipleNegativesRankingLoss, FusedMultipleNegativesSymmetricRankingLoss
-from cgist.losses.base import FusedMatryoshka
+from cgist.losses.matryoshka import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
 from cgist.stage.ties import token_fingerprints
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
     from ..losses.callbacks import GuideStatsCallback
-    from ..losses.gist import _FusedGIST
+    from ..losses.gist import GistFamily
     from .trainer import CheckpointTrainer, NonFiniteLoss, StopRequest
 
 __all__ = ["SUMMARY_NAME", "Stopped", "guide_embeddings", "load_model", "resume_hint", "run_train", "train"]
@@ -223,7 +223,7 @@ class _Models:
     train_set: Dataset
     eval_set: Dataset
     model: SentenceTransformer
-    loss: _FusedGIST  # FusedCachedGISTLoss, or FusedGISTEmbedLoss without GradCache
+    loss: GistFamily  # FusedCachedGISTLoss, or FusedGISTEmbedLoss without GradCache
     precomputed: dict | None  # what guide_embeddings did, for --guide-mode precomputed
 
 
@@ -232,7 +232,7 @@ def _load_models(config: RunConfig) -> _Models:
     import torch
 
     from ..losses.gist import FusedCachedGISTLoss
-    from ..losses.gist_embed import FusedGISTEmbedLoss
+    from ..losses.gist import FusedGISTEmbedLoss
     from .data import DataError, split_pairs
 
     try:

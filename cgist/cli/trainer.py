@@ -19,7 +19,7 @@ import torch
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..losses.gist import _FusedGIST
+from ..losses.gist import GistFamily
 from .output import commit_checkpoint, new_staging, write_record
 
 __all__ = ["CheckpointTrainer", "NonFiniteGuard", "NonFiniteLoss", "StopNow", "StopRequest"]
@@ -141,7 +141,7 @@ class NonFiniteGuard(TrainerCallback):
     callback.
     """
 
-    def __init__(self, loss: _FusedGIST, model: SentenceTransformer) -> None:
+    def __init__(self, loss: GistFamily, model: SentenceTransformer) -> None:
         self.step = 1
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         calculate_loss = loss.calculate_loss

@@ -1,8 +1,13 @@
-"""The drop-ins: sentence-transformers' losses with the fused loss stage (``cgist.stage``).
+"""The drop-ins: sentence-transformers' losses with the fused loss stage (``cgist.stage``), each one class over three
+pieces (docs/design.md#the-drop-in-protocol).
 
-* ``base``: what every drop-in shares: the attributes as the options (``FusedDropIn``), the loss stage of a step
-  (``fused_loss_stage``) and the takeover of ``MatryoshkaLoss`` (``FusedMatryoshka``).
-* ``gist``: ``FusedCachedGISTLoss``; ``ranking``: the cached ranking losses.
+* ``base``: the drop-in protocol (``FusedDropIn``): construction and checks, the options read off the attributes
+  and cached, ``calculate_loss`` and the loss-stage call, the fallback to sentence-transformers' own computation;
+  ``options``: the table of cgist's own options every drop-in takes.
+* ``steps``: how a batch is embedded, GradCache's mini-batches (``CachedStep``) or one forward pass (``PlainStep``).
+* ``gist``: the GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``); ``ranking``: the ranking family (the
+  cached and plain ``MultipleNegativesRankingLoss`` and its symmetric variant).
+* ``matryoshka``: the takeover of ``MatryoshkaLoss``'s decoration (every dimension in one loss stage).
 * ``precompute``: a guide's embeddings of a dataset as its label column (``add_guide_embeddings``);
   ``callbacks``: the guide's statistics in the trainer's logs (``GuideStatsCallback``).
 """

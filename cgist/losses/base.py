@@ -1,19 +1,37 @@
-"""What every fused drop-in shares: the loss stage of a GradCache step over the cached mini-batch embeddings
-(``fused_loss_stage``; the texts' ids it masks duplicates by, and the equal batches that gathering across ranks
-needs), the embedding stage's attributes checked, the options read off a drop-in's attributes at each call
-(``FusedDropIn``) and the takeover of ``MatryoshkaLoss``'s decoration (``FusedMatryoshka``). The drop-ins are
-``cgist.losses.gist`` (GIST) and ``cgist.losses.ranking``; this module imports neither."""
+"""The drop-in protocol: what every fused drop-in is, whatever its family and however it embeds a batch
+(docs/design.md#the-drop-in-protocol).
+
+A drop-in is one class over three pieces and sentence-transformers' own loss class, which it replaces::
+
+    class FusedCachedGISTLoss(GistFamily, CachedStep, CachedGISTEmbedLoss): ...
+
+* ``FusedDropIn`` (here) owns what every drop-in does: its constructor (sentence-transformers' arguments, checked and
+  handed to its constructor, then cgist's own options of ``cgist.losses.options``, keyword-only), the options read off
+  the attributes at each call and cached (``resolve``), ``calculate_loss`` and the loss-stage call (``loss_stage``),
+  the fallback to sentence-transformers' own computation where the fused stage does not compute what the attributes
+  ask, the path record and the configuration.
+* The step (``cgist.losses.steps``): how a batch is embedded, GradCache's mini-batches (``CachedStep``) or one
+  forward pass (``PlainStep``): its attributes and their checks, ``forward``, and sentence-transformers' own loss over
+  a step's embeddings.
+* The family (``cgist.losses.gist``, ``cgist.losses.ranking``): its hyperparameters checked and turned into the
+  loss stage's ``GistOptions``, and its guide, if any.
+
+Each piece declares its hooks here, with what they must do. This module imports no family.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-import numbers
-import random
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num_tokens
+from sentence_transformers import SentenceTransformer
 from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
@@ -22,8 +40,10 @@ from ..function import gist_loss_with_options
 from ..stage.spec.options import GistOptions
 from ..stage.stats import GistStats
 from ..stage.ties import token_fingerprints
+from .matryoshka import FusedMatryoshka
+from .options import Option, options_of
 
-__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "FusedMatryoshka"]
+__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "StepInputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +51,17 @@ logger = logging.getLogger(__name__)
 #: fused stage does not compute what the attributes ask (``FusedDropIn.resolve``).
 FUSED, UNFUSED = "fused", "sentence-transformers"
 PATHS = (FUSED, UNFUSED)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's ``forward`` reads off the batch for the loss stage besides the embeddings, which
+    sentence-transformers' ``calculate_loss(reps, reps_guided)`` has no argument for: the label column's guide
+    embeddings (``guide="labels"``) and the texts' ids (``text_fingerprints``). ``FusedDropIn.reading`` holds them for
+    the duration of the step."""
+
+    guide: list[Tensor] | None = None
+    text_ids: list[Tensor] | None = None
 
 
 def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
@@ -97,85 +128,167 @@ def fused_loss_stage(
     return loss, stats
 
 
-def check_embedding_stage(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
-    """The embedding stage's attributes of every drop-in, checked; sentence-transformers' own check of
-    ``mini_batch_num_tokens`` keeps its message."""
-    for name, value, expected in (
-        ("mini_batch_size", mini_batch_size, "an int"),
-        ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
-    ):
-        if value is None and name == "mini_batch_num_tokens":
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
-    if mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
-    try:
-        _validate_mini_batch_num_tokens(mini_batch_num_tokens)
-    except ValueError as error:
-        raise ValueError(f"{error} Got {mini_batch_num_tokens!r}.") from None
-    check_gather(gather_across_devices)
-
-
-def check_gather(gather_across_devices: object) -> None:
-    """``gather_across_devices`` is a bool (every drop-in's; the plain ones have no other embedding-stage attribute)."""
-    if not isinstance(gather_across_devices, bool):
-        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
-
-
 def attribute_key(obj: object, names: Iterable[str]) -> tuple:
     """The values of the attributes ``names`` of ``obj`` (None where one is missing), each with its type, so that
     ``1`` and ``True`` or ``0`` and ``0.0`` differ: what a drop-in's options are rebuilt on."""
     return tuple((type(value), value) for value in (getattr(obj, name, None) for name in names))
 
 
-class FusedDropIn:
-    """What the fused drop-ins share: sentence-transformers' attributes are the options.
 
-    The subclass (a sentence-transformers loss) keeps every hyperparameter as the attribute that
-    sentence-transformers defines, and cgist's own (``backend``, ``block_bytes``, ...) beside them, with class-level
-    defaults so that a loss built by ``__new__`` with its attributes set by hand has them too. At each call,
-    ``resolve`` reads them: the ``GistOptions`` of the fused loss stage, validated and cached, rebuilt only when one
-    of the attributes in ``options_key`` changed; or None when the fused stage does not compute what they ask for,
-    and sentence-transformers' own loss computation runs instead (with one warning per loss object).
+def check_equal_batches(batch_size: int, device: torch.device) -> None:
+    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong.
+
+    The sizes travel on ``device``, the embeddings' own, which the process group can reach.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor(batch_size, device=device))
+    sizes = [int(s) for s in sizes]
+    if len(set(sizes)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+        raise ValueError(
+            f"gather_across_devices=True needs the same local batch size on every rank, got {listing} rows; "
+            "use a sampler that gives every rank full batches (e.g. drop_last / dataloader_drop_last=True)"
+        )
+
+
+class FusedDropIn:
+    """What every fused drop-in is: sentence-transformers' attributes and cgist's own options are the options of
+    the fused loss stage, read at each call.
+
+    The subclass keeps every hyperparameter as the attribute that sentence-transformers defines, and cgist's own
+    (``cgist.losses.options``) beside them, with class-level defaults so that a loss built by ``__new__`` with its
+    attributes set by hand has them too. At each call ``resolve`` reads them: the ``GistOptions`` of the fused loss
+    stage, checked and cached, rebuilt only when one of the attributes in ``options_key`` changed; or None when the
+    fused stage does not compute what they ask for, and sentence-transformers' own loss computation runs instead
+    (with one warning per loss object).
+
+    Hooks, by the piece that supplies them (docs/design.md#the-drop-in-protocol):
+
+    * the family: ``family`` (its name in the options table), ``family_attributes``, ``_check_arguments``,
+      ``_family_key``, ``_family_options``; optionally ``_for_sentence_transformers``, ``_keep_arguments``,
+      ``_step_inputs``, ``_guide_columns``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``;
+    * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``;
+    * the class: its sentence-transformers base (``replaces``, found from the bases) and ``deprecation``.
     """
 
-    backend: str = "auto"
-    block_bytes: int | None = None
+    # -- declared by the family ---------------------------------------------------------------------------------------
+    #: The family's name in the options table (``cgist.losses.options.Option.families``).
+    family: str = ""
+    #: sentence-transformers' attributes the family reads besides its constructor's parameters.
+    family_attributes: tuple[str, ...] = ()
+    # -- declared by the step -----------------------------------------------------------------------------------------
+    #: The embedding stage's attributes.
+    embedding_attributes: tuple[str, ...] = ()
+    # -- declared by the class ----------------------------------------------------------------------------------------
+    #: The sentence-transformers class this drop-in replaces: the first of its bases that is no ``FusedDropIn``.
+    replaces: type | None = None
+    #: A ``DeprecationWarning`` given at construction (sentence-transformers deprecates the replaced class).
+    deprecation: str | None = None
+    #: The family: the annotations of sentence-transformers' parameters that it takes more of (the GIST guide).
+    argument_annotations: dict[str, str] = {}
+
     last_stats: GistStats | None = None
     #: The path of the last loss computation: ``FUSED`` (cgist's loss stage) or ``UNFUSED`` (sentence-transformers'
     #: own code); None before the first.
     last_path: str | None = None
-    #: cgist's own constructor arguments and their defaults: ``get_config_dict`` lists those that differ.
-    OWN_DEFAULTS: dict[str, object] = {"backend": "auto", "block_bytes": None}
 
-    def __setattr__(self, name: str, value: object) -> None:
-        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
-        # dimensions; take that decoration over and compute the dimensions in one pass instead.
-        if name == "calculate_loss":
-            value = FusedMatryoshka.take_over(self, value)
-        super().__setattr__(name, value)
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Each family's options as class-level defaults; for a drop-in class (one with a sentence-transformers base),
+        the class it replaces and its constructor's signature: sentence-transformers' parameters, then cgist's own
+        options as keyword-only parameters."""
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            for option in options_of(cls.family):
+                setattr(cls, option.name, option.default)
+        replaces = next((base for base in cls.__mro__ if issubclass(base, torch.nn.Module)
+                         and not issubclass(base, FusedDropIn)), None)
+        if replaces is None:
+            return
+        cls.replaces = replaces
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _constructor(cls)
+        if cls.__doc__ and "family" not in cls.__dict__:
+            lines = "".join(f"\n        {option.name} (default {option.default!r}): {option.doc}."
+                            for option in cls.own_options())
+            cls.__doc__ = (f"{cls.__doc__.rstrip()}\n\n    cgist's own options, keyword-only "
+                           f"(docs/losses.md#cgists-own-options):{lines}\n")
 
-    def record_path(self, path: str, stats: GistStats | None = None) -> None:
-        """Note which path computed this loss (``FUSED`` or ``UNFUSED``) and the fused stage's statistics (None on
-        the unfused path): ``last_path``, ``last_stats`` and the running counts of ``path_counts``."""
-        self.last_path, self.last_stats = path, stats
-        counts = self.__dict__.setdefault("_path_counts", dict.fromkeys(PATHS, 0))  # past nn.Module.__setattr__
-        counts[path] += 1
+    # -- construction --------------------------------------------------------------------------------------------------
 
-    @property
-    def path_counts(self) -> dict[str, int]:
-        """How many loss computations each path ran since this drop-in was built: ``{FUSED: n, UNFUSED: m}``. Under
-        ``MatryoshkaLoss`` a fused step is one computation, an unfused one a computation per dimension."""
-        return dict(self.__dict__.get("_path_counts", dict.fromkeys(PATHS, 0)))
+    def _construct(self, args: tuple, kwargs: dict[str, object]) -> None:
+        """sentence-transformers' arguments bound to its constructor's parameters and checked (with cgist's messages
+        for what its constructor would not name), its constructor run on them, then cgist's own options and the
+        family's arguments kept as attributes, and every attribute checked as it is again at each call."""
+        own = {option.name: kwargs.pop(option.name, option.default) for option in self.own_options()}
+        bound = _parameters(self.replaces).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        if self.deprecation:
+            warnings.warn(self.deprecation, DeprecationWarning, stacklevel=3)
+        if not isinstance(arguments["model"], SentenceTransformer):
+            raise TypeError(f"model must be a SentenceTransformer, got {type(arguments['model']).__name__}")
+        self._check_embedding_stage(arguments)
+        self._check_arguments(arguments)
+        super().__init__(**self._for_sentence_transformers(arguments))
+        for name, value in own.items():
+            setattr(self, name, value)
+        self._keep_arguments(arguments)
+        self.resolve()
+
+    @classmethod
+    def own_options(cls) -> Iterator[Option]:
+        """cgist's own options of this drop-in (``cgist.losses.options``)."""
+        return options_of(cls.family)
+
+    def _check_arguments(self, arguments: Mapping[str, object]) -> None:
+        """The family: its hyperparameters among sentence-transformers' ``arguments`` (or the attributes) checked,
+        where sentence-transformers' constructor would not name a bad one."""
+
+    def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
+        """The family: the arguments sentence-transformers' constructor takes (default: as given)."""
+        return arguments
+
+    def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
+        """The family: what it keeps of the arguments after sentence-transformers' constructor (default: nothing)."""
+
+    def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
+        """The step: the embedding stage's attributes (``embedding_attributes``) among ``values``, checked."""
+        raise NotImplementedError
+
+    # -- the options, read off the attributes --------------------------------------------------------------------------
 
     def options_key(self) -> tuple:
-        """The attribute values the options are built from (``attribute_key``)."""
-        raise NotImplementedError
+        """The attribute values the options are built from (``attribute_key``): sentence-transformers' constructor
+        parameters, the family's and the step's attributes, cgist's own options, and the family's settings of
+        objects held as attributes (``_family_key``)."""
+        names = dict.fromkeys([*_parameter_names(self.replaces), *self.family_attributes, *self.embedding_attributes,
+                               *(option.name for option in self.own_options())])
+        return (*attribute_key(self, names), *self._family_key())
+
+    def _family_key(self) -> tuple:
+        """The family: what else its options depend on (settings of objects held as attributes)."""
+        return ()
 
     def build_options(self) -> tuple[GistOptions | None, str | None]:
         """The attributes checked: the fused stage's options, or None and the reason it does not compute them."""
+        self._check_embedding_stage({name: getattr(self, name) for name in self.embedding_attributes})
+        for option in self.own_options():
+            if option.check is not None:
+                option.check(option.name, getattr(self, option.name))
+        return self._family_options()
+
+    def _family_options(self) -> tuple[GistOptions | None, str | None]:
+        """The family: its hyperparameters checked (raising as its constructor does) and the fused stage's options,
+        with cgist's own option fields (``own_fields``); or None and the reason the fused stage does not compute
+        them."""
         raise NotImplementedError
+
+    def own_fields(self) -> dict[str, object]:
+        """cgist's own options that are ``GistOptions`` fields, by name, as the attributes hold them."""
+        return {option.name: getattr(self, option.name) for option in self.own_options() if option.field}
 
     def resolve(self) -> GistOptions | None:
         """The options of the next loss stage, from the attributes as they are now; None when sentence-transformers'
@@ -200,93 +313,139 @@ class FusedDropIn:
         """The fused loss stage's options for the attributes as they are now (None when it does not run)."""
         return self.resolve()
 
-    def own_config(self) -> dict[str, object]:
-        """cgist's own arguments that differ from their defaults, for ``get_config_dict``."""
-        return {name: getattr(self, name) for name, default in self.OWN_DEFAULTS.items()
-                if getattr(self, name) != default}
+    # -- a step ---------------------------------------------------------------------------------------------------------
 
-
-def check_equal_batches(batch_size: int, device: torch.device) -> None:
-    """With gathering, every rank must hold the same number of anchors, or the offsets would be wrong.
-
-    The sizes travel on ``device``, the embeddings' own, which the process group can reach.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    sizes = [torch.zeros((), dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor(batch_size, device=device))
-    sizes = [int(s) for s in sizes]
-    if len(set(sizes)) > 1:
-        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-        raise ValueError(
-            f"gather_across_devices=True needs the same local batch size on every rank, got {listing} rows; "
-            "use a sampler that gives every rank full batches (e.g. drop_last / dataloader_drop_last=True)"
-        )
-
-
-
-class FusedMatryoshka:
-    """``calculate_loss`` of a fused drop-in under ``MatryoshkaLoss``: every dimension in one pass.
-
-    It stands in for sentence-transformers' ``CachedLossDecorator`` and reads its attributes (``fn``,
-    ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``) at each call. Each call picks the dimensions
-    with the same random call as that decorator (``random.sample`` over the dimension indices when
-    ``n_dims_per_step`` is below their number), then computes ``sum_d w_d * L_d`` and its gradients in one loss-stage
-    call. When the loss's attributes ask for what the fused stage does not compute, the decorator itself runs, a
-    loss per dimension, as in sentence-transformers.
-    """
-
-    def __init__(self, loss: FusedDropIn, decorator: object) -> None:
-        self.loss = loss
-        self.decorator = decorator
-
-    def __getattr__(self, name: str) -> object:
-        if name in ("fn", "matryoshka_dims", "matryoshka_weights", "n_dims_per_step"):
-            return getattr(self.decorator, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @staticmethod
-    def take_over(loss: FusedDropIn, value: object) -> object:
-        """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
-
-        Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then
-        runs once per dimension, as in sentence-transformers, which is slower but the same.
-        """
+    @contextmanager
+    def reading(self, inputs: StepInputs) -> Iterator[None]:
+        """``inputs`` are ``step_inputs`` for the duration (a step's ``forward`` around ``calculate_loss``)."""
+        previous = self.__dict__.get("_inputs_read")
+        self.__dict__["_inputs_read"] = inputs  # past nn.Module.__setattr__
         try:
-            from sentence_transformers.sentence_transformer.losses.matryoshka import CachedLossDecorator
-        except ImportError:
-            return value
-        fn = getattr(value, "fn", None)
-        if not (isinstance(value, CachedLossDecorator) and getattr(fn, "__self__", None) is loss
-                and getattr(fn, "__func__", None) is getattr(type(loss), "calculate_loss", None)
-                and all(hasattr(value, a) for a in ("matryoshka_dims", "matryoshka_weights", "n_dims_per_step"))):
-            return value
-        return FusedMatryoshka(loss, value)
+            yield
+        finally:
+            self.__dict__["_inputs_read"] = previous
 
-    def __call__(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]] | Tensor | None = None, *,
-                 with_backward: bool = False) -> Tensor:
-        """``calculate_loss`` over the sampled dimensions; ``reps_guided`` is the GIST loss's guide embeddings, or the
-        labels of the ranking losses (unused)."""
-        if self.loss.resolve() is None and (with_backward or not torch.is_grad_enabled()):
-            return self.decorator(reps, reps_guided, with_backward=with_backward)
-        dims, weights = self.decorator.matryoshka_dims, self.decorator.matryoshka_weights
-        indices: range | list[int] = range(len(dims))
-        if 0 < self.decorator.n_dims_per_step < len(indices):
-            indices = random.sample(indices, self.decorator.n_dims_per_step)
-        chosen = tuple((dims[i], float(weights[i])) for i in indices)
-        if self.loss.resolve() is None:
-            return self._per_dimension(reps, reps_guided, chosen)
-        return self.loss._loss_stage(reps, reps_guided, with_backward=with_backward, dims=chosen)
+    @property
+    def step_inputs(self) -> StepInputs:
+        """What this step's ``forward`` read off the batch (``StepInputs``); empty outside a step."""
+        return self.__dict__.get("_inputs_read") or _NO_INPUTS
 
-    def _per_dimension(self, reps: list[list[Tensor]], reps_guided: object,
-                       chosen: tuple[tuple[int, float], ...]) -> Tensor:
-        """A plain drop-in's unfused loss under ``MatryoshkaLoss``, differentiable: sentence-transformers' loop over
-        the dimensions (ascending, as it sorts the sampled ones), each on the embeddings truncated and normalised by
-        its ``shrink``. (Its cached-loss decorator expects each dimension's gradients in the leaves instead.)"""
-        from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+    def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
+                     options: GistOptions | None) -> StepInputs:
+        """The family: what the loss stage reads off the batch (default: nothing)."""
+        return _NO_INPUTS
 
-        loss = 0.0
-        for dim, weight in sorted(chosen, key=lambda pair: self.decorator.matryoshka_dims.index(pair[0])):
-            truncated = [[shrink(r, dim) for r in column] for column in reps]
-            loss = loss + weight * self.fn(truncated, reps_guided)
+    def calculate_loss(self, reps: list[list[Tensor]], reps_guided: object = None, *,
+                       with_backward: bool = False) -> Tensor:
+        """The loss over a step's embeddings (``reps``: each column's mini-batches); ``reps_guided`` is the GIST
+        drop-ins' guide embeddings, or the ranking drop-ins' labels (unused: the positive pair is the diagonal).
+
+        With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in ``reps`` and a
+        detached scalar is returned; without, the loss is differentiable with respect to them; under
+        ``torch.no_grad`` only the loss is computed.
+        """
+        return self.loss_stage(reps, reps_guided, with_backward=with_backward)
+
+    def loss_stage(self, reps: list[list[Tensor]], reps_guided: object, *, with_backward: bool,
+                   dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
+        """``calculate_loss`` over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given: the fused loss stage, or
+        sentence-transformers' own computation where it does not run (``resolve``)."""
+        options = self.resolve()
+        guide = self._guide_columns(reps, reps_guided)
+        if options is None:
+            self.record_path(UNFUSED)
+            return self._unfused_loss(reps, self._unfused_reps_guided(reps_guided, guide), with_backward)
+        text_ids = self.step_inputs.text_ids
+        if options.mask_duplicates and text_ids is None:
+            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
+                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
+        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
+                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
+        self.record_path(FUSED, stats)
+        self._after_fused(reps, stats, options)
         return loss
+
+    def _guide_columns(self, reps: list[list[Tensor]], reps_guided: object) -> list | str | None:
+        """The family: the guide the fused stage takes (``gist_loss``'s ``guide_embeddings``), checked; default
+        None (no guide)."""
+        return None
+
+    def _unfused_reps_guided(self, reps_guided: object, guide: object) -> object:
+        """The family: ``reps_guided`` as sentence-transformers' own computation takes it (default: as given)."""
+        return reps_guided
+
+    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
+        """The step: sentence-transformers' own loss over a step's embeddings, where the fused stage does not run."""
+        raise NotImplementedError
+
+    def _after_fused(self, reps: list[list[Tensor]], stats: GistStats, options: GistOptions) -> None:
+        """The family: what follows a fused loss stage (default: nothing)."""
+
+    # -- what a drop-in reports -----------------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
+        # dimensions; take that decoration over and compute the dimensions in one pass instead.
+        if name == "calculate_loss":
+            value = FusedMatryoshka.take_over(self, value)
+        super().__setattr__(name, value)
+
+    def record_path(self, path: str, stats: GistStats | None = None) -> None:
+        """Note which path computed this loss (``FUSED`` or ``UNFUSED``) and the fused stage's statistics (None on
+        the unfused path): ``last_path``, ``last_stats`` and the running counts of ``path_counts``."""
+        self.last_path, self.last_stats = path, stats
+        counts = self.__dict__.setdefault("_path_counts", dict.fromkeys(PATHS, 0))  # past nn.Module.__setattr__
+        counts[path] += 1
+
+    @property
+    def path_counts(self) -> dict[str, int]:
+        """How many loss computations each path ran since this drop-in was built: ``{FUSED: n, UNFUSED: m}``. Under
+        ``MatryoshkaLoss`` a fused step is one computation, an unfused one a computation per dimension."""
+        return dict(self.__dict__.get("_path_counts", dict.fromkeys(PATHS, 0)))
+
+    def own_config(self) -> dict[str, object]:
+        """cgist's own options that differ from their defaults, for ``get_config_dict``."""
+        return {option.name: getattr(self, option.name) for option in self.own_options()
+                if getattr(self, option.name) != option.default}
+
+    def _config_extras(self) -> dict[str, object]:
+        """The family: what its configuration adds before cgist's own options (default: nothing)."""
+        return {}
+
+    def get_config_dict(self) -> dict:
+        """sentence-transformers' configuration, key for key, then what the family adds and cgist's own options
+        where they differ from their defaults."""
+        return {**super().get_config_dict(), **self._config_extras(), **self.own_config()}
+
+
+_NO_INPUTS = StepInputs()
+
+
+@functools.cache
+def _parameters(replaces: type) -> inspect.Signature:
+    """The signature of ``replaces``'s constructor (``self`` first)."""
+    return inspect.signature(replaces.__init__)
+
+
+def _parameter_names(replaces: type) -> tuple[str, ...]:
+    """The names of ``replaces``'s constructor parameters, ``self`` left out."""
+    return tuple(_parameters(replaces).parameters)[1:]
+
+
+def _constructor(cls: type[FusedDropIn]) -> object:
+    """The ``__init__`` of a drop-in class: ``FusedDropIn._construct`` under the signature of sentence-transformers'
+    constructor followed by cgist's own options, keyword-only."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._construct(args, kwargs)
+
+    own = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default)
+           for option in cls.own_options()]
+    signature = _parameters(cls.replaces)
+    theirs = [p.replace(annotation=cls.argument_annotations.get(p.name, p.annotation))
+              for p in signature.parameters.values()]
+    __init__.__signature__ = signature.replace(parameters=[*theirs, *own])
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__doc__ = (f"The loss from the arguments of sentence-transformers' ``{cls.replaces.__name__}`` and "
+                        "cgist's own options (keyword-only); a bad one raises here, naming it.")
+    return __init__

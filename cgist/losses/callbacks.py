@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ..stage.stats import BLOCKS, GistStats
-from .gist import _FusedGIST
+from .gist import GistFamily
 
 __all__ = ["GuideStatsCallback", "stats_logs"]
 
@@ -41,8 +41,8 @@ class GuideStatsCallback(TrainerCallback):
                                                  callbacks=[cgist.GuideStatsCallback(loss)])
     """
 
-    def __init__(self, loss: _FusedGIST) -> None:
-        if not isinstance(loss, _FusedGIST):
+    def __init__(self, loss: GistFamily) -> None:
+        if not isinstance(loss, GistFamily):
             raise TypeError(f"loss must be a FusedCachedGISTLoss or a FusedGISTEmbedLoss, got {type(loss).__name__}")
         self.loss = loss
         #: The statistics of every logged training step so far, as one.

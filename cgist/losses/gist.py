@@ -1,30 +1,30 @@
-"""``FusedCachedGISTLoss``: sentence-transformers' ``CachedGISTEmbedLoss`` with the fused loss stage of
-``cgist.losses.base``; and what only it reads: the guide's source, the label column's guide embeddings, GIST's scalar
+"""The GIST family: ``FusedCachedGISTLoss`` (sentence-transformers' ``CachedGISTEmbedLoss``) and ``FusedGISTEmbedLoss``
+(its ``GISTEmbedLoss``), each one class over the drop-in protocol (``cgist.losses.base``), a step
+(``cgist.losses.steps``) and ``GistFamily``: the guide's source, the label column's guide embeddings, GIST's scalar
 hyperparameters checked, the settings it leaves to sentence-transformers' own loss computation, and its citations."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
-from types import MappingProxyType
-from typing import Literal
+import types
+from collections.abc import Mapping
 
 import torch
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+from sentence_transformers.base.losses.merged_forward import embed_columns
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, GISTEmbedLoss
+from sentence_transformers.util import batch_to_device
 from torch import Tensor
 
 from ..compat import release_rules
-from ..stage.dispatch.route import requested_backend
 from ..stage.spec.guide import LABELS, MODEL, NONE, SELF, GuideSource
 from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real
 from ..stage.stats import GistStats
-from .base import (
-    FUSED, UNFUSED, FusedDropIn, attribute_key, check_embedding_stage, fused_loss_stage, text_fingerprints,
-)
+from .base import FusedDropIn, StepInputs, attribute_key, text_fingerprints
+from .steps import CachedStep, PlainStep
 
-__all__ = ["FusedCachedGISTLoss"]
+__all__ = ["FusedCachedGISTLoss", "FusedGISTEmbedLoss", "GistFamily"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +78,6 @@ def batch_rows(feature: dict[str, Tensor]) -> int:
     return tensor.shape[0]
 
 
-#: The attributes ``FusedCachedGISTLoss`` reads at each call, sentence-transformers' and cgist's own (besides the guide,
-#: the similarity function and the cross-entropy, which ``options_key`` adds with their settings).
-_GIST_ATTRIBUTES = (
-    "temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives", "mini_batch_size",
-    "mini_batch_num_tokens", "gather_across_devices", "backend", "block_bytes", "mask_self", "mask_duplicates",
-    "directions", "partition_mode", "hardness_mode", "hardness_strength",
-)
-
-
 def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
     """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
     sentence-transformers' loss NaN (its masked similarities are -inf before the division), and a NaN margin
@@ -121,56 +112,24 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
     return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
 
 
-class _FusedGIST(FusedDropIn):
-    """What the GIST drop-ins share (``FusedCachedGISTLoss``, ``cgist.losses.gist_embed.FusedGISTEmbedLoss``): the
-    guide's source, the options read off sentence-transformers' attributes and cgist's own, the loss stage over a
-    step's embeddings, the guide's statistics and the citations.
+class GistFamily(FusedDropIn):
+    """The GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``): the guide's source, the options from
+    sentence-transformers' GIST attributes and cgist's own, the guide's columns and the texts' ids read off a batch,
+    the guide's statistics and the citations."""
 
-    A subclass names the sentence-transformers class it replaces (``_st_class``), checks its embedding stage's
-    attributes (``_check_embedding_stage``) and says what runs when the fused stage does not (``_unfused_loss``).
-    """
-
-    _st_class: type
-
-    # cgist's own attributes, read at each call like sentence-transformers' (class-level defaults: see FusedDropIn).
-    mask_self: bool | None = None
-    mask_duplicates: bool | None = None
-    directions: tuple[str, ...] = ("query_to_doc",)
-    partition_mode: str = "joint"
-    hardness_mode: str | None = None
-    hardness_strength: float = 0.0
-    OWN_DEFAULTS = {**FusedDropIn.OWN_DEFAULTS, "mask_self": None, "mask_duplicates": None,
-                    "directions": ("query_to_doc",), "partition_mode": "joint", "hardness_mode": None,
-                    "hardness_strength": 0.0}
-    _batch: Mapping[str, object] = MappingProxyType({})  # this forward's label guide and text ids, for calculate_loss
+    family = "gist"
+    argument_annotations = {"guide": "SentenceTransformer | Literal['labels', 'self'] | None"}
     _warned_positive_only = False
-
-    def _take_own_arguments(self, guide: object, **own: object) -> None:
-        """The guide and cgist's own arguments as attributes, after sentence-transformers' constructor; then every
-        attribute checked, as it is again at each call once one changes."""
-        self.guide = guide
-        for name, value in own.items():
-            setattr(self, name, value)
-        self._training_stats: list[GistStats] = []
-        self.resolve()
-
-    def _check_embedding_stage(self) -> None:
-        """The embedding stage's attributes, checked."""
-        raise NotImplementedError
-
-    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], with_backward: bool) -> Tensor:
-        """sentence-transformers' own loss computation over a step's embeddings, where the fused stage does not run."""
-        raise NotImplementedError
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
-            del self._modules["guide"]  # a guide model (or the student, see __init__) gives way to another source
+            del self._modules["guide"]  # a guide model (or the student, see _for_sentence_transformers) gives way
         super().__setattr__(name, value)
 
     @property
     def guide_source(self) -> GuideSource:
-        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by ``__new__``) takes the
-        guide's embeddings from ``reps_guided``, as sentence-transformers does."""
+        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by
+        ``__new__``) takes the guide's embeddings from ``reps_guided``, as sentence-transformers does."""
         return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
 
     @property
@@ -178,89 +137,83 @@ class _FusedGIST(FusedDropIn):
         """The name of the guide's source: ``"model"``, ``"labels"``, ``"self"`` or ``"none"``."""
         return self.guide_source.name
 
-    def options_key(self) -> tuple:
+    def _check_arguments(self, arguments: Mapping[str, object]) -> None:
+        guide_source(arguments["guide"])
+        check_scalars(arguments["temperature"], arguments["margin"], arguments["margin_strategy"])
+
+    def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
+        # Without a guide model sentence-transformers' checks see the student as the guide; the guide is set after.
+        if guide_source(arguments["guide"]).runs_model:
+            return arguments
+        return {**arguments, "guide": arguments["model"]}
+
+    def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
+        self.guide = arguments["guide"]
+        self._training_stats: list[GistStats] = []
+
+    def _family_key(self) -> tuple:
         similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)
-        return (self.guide_source, *attribute_key(self, _GIST_ATTRIBUTES),
-                *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
+        return (self.guide_source, *attribute_key(similarity, ("dim", "eps")), (type(similarity), similarity),
                 *attribute_key(cross_entropy, ("weight", "ignore_index", "reduction", "label_smoothing")),
                 (type(cross_entropy), cross_entropy))
 
-    def build_options(self) -> tuple[GistOptions | None, str | None]:
-        self._check_embedding_stage()
+    def _family_options(self) -> tuple[GistOptions | None, str | None]:
         check_scalars(self.temperature, self.margin, self.margin_strategy)
-        requested_backend(self.backend)
-        for name in ("mask_self", "mask_duplicates"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
         source = self.guide_source
+        own = self.own_fields()
         release_excludes = release_rules().self_pairs_excluded  # the installed sentence-transformers' rule
-        mask_self, mask_duplicates = source.masks(self.mask_self, self.mask_duplicates, have_text_ids=True,
+        mask_self, mask_duplicates = source.masks(own.pop("mask_self"), own.pop("mask_duplicates"), have_text_ids=True,
                                                   self_pairs_excluded=release_excludes)
         options = GistOptions(
             margin_strategy=self.margin_strategy, contrast_anchors=self.contrast_anchors,
-            contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
-            directions=self.directions, partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
-            hardness_strength=self.hardness_strength, block_bytes=self.block_bytes,
+            contrast_positives=self.contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates, **own,
         )
         reason = (_unfused_cosine(getattr(self, "similarity_fct", None))
                   or _unfused_cross_entropy(getattr(self, "cross_entropy_loss", None))
                   or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
         if reason is None:
             return options.replace(temperature=self.temperature, margin=self.margin), None
+        defaults = {option.name: option.default for option in self.own_options()}
         beyond = [f"guide={self.guide!r}"] if source is NONE else []
         beyond += [f"mask_self={options.mask_self}"] if options.mask_self != release_excludes else []
         beyond += ["mask_duplicates=True"] if options.mask_duplicates else []
         beyond += [f"{name}={getattr(options, name)!r}" for name in ("directions", "partition_mode", "hardness_mode")
-                   if getattr(options, name) != self.OWN_DEFAULTS[name] and (name != "hardness_mode" or options.hardness)]
+                   if getattr(options, name) != defaults[name] and (name != "hardness_mode" or options.hardness)]
         if beyond:
             raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers' "
-                             f"{self._st_class.__name__}, which would, has no {', '.join(beyond)}")
+                             f"{self.replaces.__name__}, which would, has no {', '.join(beyond)}")
         return None, reason
 
-    def _loss_stage(
-        self,
-        reps: list[list[Tensor]],
-        reps_guided: list[list[Tensor]],
-        *,
-        with_backward: bool,
-        dims: tuple[tuple[int, float], ...] | None = None,
-    ) -> Tensor:
-        """The loss over a step's embeddings (``reps``: each column's mini-batches), over ``dims`` (Matryoshka
-        ``(d, w_d)`` pairs) if given; with ``with_backward`` the gradients go into the leaves' ``.grad`` and the loss
-        comes back detached."""
+    def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
+                     options: GistOptions | None) -> StepInputs:
+        """The label column's guide columns (``guide="labels"``) and, for the fused stage, the texts' ids."""
+        guide = label_guide(labels, len(features), batch_rows(features[0])) if self.guide_source.reads_labels else None
+        text_ids = text_fingerprints(features, needed=options.mask_duplicates) if options is not None else None
+        return StepInputs(guide=guide, text_ids=text_ids)
+
+    def _guide_columns(self, reps: list[list[Tensor]],
+                       reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
+        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
+        reps_guided = list(reps_guided)
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
-        options = self.resolve()
-        guide = self._guide_columns(reps_guided)
-        if options is None:  # sentence-transformers' own computation, on the guide's columns as it takes them
-            self.record_path(UNFUSED)
-            if self.guide_source.reads_labels:
-                reps_guided = [[column] for column in guide]
-            return self._unfused_loss(reps, reps_guided, with_backward)
-        text_ids = self._batch.get("text_ids")
-        if options.mask_duplicates and text_ids is None:
-            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
-                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
-                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
-        self.record_path(FUSED, stats)
+        if self.guide_source.runs_model:
+            return [list(r) for r in reps_guided]
+        if self.guide_source.reads_labels:
+            if self.step_inputs.guide is None:
+                raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
+                                 "on a batch (calculate_loss alone does not see the labels)")
+            return list(self.step_inputs.guide)
+        return self.guide_source.kind
+
+    def _unfused_reps_guided(self, reps_guided: object, guide: object) -> object:
+        # sentence-transformers' own computation takes the label column's guide as mini-batches of the guide's.
+        return [[column] for column in guide] if self.guide_source.reads_labels else reps_guided
+
+    def _after_fused(self, reps: list[list[Tensor]], stats: GistStats, options: GistOptions) -> None:
         if torch.is_grad_enabled() and any(t.requires_grad for column in reps for t in column):  # a training step
             self.__dict__.setdefault("_training_stats", []).append(stats)
             self._check_positive_only(stats, options)
-        return loss
-
-    def _guide_columns(self, reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
-        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
-        source = self.guide_source
-        if source.runs_model:
-            return [list(r) for r in reps_guided]
-        if source.reads_labels:
-            if "guide" not in self._batch:
-                raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
-                                 "on a batch (calculate_loss alone does not see the labels)")
-            return list(self._batch["guide"])
-        return source.kind
 
     def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
         """Warn once when more than half of a step's anchors are left with only their positive."""
@@ -279,13 +232,9 @@ class _FusedGIST(FusedDropIn):
         stats, self._training_stats = self.__dict__.get("_training_stats", []), []
         return stats
 
-    def get_config_dict(self) -> dict:
-        """sentence-transformers' configuration, key for key (``guide`` is the model, "labels", "self" or None), then
-        cgist's own arguments where they differ from their defaults (and the guide mode where it is not a model)."""
-        own = self.own_config()
-        if not self.guide_source.runs_model:
-            own = {"guide_mode": self.guide_mode, **own}
-        return {**super().get_config_dict(), **own}
+    def _config_extras(self) -> dict[str, object]:
+        # ``guide`` is sentence-transformers' key (the model, "labels", "self" or None); the mode where it is no model.
+        return {} if self.guide_source.runs_model else {"guide_mode": self.guide_mode}
 
     @property
     def citation(self) -> str:
@@ -294,7 +243,7 @@ class _FusedGIST(FusedDropIn):
         return _direction_citation(self, self.guide_source is SELF) + _GISTEMBED_CITATION + _GRADCACHE_CITATION
 
 
-class FusedCachedGISTLoss(_FusedGIST, CachedGISTEmbedLoss):
+class FusedCachedGISTLoss(GistFamily, CachedStep, CachedGISTEmbedLoss):
     """sentence-transformers' ``CachedGISTEmbedLoss`` with a fused, streaming loss stage.
 
     A drop-in for ``CachedGISTEmbedLoss``: the same arguments, the same loss and the same gradients, with
@@ -337,31 +286,10 @@ class FusedCachedGISTLoss(_FusedGIST, CachedGISTEmbedLoss):
         contrast_positives: include the positive-positive similarities.
         gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
             every rank must then hold the same number of anchors.
-        backend: ``"auto"`` (Triton for CUDA tensors, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
-        block_bytes: bytes of score buffers the loss stage may hold at once; None picks a default for the
-            device (at most an eighth of its free memory and 1 GiB).
-        mask_self: always exclude the self-pairs AA[i, i] and PP[i, i]. Default: with a guide model or
-            ``"labels"``, the rule of the installed sentence-transformers (``cgist.compat.release_rules``: on from
-            6.3, which always excludes them; off under 6.2, where the guide masks them when it scores them above the
-            threshold); on with ``"self"`` and None.
-        mask_duplicates: exclude every candidate whose text is that of the anchor or of its positive, whatever
-            the scores (the positive itself stays). Texts are compared by their token ids and attention mask,
-            so duplicates are found also under dropout. Default: off with a guide model or ``"labels"``
-            (sentence-transformers' rule), on with ``"self"`` and None.
-        directions: sentence-transformers' ``MultipleNegativesRankingLoss`` directions, each block masked by the
-            guide as GIST's are: ``"query_to_doc"`` (required; GIST's AP and AN blocks), ``"query_to_query"``
-            (anchors against every anchor, under ``gather_across_devices`` every rank's: GIST's
-            ``contrast_anchors`` over all of them, so set ``contrast_anchors=False`` to use it),
-            ``"doc_to_query"`` (positives against every anchor) and ``"doc_to_doc"`` (positives against every
-            document, their own left out: contains GIST's ``contrast_positives``, so set that to False). A
-            combination that would hold a block twice is an error.
-        partition_mode: ``"joint"`` (one softmax over every block) or ``"per_direction"`` (the mean of each
-            direction's log-sum-exp; it needs every block to contain the positive pair, so it allows only
-            ``"query_to_doc"`` and ``"doc_to_query"``, without the contrast blocks).
-        hardness_mode, hardness_strength: add ``hardness_strength * stop_grad(cos)`` to the query-to-document
-            logits that ``hardness_mode`` names (``"in_batch_negatives"``, ``"hard_negatives"`` or
-            ``"all_negatives"``), after the guide's mask, not divided by the temperature: sentence-transformers'
-            rule (Lan et al. 2025, arXiv:2503.04812).
+
+    cgist's own options (listed below) add the masks of self-pairs and duplicates, sentence-transformers' directions,
+    partitions and hardness (Lan et al. 2025, arXiv:2503.04812) under the guide's mask, and the loss stage's backend
+    and budget; docs/losses.md explains each.
 
     With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
     computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
@@ -408,76 +336,6 @@ class FusedCachedGISTLoss(_FusedGIST, CachedGISTEmbedLoss):
             trainer.train()
     """
 
-    def __init__(
-        self,
-        model: SentenceTransformer,
-        guide: SentenceTransformer | Literal["labels", "self"] | None,
-        temperature: float = 0.01,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
-        show_progress_bar: bool = False,
-        margin_strategy: Literal["absolute", "relative"] = "absolute",
-        margin: float = 0.0,
-        contrast_anchors: bool = True,
-        contrast_positives: bool = True,
-        gather_across_devices: bool = False,
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        block_bytes: int | None = None,
-        mask_self: bool | None = None,
-        mask_duplicates: bool | None = None,
-        directions: tuple[str, ...] = ("query_to_doc",),
-        partition_mode: Literal["joint", "per_direction"] = "joint",
-        hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None,
-        hardness_strength: float = 0.0,
-    ) -> None:
-        """The loss from the arguments the class docstring describes; a bad one raises here, naming it."""
-        if not isinstance(model, SentenceTransformer):
-            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        source = guide_source(guide)
-        check_embedding_stage(mini_batch_size, mini_batch_num_tokens, gather_across_devices)
-        check_scalars(temperature, margin, margin_strategy)
-        # sentence-transformers' constructor checks its own arguments, with its messages, and keeps them as attributes.
-        # Without a guide model its checks see the student as the guide; the guide is set after.
-        super().__init__(
-            model,
-            guide if source.runs_model else model,
-            temperature=temperature,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            margin_strategy=margin_strategy,
-            margin=margin,
-            contrast_anchors=contrast_anchors,
-            contrast_positives=contrast_positives,
-            gather_across_devices=gather_across_devices,
-        )
-        self._take_own_arguments(
-            guide, backend=backend, block_bytes=block_bytes, mask_self=mask_self, mask_duplicates=mask_duplicates,
-            directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
-            hardness_strength=hardness_strength,
-        )
-
-    _st_class = CachedGISTEmbedLoss
-    # sentence-transformers' attribute that its constructor sets but its own calculate_loss never reads (a loss built
-    # by ``__new__`` may lack it).
-    mini_batch_num_tokens: int | None = None
-
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
-        """sentence-transformers' GradCache step; the attributes are checked and the label guide and the texts' ids
-        read off the batch first."""
-        sentence_features = list(sentence_features)
-        options = self.resolve()
-        batch = {}
-        if self.guide_source.reads_labels:
-            batch["guide"] = label_guide(labels, len(sentence_features), batch_rows(sentence_features[0]))
-        if options is not None:
-            batch["text_ids"] = text_fingerprints(sentence_features, needed=options.mask_duplicates)
-        self._batch = batch
-        try:
-            return super().forward(sentence_features, labels)
-        finally:
-            self._batch = MappingProxyType({})
-
     def embed_minibatch(self, sentence_feature: dict[str, Tensor], begin: int, end: int, with_grad: bool,
                         copy_random_state: bool, random_state=None):
         """sentence-transformers' embedding of one mini-batch; without a guide model, the student's alone.
@@ -494,21 +352,72 @@ class FusedCachedGISTLoss(_FusedGIST, CachedGISTEmbedLoss):
                                                      random_state)
         return reps, (reps if source is SELF else reps.new_empty(reps.shape[0], 0)), state
 
-    def calculate_loss(
-        self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], *, with_backward: bool = False
-    ) -> Tensor:
-        """Loss over the cached mini-batch embeddings.
 
-        With ``with_backward`` the embedding gradients are accumulated into ``.grad`` of the leaves in
-        ``reps`` and a detached scalar is returned; under ``torch.no_grad`` only the loss is computed.
-        """
-        return self._loss_stage(reps, reps_guided, with_backward=with_backward)
+class FusedGISTEmbedLoss(GistFamily, PlainStep, GISTEmbedLoss):
+    """sentence-transformers' ``GISTEmbedLoss`` with a fused, streaming loss stage.
 
-    def _check_embedding_stage(self) -> None:
-        check_embedding_stage(self.mini_batch_size, self.mini_batch_num_tokens, self.gather_across_devices)
+    A drop-in for ``GISTEmbedLoss``: the same arguments, attributes, loss and gradients (with the rules of the
+    installed sentence-transformers: ``cgist.compat.RELEASE_RULES``), without the broadcast products of its
+    similarities (``B x N x D`` floats for each block, for the student and again for the guide). The student embeds
+    the batch in one forward pass, as in sentence-transformers, and the loss's gradient reaches it through autograd;
+    use it while a whole batch's activations fit, and ``FusedCachedGISTLoss`` (GradCache, one more forward pass of
+    the student per step) once they do not.
 
-    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]], with_backward: bool) -> Tensor:
-        return CachedGISTEmbedLoss.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
+    Args:
+        model: the SentenceTransformer being trained.
+        guide: what masks likely false negatives, as for ``FusedCachedGISTLoss``: a frozen SentenceTransformer
+            (sentence-transformers' loss), ``"labels"`` (the batch's label column of precomputed guide embeddings,
+            ``cgist.add_guide_embeddings``), ``"self"`` (the student's own embeddings of the batch, detached) or None.
+        temperature, margin_strategy, margin, contrast_anchors, contrast_positives, gather_across_devices: as in
+            sentence-transformers.
+
+    Beyond sentence-transformers' class, it takes any number of negative columns (sentence-transformers' takes at
+    most one). ``MatryoshkaLoss`` around it computes every dimension in one loss stage and one guide pass: it reports
+    ``uses_gradient_cache``, so ``MatryoshkaLoss`` decorates its ``calculate_loss`` (the loss over a step's
+    embeddings), which it takes over as the cached drop-ins do; the dimensions, weights and ``n_dims_per_step``
+    sampling are ``MatryoshkaLoss``'s, and the loss and gradients those of sentence-transformers' loop over dimensions.
+
+    Raises:
+        TypeError, ValueError: for a bad argument, naming it, before anything is computed (sentence-transformers' own
+            arguments with its messages).
+    """
+
+    def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
+                           embeddings: list[Tensor], labels: Tensor | None) -> list[list[Tensor]]:
+        """The guide model's embeddings of the batch; without one, the student's, detached (``_guide_columns`` takes
+        the guide from the label column, the student or nowhere)."""
+        if not self.guide_source.runs_model:
+            return [[e.detach()] for e in embeddings]
+        with torch.no_grad():
+            return [[g] for g in self._guide_embeddings(features, copies)]
+
+    def _guide_embeddings(self, sentence_features: list[dict[str, Tensor]],
+                          copies: list[dict[str, Tensor]]) -> list[Tensor]:
+        """The guide model's embeddings of the batch, as sentence-transformers computes them: on the copies of the
+        features, or, when the guide needs its own tokens (``must_retokenize``: another vocabulary or a shorter
+        ``max_seq_length``), on the student's tokens decoded and tokenised again by the guide."""
+        if self.must_retokenize:
+            copies = []
+            for feature in sentence_features:
+                input_ids = feature["input_ids"]
+                if "cu_seq_lens_q" in feature:  # packed: one row of every text's tokens, cut at the boundaries
+                    flat, bounds = input_ids[0].tolist(), feature["cu_seq_lens_q"].tolist()
+                    input_ids = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+                texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+                copies.append(batch_to_device(self.guide.preprocess(texts), self.guide.device))
+        return embed_columns(self.guide, copies)
+
+    def _embeddings_loss(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]]) -> Tensor:
+        # sentence-transformers' GIST loss over given embeddings: its cached class's computation, the same as its
+        # plain forward's once the rows are one chunk (its cross-entropy times B / B).
+        rows = sum(t.shape[0] for t in reps[0])
+        view = types.SimpleNamespace(
+            gather_across_devices=self.gather_across_devices, mini_batch_size=rows, show_progress_bar=False,
+            sim_matrix=self.sim_matrix, margin_strategy=self.margin_strategy, margin=self.margin,
+            contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives,
+            cross_entropy_loss=self.cross_entropy_loss, temperature=self.temperature,
+        )
+        return CachedGISTEmbedLoss.calculate_loss(view, reps, reps_guided)
 
 
 def _direction_citation(loss: object, self_guided: bool) -> str:

@@ -47,7 +47,7 @@ class GuideSource:
         return self is LABELS
 
     def masks(self, mask_self: bool | None, mask_duplicates: bool | None, have_text_ids: bool, *,
-              self_pairs_excluded: bool = True) -> tuple[bool, bool]:
+              self_pairs_excluded: bool) -> tuple[bool, bool]:
         """``mask_self`` and ``mask_duplicates`` with this source's defaults for those left None (see ``masks``)."""
         return masks(self.kind, mask_self, mask_duplicates, have_text_ids, self_pairs_excluded=self_pairs_excluded)
 
@@ -80,13 +80,14 @@ def kind_of(guide_embeddings: object) -> str | None:
 
 
 def masks(kind: str | None, mask_self: bool | None, mask_duplicates: bool | None, have_text_ids: bool, *,
-          self_pairs_excluded: bool = True) -> tuple[bool, bool]:
-    """``mask_self`` and ``mask_duplicates`` with their defaults for a guide of ``kind`` (None: the default).
+          self_pairs_excluded: bool) -> tuple[bool, bool]:
+    """``mask_self`` and ``mask_duplicates`` with their defaults for a guide of ``kind`` (None: the default): the one
+    place the defaults are decided (docs/design.md#rules-by-release).
 
-    With the guide's own embeddings, ``mask_self`` defaults to ``self_pairs_excluded``: the rule of the
-    sentence-transformers release a drop-in follows (``cgist.compat.release_rules``: on from 6.3, where the self-pairs
-    are always excluded; off before, where they drop out only when the guide scores them above the threshold), and on
-    for ``gist_loss``, the newest rule. ``mask_duplicates`` is then off (sentence-transformers' rule: duplicates drop
+    With the guide's own embeddings, ``mask_self`` defaults to ``self_pairs_excluded``, the self-pair rule of a
+    sentence-transformers release (``cgist.compat.ReleaseRules``: on from 6.3, where the self-pairs are always
+    excluded; off before, where they drop out only when the guide scores them above the threshold): the drop-ins pass
+    the installed release's, ``gist_loss`` the newest release's. ``mask_duplicates`` is then off (sentence-transformers' rule: duplicates drop
     out by their guide scores). With the student as its own guide, or no guide, nothing masks them otherwise: both
     default to on, ``mask_duplicates`` when text ids are given.
     """

@@ -1,0 +1,123 @@
+"""The step: how a drop-in embeds a batch, one of two pieces of every drop-in (``cgist.losses.base``).
+
+* ``CachedStep``: sentence-transformers' GradCache step (the cached losses): the student embeds the batch in
+  mini-batches without gradients, the loss stage puts the embeddings' gradients into the cached leaves, and a second
+  pass replays the mini-batches to take them into the model.
+* ``PlainStep``: the student embeds the batch once (sentence-transformers' ``embed_columns``) and autograd takes the
+  loss stage's gradients back into it.
+
+Each supplies the embedding stage's attributes and their checks, ``forward``, and sentence-transformers' own loss
+over a step's embeddings for where the fused stage does not run.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+
+from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num_tokens
+from sentence_transformers.base.losses.merged_forward import embed_columns
+from torch import Tensor
+
+from .base import UNFUSED, FusedDropIn
+
+__all__ = ["CachedStep", "PlainStep", "check_embedding_stage", "check_gather"]
+
+
+def check_embedding_stage(mini_batch_size: object, mini_batch_num_tokens: object, gather_across_devices: object) -> None:
+    """The embedding stage's attributes of every drop-in, checked; sentence-transformers' own check of
+    ``mini_batch_num_tokens`` keeps its message."""
+    for name, value, expected in (
+        ("mini_batch_size", mini_batch_size, "an int"),
+        ("mini_batch_num_tokens", mini_batch_num_tokens, "an int or None"),
+    ):
+        if value is None and name == "mini_batch_num_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    if mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be at least 1, got {mini_batch_size}")
+    try:
+        _validate_mini_batch_num_tokens(mini_batch_num_tokens)
+    except ValueError as error:
+        raise ValueError(f"{error} Got {mini_batch_num_tokens!r}.") from None
+    check_gather(gather_across_devices)
+
+
+def check_gather(gather_across_devices: object) -> None:
+    """``gather_across_devices`` is a bool (every drop-in's; the plain ones have no other embedding-stage attribute)."""
+    if not isinstance(gather_across_devices, bool):
+        raise TypeError(f"gather_across_devices must be a bool, got {type(gather_across_devices).__name__}")
+
+
+class CachedStep(FusedDropIn):
+    """sentence-transformers' GradCache step around the fused loss stage."""
+
+    embedding_attributes = ("mini_batch_size", "mini_batch_num_tokens", "gather_across_devices")
+    # sentence-transformers' attribute that its constructor sets but its own loss computation never reads (a loss
+    # built by ``__new__`` may lack it).
+    mini_batch_num_tokens: int | None = None
+
+    def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
+        check_embedding_stage(values["mini_batch_size"], values["mini_batch_num_tokens"],
+                              values["gather_across_devices"])
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        """sentence-transformers' GradCache step; the attributes are checked and what the loss stage reads off the
+        batch is read first (``StepInputs``)."""
+        features = list(sentence_features)
+        with self.reading(self._step_inputs(features, labels, self.resolve())):
+            return super().forward(features, labels)
+
+    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
+        return self.replaces.calculate_loss(self, reps, reps_guided, with_backward=with_backward)
+
+
+class PlainStep(FusedDropIn):
+    """The student embeds the batch once and autograd takes the fused loss stage's gradients back into it.
+
+    The family supplies ``_plain_reps_guided`` (what ``calculate_loss`` takes beside the embeddings: the guide's
+    embeddings, or the labels) and ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings).
+    """
+
+    embedding_attributes = ("gather_across_devices",)
+    #: What ``MatryoshkaLoss`` (and ``AdaptiveLayerLoss``) ask: with it, ``MatryoshkaLoss`` hands this loss the whole
+    #: batch and decorates ``calculate_loss``, which the drop-in takes over (every dimension in one loss stage),
+    #: instead of running the loss once per dimension on a patched model.
+    uses_gradient_cache = True
+
+    def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
+        check_gather(values["gather_across_devices"])
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        """The student's embeddings of the batch and the loss stage over them; sentence-transformers' own ``forward``
+        where the fused stage does not run (but under ``MatryoshkaLoss``, whose decoration of ``calculate_loss`` then
+        runs its computation once per dimension)."""
+        features = list(sentence_features)
+        options = self.resolve()
+        if options is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
+            self.record_path(UNFUSED)
+            return super().forward(features, labels)
+        # As sentence-transformers does: a guide reads copies made before the student writes its outputs into the
+        # features.
+        copies = [dict(feature) for feature in features]
+        embeddings = embed_columns(self.model, features)
+        reps_guided = self._plain_reps_guided(features, copies, embeddings, labels)
+        with self.reading(self._step_inputs(features, labels, options)):
+            return self.calculate_loss([[e] for e in embeddings], reps_guided)
+
+    def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
+                           embeddings: list[Tensor], labels: Tensor | None) -> object:
+        """The family: what ``calculate_loss`` takes beside the student's embeddings (default: the labels)."""
+        return labels
+
+    def _embeddings_loss(self, reps: list[list[Tensor]], reps_guided: object) -> Tensor:
+        """The family: sentence-transformers' own loss over given embeddings, differentiable."""
+        raise NotImplementedError
+
+    def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
+        loss = self._embeddings_loss(reps, reps_guided)
+        if with_backward:
+            loss.backward()
+            loss = loss.detach()
+        return loss
