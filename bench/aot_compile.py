@@ -1,16 +1,19 @@
 """Compile every GIST kernel ahead of time for every GPU architecture the tile tables know, on a machine without a GPU.
 
 For each architecture (``--arch``: compute capabilities, each through ``cgist.stage.devices.arch_for``; by default one per
-tile family and sm_70), each kernel (the forward and the chunk score-gradient kernel of the backward), each
-student/guide dtype pair the launcher can meet on a GPU, with the input precisions the launcher passes there
-(``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee" below sm_80), each tile config that
+tile family and sm_70), each kernel of ``cgist.kernels`` (the forward and the chunk score-gradient kernel of the
+backward), each student/guide dtype pair the launcher can meet on a GPU, with the input precisions the launcher passes
+there (``input_precision``: fp32 is tf32x3 or tf32 on tensor cores, "ieee" below sm_80), each tile config that
 ``tile_configs`` returns for the pair on that architecture (the score-gradient kernel reuses the forward's pick), and
 every (D, Dg) below, this builds the real cubin with ``triton.compile``, specialised by the JIT's
 own rules, and reads it back with the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel. A Matryoshka
 configuration (dimensions 768/512/256/128/64, five segments) is built too, for the forward and the score-gradient
-kernel. Variants that specialise alike are one binary, compiled once per architecture and listed with every size
-and pair it serves: D and Dg are runtime arguments (all multiples of 16 here), and below sm_80, where fp32 runs at
-"ieee", the fp32 and tf32 pairs (and bf16+fp32 and bf16+tf32) are the same source.
+kernel. Where the student's products are tf32x3 (fp32 at "highest" from sm_80 on), so is the backward's tf32x3 GEMM
+(``tf32x3_addmm_kernel``) with its config (``gemm_configs``), once for each of its two uses: ``F @ x`` and ``F^T @ x``
+(``GEMM_USES``; a unit stride is specialised, so they are two binaries), with Dg "-". Variants that specialise alike
+are one binary, compiled once per architecture and listed with every size and pair it serves: D and Dg are runtime
+arguments (all multiples of 16 here), and below sm_80, where fp32 runs at "ieee", the fp32 and tf32 pairs (and
+bf16+fp32 and bf16+tf32) are the same source.
 
 Prints one row per binary: kernel, arch, dtype pairs, config, number of dimensions, D, Dg, registers, stack frame
 and the bytes of it that ptxas spills registers to, shared memory, the tile tables' shared-memory estimate for the
@@ -27,7 +30,7 @@ bench/results/aot_compile_triton-X.Y.Z.txt the table of ``--arch 80 86 89 90 --d
 release the launcher supports, and tests/test_triton_versions.py fails when one no longer matches the sources. It runs
 under Triton 3.4 and newer: for another release, install its wheel beside the environment
 (``pip install --no-deps --target DIR triton==X.Y.Z``) and run with ``PYTHONPATH=DIR``; the tile tables follow the
-release (``cgist.kernels.tiles._OLDER_TRITON``).
+release (``cgist.stage.triton.tiles._OLDER_TRITON``).
 
     python bench/aot_compile.py [--arch 70 75 80 86 89 90 100 120] [--dtypes fp32 tf32 bf16 ...]
                                 [--dims 384 768 1024 4096] [--guide-dims 384 1024] [--no-matryoshka] [--jobs N]
@@ -79,11 +82,18 @@ except ImportError:  # Triton 3.4 and 3.5: in Python, through the backend's ``ge
 
 import compile_table  # noqa: E402  (bench/, this script's folder)
 
+from cgist.kernels.gemm import tf32x3_addmm_kernel  # noqa: E402
 from cgist.kernels.gist import gist_fwd_kernel, gist_score_grad_kernel  # noqa: E402
-from cgist.kernels.launch import TL_DTYPES, input_precision  # noqa: E402
-from cgist.kernels.tiles import operand_kind, shared_memory_estimate, tile_configs  # noqa: E402
 from cgist.stage.devices import Arch, arch_for  # noqa: E402
 from cgist.stage.numerics import compute_dtype  # noqa: E402
+from cgist.stage.triton.launch import TL_DTYPES, input_precision  # noqa: E402
+from cgist.stage.triton.tiles import (  # noqa: E402
+    gemm_configs,
+    gemm_shared_memory_estimate,
+    operand_kind,
+    shared_memory_estimate,
+    tile_configs,
+)
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CUOBJDUMP, NVDISASM = TOOLS / "cuobjdump", TOOLS / "nvdisasm"
@@ -112,8 +122,12 @@ DEFAULT_PAIRS = ["fp32", "tf32", "bf16", "fp16", "bf16+fp32", "bf16+tf32"]
 MATRYOSHKA_DIMS = (64, 128, 256, 512, 768)
 MATRYOSHKA_PAIRS = ("fp32", "tf32", "bf16", "bf16+fp32", "bf16+tf32")  # one per operand kind
 #: The block kind (label, counting) is a runtime argument, so each kernel is one binary per config.
-KERNELS = (gist_fwd_kernel.fn, gist_score_grad_kernel)
-MATRYOSHKA_KERNELS = (gist_fwd_kernel.fn, gist_score_grad_kernel)
+KERNELS = (gist_fwd_kernel, gist_score_grad_kernel)
+MATRYOSHKA_KERNELS = (gist_fwd_kernel, gist_score_grad_kernel)
+#: The tf32x3 GEMM's two uses in the backward, by the name its rows carry: ``h_rows += F @ k`` reads the operand F
+#: along its rows, ``h_cols += F^T @ q`` across them.
+GEMM_KERNEL = tf32x3_addmm_kernel
+GEMM_USES = {"tf32x3_addmm_kernel(F)": False, "tf32x3_addmm_kernel(F^T)": True}
 COLUMNS = ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est", "wgmma",
            "mma"]
 KEY = ("kernel", "arch", "dtype", "tiles", "dims", "D", "Dg")
@@ -163,6 +177,17 @@ def launch_values(kernel, pair: tuple, dim: int, dim_g: int, config: triton.Conf
         N_DIMS=n_dims, DIMS_P2=triton.next_power_of_2(n_dims), SPLIT=precision == "tf32x3", **config.kwargs,
     )
     return {name: values[name] for name in kernel.arg_names}
+
+
+def gemm_values(transposed: bool, dim: int, config: triton.Config, rows: int = 4096, cols: int = 4096) -> dict:
+    """``tf32x3_addmm_kernel``'s argument values as the launcher passes them for a chunk of ``rows`` x ``cols`` scores
+    and D = ``dim`` (one segment): ``F @ k`` into the rows' ``h``, or with ``transposed`` ``F^T @ q`` into the
+    columns'."""
+    f = torch.empty(1, dtype=torch.float32)
+    m, k = (cols, rows) if transposed else (rows, cols)
+    stride_am, stride_ak = (1, cols) if transposed else (cols, 1)
+    return dict(out_ptr=f, a_hi_ptr=f, a_lo_ptr=f, b_hi_ptr=f, b_lo_ptr=f, M=m, N=dim, K=k, stride_om=dim, stride_on=1,
+                stride_am=stride_am, stride_ak=stride_ak, stride_bk=dim, stride_bn=1, **config.kwargs)
 
 
 def specialise(kernel, values: dict, backend) -> ASTSource:
@@ -307,20 +332,27 @@ def build_jobs(args) -> list[tuple]:
             ops = operands(pair, arch)
             kind = operand_kind(*ops, arch)
             configs = tile_configs(*ops, n_dims, arch, interpret=False)
-            for kernel in kernels:
-                for config, dim, dim_g in ((c, d, g) for c in configs for d in dims for g in args.guide_dims):
-                    src = specialise(kernel, launch_values(kernel, ops, dim, dim_g, config, n_dims), backend)
-                    entry = binaries.setdefault((src.hash(), config.num_warps, config.num_stages), dict(
-                        kernel=kernel.__name__, dims=str(n_dims), src=src, config=config, pairs=[], sizes=[],
-                        estimate=shared_memory_estimate(config, kind)))
-                    entry["pairs"] += [] if pair in entry["pairs"] else [pair]
-                    entry["sizes"].append((dim, dim_g))
+            builds = [(kernel.__name__, kernel, config, dim, dim_g,
+                       launch_values(kernel, ops, dim, dim_g, config, n_dims), shared_memory_estimate(config, kind))
+                      for kernel in kernels for config in configs for dim in dims for dim_g in args.guide_dims]
+            if ops[1] == "tf32x3" and n_dims == 1:  # the backward's tf32x3 GEMMs
+                builds += [(name, GEMM_KERNEL, config, dim, "-", gemm_values(transposed, dim, config),
+                            gemm_shared_memory_estimate(config))
+                           for name, transposed in GEMM_USES.items() for config in gemm_configs(arch, interpret=False)
+                           for dim in dims]
+            for name, kernel, config, dim, dim_g, values, estimate in builds:
+                src = specialise(kernel, values, backend)
+                entry = binaries.setdefault((src.hash(), config.num_warps, config.num_stages), dict(
+                    kernel=name, dims=str(n_dims), src=src, config=config, pairs=[], sizes=[], estimate=estimate))
+                entry["pairs"] += [] if pair in entry["pairs"] else [pair]
+                entry["sizes"].append((dim, dim_g))
         for entry in binaries.values():
             c = entry["config"]
+            guide_dims = sorted({str(g) for _, g in entry["sizes"]}, key=lambda g: int(g) if g != "-" else 0)
             row = dict(kernel=entry["kernel"], arch=arch.name, dtype=",".join(entry["pairs"]),
                        tiles="{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}",
                        dims=entry["dims"], D=",".join(sorted({str(d) for d, _ in entry["sizes"]}, key=int)),
-                       Dg=",".join(sorted({str(g) for _, g in entry["sizes"]}, key=int)))
+                       Dg=",".join(guide_dims))
             jobs.append((row, entry["src"], target, backend, c, arch, entry["estimate"]))
     return jobs
 

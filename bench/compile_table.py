@@ -3,9 +3,10 @@
 A table's first line records the Triton release it was compiled with and a hash of the sources that decide its
 binaries: the parsed code (comments, layout and docstrings aside) of
 
-- ``kernels/gist.py`` and ``kernels/tiles.py``, all of them: the kernels and their helpers, the tile tables,
-  ``tile_configs``, ``operand_kind`` and ``shared_memory_estimate``;
-- the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``kernels/launch.py``),
+- every module of ``kernels/``, all of it: the kernels and their helpers;
+- ``cgist/stage/triton/tiles.py``, all of it: the tile tables, ``tile_configs``, ``operand_kind``,
+  ``shared_memory_estimate``, the autotuned forward and the tf32x3 GEMM's configs;
+- the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``cgist/stage/triton/launch.py``),
   ``compute_dtype`` (``cgist/stage/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
   ``arch_for`` in ``cgist/stage/devices.py``);
 - what ``bench/aot_compile.py`` builds from them: its dtype pairs, kernels, Matryoshka configuration and the
@@ -25,13 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: File -> the top-level names whose definitions are hashed (None: the whole module).
 SOURCES: dict[str, tuple[str, ...] | None] = {
-    "kernels/gist.py": None,
-    "kernels/tiles.py": None,
-    "kernels/launch.py": ("TL_DTYPES", "input_precision"),
+    **{f"kernels/{path.name}": None for path in sorted((ROOT / "kernels").glob("*.py"))},
+    "cgist/stage/triton/tiles.py": None,
+    "cgist/stage/triton/launch.py": ("TL_DTYPES", "input_precision"),
     "cgist/stage/numerics.py": ("compute_dtype",),
     "cgist/stage/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
     "bench/aot_compile.py": ("PAIRS", "MATRYOSHKA_DIMS", "MATRYOSHKA_PAIRS", "KERNELS", "MATRYOSHKA_KERNELS",
-                             "RULES_ALL", "operands", "launch_values", "specialise"),
+                             "GEMM_KERNEL", "GEMM_USES", "RULES_ALL", "operands", "launch_values", "gemm_values",
+                             "specialise", "build_jobs"),
 }
 #: A table's first line: ``# python bench/aot_compile.py ARGS  (Triton 3.9.0, sources 1a2b...)``.
 HEADER = re.compile(

@@ -2,14 +2,15 @@
 # The GPU check, in one call (under 8 minutes on one H100/H200; no network needed). Every measured figure is
 # printed beside the estimate it should confirm (bench/kernel_bench.py's docstring says how they are counted).
 #   1. the tests that run on CUDA (kernels in bf16/fp16/tf32/fp32, mixed pairs, backward chunks, statistics,
-#      Matryoshka, determinism), while other processes compile and tune every kernel the benchmark runs;
+#      Matryoshka, determinism; the tf32x3 GEMM of the backward on the tensor cores against its error bound,
+#      tests/test_kernels_precision.py), while other processes compile and tune every kernel the benchmark runs;
 #   2. calibrations: the GEMM ceiling (torch.mm 8192^3, bf16 and tf32), the device copy bandwidth, the L2
 #      bandwidth (a resident buffer of 24 MiB read 64 times);
 #   3. torch.unique ids against fingerprint ids (same partition, time, peak memory);
-#   4. per kernel and per block (forward, score gradients, GEMMs), the autotuner's pick, the loss stage and its
-#      peak memory, at B = 64k and 16k for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32, and at 4k beside the
-#      streaming path and sentence-transformers' loss stage; five Matryoshka dimensions (768/512/256/128/64,
-#      bf16, GEMM backward) at 64k and 16k, and their ratio to one dimension;
+#   4. per kernel and per block (forward, score gradients, GEMMs: for fp32 the tf32x3 GEMM kernel), the autotuner's
+#      pick, the loss stage and its peak memory, at B = 64k and 16k for bf16/bf16, fp32/fp32 (tf32x3) and bf16/fp32,
+#      and at 4k beside the streaming path and sentence-transformers' loss stage; five Matryoshka dimensions
+#      (768/512/256/128/64, bf16, GEMM backward) at 64k and 16k, and their ratio to one dimension;
 #   5. the CSV and a table into OUTDIR; the summary (the targets) is printed last.
 #
 #   bash bench/gpu_check.sh [OUTDIR]        (default: gpu_check_out)

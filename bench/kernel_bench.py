@@ -34,8 +34,9 @@ BM x BN the tile and M Matryoshka dimensions (1 without):
   split); with M > 1 a second sweep over the prefixes up to the second-largest dimension d_{M-1}
   (D + d_{M-1} in the flops and the L2 bytes, 2M - 1 exp2);
 * backward GEMMs, per segment of width w between consecutive dimensions (one segment, w = D, without
-  Matryoshka), each bound by its own limit: 4 w flops (dQ = F K and dK = F^T Q); HBM: its F read twice,
-  and per chunk the dK accumulator read and written (8 w / chunk rows bytes per score).
+  Matryoshka), each bound by its own limit: 4 w flops (dQ = F K and dK = F^T Q) at cuBLAS's eff, or for tf32x3
+  (``cgist.kernels.gemm``, a Triton kernel) the Triton tiles'; HBM: its F read twice, and per chunk the dK
+  accumulator read and written (8 w / chunk rows bytes per score).
 
 The estimates suite also counts the four ``MultipleNegativesRankingLoss`` directions in one softmax (``DIRECTIONS``,
 both contrast flags off, GEMM backward): at B = N their score blocks (AP, AN_1..AN_k; QQ; DQ; DD over the
@@ -78,12 +79,12 @@ from common import (  # noqa: E402
 )
 
 import cgist  # noqa: E402
-from cgist.kernels.launch import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
 from cgist.stage.budget import backward_chunks  # noqa: E402
 from cgist.stage.numerics import normalize  # noqa: E402
 from cgist.stage.pytorch import streaming  # noqa: E402
 from cgist.stage.spec.options import GistOptions  # noqa: E402
 from cgist.stage.ties import tie_ids  # noqa: E402
+from cgist.stage.triton.launch import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
 
 #: Student/guide dtype pairs of the check (fp32 at torch's default matmul precision: tf32x3).
 PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
@@ -168,8 +169,9 @@ def estimate(kernel: str, scores: float, dim: int, dim_g: int, dtype: torch.dtyp
                  "hbm": n * split * s / machine.hbm}
     elif kernel == "gemms":  # one pair of GEMMs per segment, each bound by its own limit
         per_segment = []
+        eff = machine.triton_eff if _passes(dtype) == 3 else machine.cublas_eff  # tf32x3: the Triton GEMM
         for width in (hi - lo for lo, hi in zip((0, *dims[:-1]), dims)):
-            compute = 4 * width * _passes(dtype) / (machine.cublas_eff * machine.rate(dtype))
+            compute = 4 * width * _passes(dtype) / (eff * machine.rate(dtype))
             per_segment.append({"compute": compute, "hbm": (2 * split * s + 8 * width / chunk_rows) / machine.hbm})
         bounds = sorted({max(p, key=p.get) for p in per_segment})
         return sum(max(p.values()) for p in per_segment) * scores * 1e3, "+".join(bounds)
@@ -462,8 +464,8 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
     With ``directions``, also the GEMM backward over those directions' blocks (``block_columns``), each entry
     counted as a query-to-document one, and its ratio to GIST's blocks.
     """
-    from cgist.kernels.launch import input_precision
-    from cgist.kernels.tiles import tile_configs
+    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.tiles import tile_configs
 
     dtype, guide_dtype = PAIRS[pair]
     rows, totals = [], {}

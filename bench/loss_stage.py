@@ -217,7 +217,7 @@ def triton_unavailable(device: str, interpret: bool) -> str | None:
     if device != "cuda" and not interpret:
         return "skipped: the Triton backend needs CUDA (or --interpret for the Triton interpreter on CPU)"
     try:
-        from cgist.kernels import gist_loss_and_grads  # noqa: F401
+        from cgist.stage.triton import gist_loss_and_grads  # noqa: F401
     except Exception as err:  # an unfinished or missing kernels package must not stop the sweep
         return f"skipped: Triton backend unavailable ({type(err).__name__}: {err})"
     return None
@@ -271,7 +271,7 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 
     import cgist
     from cgist import FusedCachedGISTLoss, FusedCachedMultipleNegativesRankingLoss
-    from cgist.losses.base import FusedMatryoshka
+    from cgist.losses.matryoshka import FusedMatryoshka
     from cgist.stage.reference import gist_loss_reference
     from cgist.stage.spec.options import GistOptions
 

@@ -108,11 +108,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "plain-gist-negatives",
-        "plain FusedGISTEmbedLoss scores the student's negative 1 in place of negatives 2..k (k > 1 only)",
-        "cgist/losses/gist_embed.py",
-        "return self.calculate_loss([[e] for e in embeddings], guided)",
+        "the plain drop-ins score the student's negative 1 in place of negatives 2..k (k > 1 only)",
+        "cgist/losses/steps.py",
+        "return self.calculate_loss([[e] for e in embeddings], reps_guided)",
         "return self.calculate_loss([[e] for e in [*embeddings[:3], *embeddings[2:3] * max(len(embeddings) - 3, 0)]],"
-        " guided)",
+        " reps_guided)",
         ("tests/test_plain.py",),
     ),
     Mutant(
@@ -134,7 +134,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "matryoshka-weight-ignored",
         "MatryoshkaLoss's weights are dropped by the fused takeover: every dimension weighs 1",
-        "cgist/losses/base.py",
+        "cgist/losses/matryoshka.py",
         "chosen = tuple((dims[i], float(weights[i])) for i in indices)",
         "chosen = tuple((dims[i], 1.0) for i in indices)",
         ("tests/test_matryoshka.py",),
@@ -191,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kernel-row-chunk-scores",
         "the Triton backward computes every row chunk's score gradients at the first chunk's rows",
-        "kernels/launch.py",
+        "cgist/stage/triton/launch.py",
         "row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,",
         "row_stop=r1 - r0, col_stop=c1, row_start=0, col_start=c0,",
         ("tests/test_blocks.py", "tests/test_kernels.py"),
@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kernel-row-chunk-gemm",
         "the Triton backward adds a later row chunk's gradients at the first chunk's rows",
-        "kernels/launch.py",
+        "cgist/stage/triton/launch.py",
         "h_rows = self.h[rows.grad][rows.start + r0 : rows.start + r1]",
         "h_rows = self.h[rows.grad][rows.start : rows.start + r1 - r0]",
         ("tests/test_blocks.py", "tests/test_kernels.py"),

@@ -1,20 +1,11 @@
-"""Triton kernels for the GIST loss (installed as ``cgist.kernels``).
+"""Triton kernels for the GIST loss (installed as ``cgist.kernels``): device code only.
 
-``gist_loss_and_grads`` is the backend ``"triton"`` of ``cgist.gist_loss``: it runs on CUDA tensors, or
-on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before import).
+``gist`` holds the forward row pass and the chunk score-gradient kernel, ``gemm`` the tf32x3 products of the
+backward. They import only triton (and the standard library), nothing of cgist: the host side (the launcher, the tile
+tables and the autotuner, the architecture queries) is the Triton backend ``cgist.stage.triton``, whose
+``gist_loss_and_grads`` is the backend ``"triton"`` of ``cgist.gist_loss``.
 
-The launcher is imported on first use. Importing this package therefore has no side effects, which
-matters because the source folder is named ``kernels``: run from a checkout, it is what
-``import kernels`` finds, and transformers imports that name while probing for the PyPI package
-``kernels``. An eager import here would pull in cgist, and with it transformers, mid-import.
+Importing this package has no side effects, which matters because the source folder is named ``kernels``: run from
+a checkout, it is what ``import kernels`` finds, and transformers imports that name while probing for the PyPI
+package ``kernels``. An import here would run mid-way through transformers' own.
 """
-
-__all__ = ["gist_loss_and_grads"]
-
-
-def __getattr__(name: str):
-    if name == "gist_loss_and_grads":
-        from .launch import gist_loss_and_grads
-
-        return gist_loss_and_grads
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,9 @@ backward.
 
 Every kernel works on one column group at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
-alongside. The launcher calls the same kernels once per column group (AP, AA, PP, AN_1..AN_k, QQ, DQ, DD,
-DN_1..DN_k); the running log-sum-exp state of each row lives in global memory between launches (O(B)
-floats per dimension).
+alongside. The launcher (``cgist.stage.triton.launch``) calls the same kernels once per column group (AP, AA,
+PP, AN_1..AN_k, QQ, DQ, DD, DN_1..DN_k); the running log-sum-exp state of each row lives in global memory between
+launches (O(B) floats per dimension).
 
 Normalisation is folded into the tiles: a score is ``(q . k) * rq * rk`` with ``r = 1 / max(||x||, eps)``
 precomputed per row, so no normalised copy of any embedding is made and bf16 inputs go to the tensor
@@ -41,8 +41,6 @@ import math
 
 import triton
 import triton.language as tl
-
-from .tiles import ALL_CONFIGS, INTERPRET, INTERPRET_CONFIGS, prune_configs
 
 __all__ = ["gist_fwd_kernel", "gist_score_grad_kernel", "pack_scalars"]
 
@@ -267,13 +265,8 @@ def _store_operand(f_ptr, local_m, local_n, stride_row, stride_part, value, mask
 # A column group's rules (label, guide, exclusions, hardness; relative; count) are runtime values, not a constexpr, and
 # are kept out of the JIT's integer specialisation: all the column groups of a step then share one binary per
 # kernel and tile config, instead of compiling and autotuning a variant per group. The branches they select
-# are per program, so they cost nothing measurable.
-@triton.autotune(
-    configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
-    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G", "N_DIMS"],
-    prune_configs_by={"early_config_prune": prune_configs},
-    restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
-)
+# are per program, so they cost nothing measurable. The launcher autotunes the forward over its tile configs
+# (``cgist.stage.triton.tiles``); the score-gradient kernel takes the forward's pick.
 @triton.jit(do_not_specialize=["partner_start", "excluded_offset", "unmasked_offset", "stride_text", "rules",
                                "relative", "count"])
 def gist_fwd_kernel(
@@ -402,7 +395,7 @@ def gist_score_grad_kernel(
     ``F_s = sum over dims u >= s of dL/dcos_u * rq_u * rk_u`` at ``f_ptr`` (segment, [part,] chunk row,
     chunk column), in ``f_ptr``'s dtype; with SPLIT (fp32 operands of a tf32x3 product) as a tf32 high
     part and the fp32 rest. Then dL/dq_raw[:, s] += F_s @ k_raw[:, s] and dL/dk_raw[:, s] += F_s^T @
-    q_raw[:, s] are library GEMMs.
+    q_raw[:, s] are GEMMs: ``torch``'s, or with SPLIT ``gemm.tf32x3_addmm_kernel``.
 
     With several dimensions the normalisation backward needs ``c_u = sum_j dL/dcos_u * cos_u`` of every
     row and column: each program stores its tile's row sums at ``row_part_ptr`` (dim, column tile, chunk

@@ -15,7 +15,7 @@ API:
     BAD_OPTIONS                   invalid loss options, each with the error and message it must raise.
     single_thread(), one_thread   torch on one intra-op thread: a context manager, and a module-wide fixture.
     tf32(x, mode)                 fp32 rounded to tf32, to nearest or toward zero.
-    tf32_addmm(mode)              the launcher's ``_addmm_`` on emulated tf32 tensor cores.
+    tf32_addmm(mode)              ``out += a @ b`` on emulated tf32 tensor cores (one tf32 product).
     TF32X3_BOUND                  a tf32x3 product's error bound per unit of sum_k |a_k b_k|.
     LossStageCalls(monkeypatch)   counts the drop-ins' loss-stage calls while a test runs.
 
@@ -385,16 +385,17 @@ def oracle_counters(
 def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:
     """fp32 ``x`` rounded to tf32 (10 mantissa bits): "rn" to nearest (ties to even), "rz" toward zero (truncation)."""
     if mode == "rn":
-        from cgist.kernels.launch import split_tf32
+        from cgist.stage.triton.launch import split_tf32
 
         return split_tf32(x)[0]
     return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
 
 
 def tf32_addmm(mode: str):
-    """A stand-in for ``cgist.kernels.launch._addmm_`` on tf32 tensor cores: ``out += tf32(a) @ tf32(b)``, the
-    products and their sums exact (float64), the operands rounded as ``tf32(x, mode)``. Neither a CPU nor the
-    Triton interpreter has tf32, so this is how the tests see the launcher's tf32x3 GEMMs round."""
+    """One product on tf32 tensor cores, emulated: ``out += tf32(a) @ tf32(b)``, the products and their sums exact
+    (float64), the operands rounded as ``tf32(x, mode)``. Neither a CPU nor the Triton interpreter has tf32, so this is
+    the reference the tests hold the launcher's tf32x3 GEMMs to (``interpreter_dot.emulated_tf32_dot`` rounds the
+    interpreter's tf32 ``tl.dot`` the same way)."""
     def addmm_(out, a, b):
         out.add_(tf32(a, mode).double() @ tf32(b, mode).double())
     return addmm_

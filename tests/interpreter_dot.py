@@ -17,10 +17,17 @@ without the fix and, with it, equals the exact product of the same values up to 
 One more difference the fix leaves alone: the interpreter casts fp32 to bf16 by truncation, where a GPU rounds to
 nearest. That only makes the interpreter's bf16 roundings up to twice as large, which the tolerances allow for.
 
+tf32: the interpreter multiplies fp32 operands in float32 whatever the input precision, so a tf32 ``tl.dot`` there is
+more exact than a GPU's. ``emulated_tf32_dot`` (a test's choice, not installed for the run) rounds the operands of a
+dot at input precision "tf32" with fp32 operands to tf32, as a tensor core reads them ("rn" to nearest, "rz" toward
+zero: ``helpers.tf32``), forms their products exactly (float64) and adds them into the float32 accumulator, rounding
+once per dot. Other dots ("tf32x3", "ieee", half operands) are left to the builder it wraps.
+
 API:
     exact_bf16_dot(create_dot)    a builder method: ``create_dot`` with bf16 operands given as float32.
     patch_interpreter_dot()       a context manager that installs it on the interpreter's builder (once).
     unpatched_dot()               a context manager that restores the interpreter's own method inside.
+    emulated_tf32_dot(mode)       a context manager: tf32 dots on emulated tensor cores inside.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
+import torch
 import triton.language as tl
+from helpers import tf32
+from triton._C.libtriton import ir
 from triton.runtime import interpreter
 
 
@@ -72,6 +82,36 @@ def unpatched_dot() -> Iterator[None]:
     builder = interpreter.InterpreterBuilder
     current = builder.create_dot
     builder.create_dot = getattr(current, "interpreter_create_dot", current)
+    try:
+        yield
+    finally:
+        builder.create_dot = current
+
+
+def _tf32_values(data: np.ndarray, mode: str) -> np.ndarray:
+    """float32 ``data`` rounded to tf32 (``helpers.tf32``), as float64."""
+    return tf32(torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)), mode).double().numpy()
+
+
+def tf32_tensor_core_dot(create_dot, mode: str):
+    """``create_dot`` with its tf32 dots of fp32 operands on emulated tensor cores (``emulated_tf32_dot``)."""
+
+    def tf32_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if input_precision != ir.INPUT_PRECISION.TF32 or a.dtype != tl.float32 or b.dtype != tl.float32:
+            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(_tf32_values(a.data, mode), _tf32_values(b.data, mode))
+        return interpreter.TensorHandle((product + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+    tf32_create_dot.interpreter_create_dot = getattr(create_dot, "interpreter_create_dot", create_dot)
+    return tf32_create_dot
+
+
+@contextmanager
+def emulated_tf32_dot(mode: str) -> Iterator[None]:
+    """The interpreter's tf32 dots of fp32 operands on emulated tensor cores inside (``mode``: "rn" or "rz")."""
+    builder = interpreter.InterpreterBuilder
+    current = builder.create_dot
+    builder.create_dot = tf32_tensor_core_dot(current, mode)
     try:
         yield
     finally:

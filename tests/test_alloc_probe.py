@@ -24,9 +24,9 @@ from torch.utils._pytree import tree_leaves
 
 import cgist
 from cgist import GistOptions
-from cgist.kernels import gist_loss_and_grads
 from cgist.stage import budget
 from cgist.stage.pytorch import streaming, workspace
+from cgist.stage.triton import gist_loss_and_grads
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
 BUDGET = 6144

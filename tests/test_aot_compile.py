@@ -2,13 +2,14 @@
 
 One run of the script over every architecture of the tile tables (sm_75 to sm_120) for the two operand kinds at
 the ends of the tables: bf16 (2-byte operands, the largest tiles) and fp32 at "highest" (tf32x3, operands split in
-registers), with the Matryoshka configuration of five dimensions. It must cover every kernel, arch, pair and
-embedding size, with exactly the tile configs the launcher's ``tile_configs`` can pick there. Each build fits the
+registers, and the backward's tf32x3 GEMM from sm_80 on), with the Matryoshka configuration of five dimensions. It
+must cover every kernel, arch, pair and embedding size, with exactly the tile configs the launcher's
+``tile_configs`` (``gemm_configs`` for the GEMM) can pick there. Each build fits the
 arch's shared memory and the tables' estimate. The SASS shows the tensor cores: HMMA (mma.sync) on sm_80 to sm_89
 and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100, and none on
 sm_75, where ``tl.dot`` is FMA loops.
 
-The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 230 binaries, 15
+The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 240 binaries, 15
 minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
 ``bench/results/aot_compile.txt`` holds its last output, with a hash of what it was built from that
 tests/test_triton_versions.py checks against the sources.
@@ -24,14 +25,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from cgist.kernels.launch import input_precision  # noqa: E402
-from cgist.kernels.tiles import tile_configs  # noqa: E402
 from cgist.stage.devices import arch_for  # noqa: E402
+from cgist.stage.triton.launch import input_precision  # noqa: E402
+from cgist.stage.triton.tiles import gemm_configs, tile_configs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
 #: The kernels, each built with the configs the forward autotunes over (the score-gradient kernel reuses its pick).
 KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel")
 MATRYOSHKA_KERNELS = ("gist_fwd_kernel", "gist_score_grad_kernel")
+#: The backward's tf32x3 GEMM, one row per use (``F @ x``, ``F^T @ x``), where the student's products are tf32x3.
+GEMM_KERNELS = ("tf32x3_addmm_kernel(F)", "tf32x3_addmm_kernel(F^T)")
 #: Student and guide dtypes, and the fp32 matmul precision of each pair.
 PAIRS = {"fp32": (torch.float32, torch.float32, "highest"), "tf32": (torch.float32, torch.float32, "high"),
          "bf16": (torch.bfloat16, torch.bfloat16, "highest"), "fp16": (torch.float16, torch.float16, "highest"),
@@ -48,23 +51,31 @@ MMA_OPCODE = {"sm_70": "?", "sm_75": "-", "sm_80": "HMMA", "sm_86": "HMMA", "sm_
 ARCH = {f"sm_{a}": arch_for(divmod(a, 10)) for a in CHECKED_ARCHS}
 
 
-def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] | None = None) -> set[str]:
-    """The configs the launcher can run a kernel with on this arch under Triton ``release`` (None: the running one),
-    as the table writes them."""
+def _operands(arch: str, pair: str) -> tuple:
+    """``(dtype, precision, guide_dtype, guide_precision)`` of a pair as the launcher passes them on this arch."""
     dtype, guide_dtype, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        ops = (dtype, input_precision(dtype, ARCH[arch]), guide_dtype, input_precision(guide_dtype, ARCH[arch]))
+        return dtype, input_precision(dtype, ARCH[arch]), guide_dtype, input_precision(guide_dtype, ARCH[arch])
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-            for c in tile_configs(*ops, n_dims, ARCH[arch], interpret=False, release=release)}
+
+
+def _names(configs) -> set[str]:
+    """Tile configs as the table writes them."""
+    return {"{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}" for c in configs}
+
+
+def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] | None = None) -> set[str]:
+    """The configs the launcher can run a kernel with on this arch under Triton ``release`` (None: the running one),
+    as the table writes them."""
+    return _names(tile_configs(*_operands(arch, pair), n_dims, ARCH[arch], interpret=False, release=release))
 
 
 def parse_table(lines: list[str]) -> list[dict]:
     """The rows of a table printed by bench/aot_compile.py, each a dict by column."""
-    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_"))]
+    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_", "tf32x3_"))]
     assert header == ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est",
                       "wgmma", "mma"]
     assert all(len(r) == len(header) for r in table)
@@ -85,6 +96,8 @@ def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[t
     want = {(k, a, pair, "1"): launcher_tiles(a, pair, 1, release) for k in KERNELS for a in archs for pair in pairs}
     want |= {(k, a, pair, "5"): launcher_tiles(a, pair, 5, release)
              for k in MATRYOSHKA_KERNELS for a in archs for pair in pairs if pair in MATRYOSHKA_PAIRS}
+    want |= {(k, a, pair, "1"): _names(gemm_configs(ARCH[a], interpret=False))
+             for k in GEMM_KERNELS for a in archs for pair in pairs if _operands(a, pair)[1] == "tf32x3"}
     return want
 
 
@@ -98,8 +111,9 @@ def test_aot_compile_every_kernel_for_every_arch():
 
     # exactly the configs the launcher can pick under this Triton, for every kernel, arch, pair and dimension count
     assert tiles_seen(rows) == tiles_wanted(ARCH, CHECKED_PAIRS)
-    sizes = {(r["D"], r["Dg"]) for r in rows if r["dims"] == "1"}
+    sizes = {(r["D"], r["Dg"]) for r in rows if r["dims"] == "1" and r["kernel"] in KERNELS}
     assert sizes == {("384,768,1024,4096", "384,1024")}, "every D and Dg must be covered (one binary here)"
+    assert {(r["D"], r["Dg"]) for r in rows if r["kernel"] in GEMM_KERNELS} == {("384,768,1024,4096", "-")}
 
     for r in rows:
         assert r["spill"] == "0", r
@@ -108,7 +122,8 @@ def test_aot_compile_every_kernel_for_every_arch():
         assert MMA_OPCODE[r["arch"]] in r["mma"].split("+"), r
         assert r["wgmma"] == ("yes" if r["arch"] == "sm_90" else "n/a"), r
     big = {(r["kernel"], r["dtype"]) for r in rows if r["arch"] == "sm_90" and r["tiles"].startswith("128x128")}
-    assert big == {(k, "bf16") for k in ("gist_fwd_kernel", "gist_score_grad_kernel")}  # not tf32x3
+    # not tf32x3 (but for its GEMM, whose operands are split before it loads them)
+    assert big == {(k, "bf16") for k in KERNELS} | {(k, "fp32") for k in GEMM_KERNELS}
 
     summaries = [line for line in lines if line.startswith("sm_")]
     assert [line.split(":")[0] for line in summaries] == list(ARCH)

@@ -305,8 +305,8 @@ def _arch():
 def _launcher_tiles(dtype: torch.dtype, n_dims: int) -> tuple[int, int]:
     """The largest BLOCK_M and BLOCK_N of the tile configs the launcher's forward picks from for ``dtype`` on
     ``DEVICE`` (under the interpreter, one config of 16 x 16)."""
-    from cgist.kernels.launch import input_precision
-    from cgist.kernels.tiles import tile_configs
+    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.tiles import tile_configs
 
     kind = input_precision(dtype, _arch())
     configs = tile_configs(dtype, kind, dtype, kind, n_dims, _arch())
@@ -317,8 +317,8 @@ def _launcher_chunks(batch: int, widest: int, dtype: torch.dtype, n_dims: int, b
     """``backward_chunks`` with the arguments the launcher's backward (``BackwardWork.buffers``) gives it for a
     ``dtype`` student and guide: its tiles, one operand entry in ``dtype`` (a tf32 pair of them at tf32x3) and
     partial sums in the compute dtype."""
-    from cgist.kernels.launch import input_precision
     from cgist.stage.numerics import compute_dtype
+    from cgist.stage.triton.launch import input_precision
 
     block_m, block_n = _launcher_tiles(dtype, n_dims)
     parts = 2 if input_precision(dtype, _arch()) == "tf32x3" else 1
@@ -385,7 +385,7 @@ def test_each_chunk_budget_makes_the_chunks_it_means(name, dtype, dims, plan, wo
 def test_triton_tiles_and_chunks_match_the_oracle(name, dtype, dims, plan, world, options, monkeypatch):
     """Loss, gradients and statistics of the Triton launcher over several row and column tiles per group and
     several backward chunks (the later ones at their row and column offsets), against the oracle."""
-    from cgist.kernels import launch
+    from cgist.stage.triton import launch
 
     case = _triton_case(dtype, dims, world, **options)
     col_tiles = CHUNK_PLANS[plan][1]

@@ -156,7 +156,7 @@ def test_with_a_guide_the_backends_equal_the_oracle(name, world, dims):
     loss, grads, _ = streaming.gist_loss_and_grads(student, guide, options, need_grads=True)
     assert_close("torch", want, (loss, grads), TIGHT)
     # the kernels, under the interpreter
-    from cgist.kernels import gist_loss_and_grads
+    from cgist.stage.triton import gist_loss_and_grads
 
     loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
     assert_close("triton", want, (loss, grads), TRITON)

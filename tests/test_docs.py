@@ -29,6 +29,7 @@ CITATION = re.compile(r"docs/(?P<page>[\w/-]+\.md)#(?P<anchor>[\w.-]*[\w-])")
 #: The sections of docs/design.md that code and tests cite; their anchors are a contract, so renaming one fails here.
 DESIGN_SECTIONS = {
     "The loss": "the-loss",
+    "Rules by release": "rules-by-release",
     "Column groups": "column-groups",
     "Ties": "ties",
     "The streaming algorithm": "the-streaming-algorithm",
@@ -37,6 +38,7 @@ DESIGN_SECTIONS = {
     "Matryoshka": "matryoshka",
     "Statistics": "statistics",
     "The workspace budget": "the-workspace-budget",
+    "The drop-in protocol": "the-drop-in-protocol",
     "Dispatch": "dispatch",
 }
 

@@ -125,17 +125,17 @@ def test_torch_backend_on_cuda_is_streaming():
 
 
 def test_triton_backend_is_the_launcher(monkeypatch):
-    import cgist.kernels
+    import cgist.stage.triton
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for device in ("cpu", "cuda"):
-        assert route.select_backend("triton", torch.device(device)) is cgist.kernels.gist_loss_and_grads
+        assert route.select_backend("triton", torch.device(device)) is cgist.stage.triton.gist_loss_and_grads
 
 
 def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
-    """On an sm_90 GPU, 'auto' picks the launcher, or the streaming path when cgist.kernels cannot provide it."""
+    """On an sm_90 GPU, 'auto' picks the launcher, or the streaming path when cgist.stage.triton cannot provide it."""
     monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for((9, 0)))
-    monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
+    monkeypatch.setitem(sys.modules, "cgist.stage.triton", types.ModuleType("cgist.stage.triton"))
     assert route.auto_route(torch.device("cuda:0"), torch.float32, torch.float32)[0] == "torch"
     assert route.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
 
@@ -354,7 +354,7 @@ def test_triton_needs_the_interpreter_on_cpu(monkeypatch):
 
 def test_triton_unavailable_says_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "cgist.kernels", types.ModuleType("cgist.kernels"))
+    monkeypatch.setitem(sys.modules, "cgist.stage.triton", types.ModuleType("cgist.stage.triton"))
     _check(RuntimeError, r"backend='triton' is unavailable: cannot import name 'gist_loss_and_grads'", backend="triton")
 
 

@@ -1,8 +1,11 @@
-"""Import structure: what importing ``cgist`` and ``cgist.kernels`` loads, and what kernels/ may import.
+"""Import structure: what importing ``cgist`` and ``cgist.kernels`` loads; what kernels/ and the Triton backend import.
 
 ``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` and
-``add_guide_embeddings`` load it on first use); the modules under kernels/ import only torch, triton, the standard
-library and the loss stage's leaf modules (``ALLOWED_MODULES``: none of them reaches the dispatch or the kernels).
+``add_guide_embeddings`` load it on first use). kernels/ is device code only: its modules import torch, triton, the
+standard library and each other, nothing of cgist, and its package imports nothing at all (from a checkout it is what
+``import kernels`` finds). The host side, the Triton backend under cgist/stage/triton/, imports only those, the kernels
+(``cgist.kernels``) and the loss stage's leaf modules (``ALLOWED_MODULES``: none of them reaches the dispatch or the
+backends).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 
 import cgist
 import cgist.kernels
+import cgist.stage.triton
 
 #: Run in a fresh interpreter: what the light imports load, then the lazy attribute.
 PROBE = """
@@ -55,16 +59,39 @@ def test_light_imports_leave_sentence_transformers_unloaded(tmp_path):
     assert result["precompute"] == "cgist.losses.precompute.add_guide_embeddings"
 
 
+def test_the_kernels_folder_imported_as_kernels_loads_nothing_else():
+    """From a checkout, ``import kernels`` (transformers' probe for the PyPI package of that name) finds kernels/: it
+    must load nothing beyond itself."""
+    probe = ("import sys; before = set(sys.modules); import kernels; "
+             "print(kernels.__file__); print(sorted(set(sys.modules) - before - {'kernels'}))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=KERNELS.parent, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, loaded = proc.stdout.splitlines()
+    assert Path(found).resolve() == (KERNELS / "__init__.py").resolve()
+    assert loaded == "[]", loaded
+
+
 def test_unknown_attribute_raises_attribute_error():
     for module in (cgist, cgist.kernels):
         with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
             module.no_such_name  # noqa: B018
 
 
-# What kernels/ imports ------------------------------------------------------------------------------------------
+def test_the_backend_entry_point_is_the_triton_backends():
+    """``cgist.stage.triton`` is the backend "triton"; ``cgist.kernels`` holds the kernels only."""
+    from cgist.stage.triton import launch
+
+    assert cgist.stage.triton.gist_loss_and_grads is launch.gist_loss_and_grads
+    assert not hasattr(cgist.kernels, "gist_loss_and_grads")
+
+
+# What kernels/ and the Triton backend import ------------------------------------------------------------------
 
 KERNELS = Path(cgist.kernels.__file__).parent
+BACKEND = Path(cgist.stage.triton.__file__).parent
 ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
+#: What the Triton backend may import of cgist besides the kernels: the loss stage's leaf modules.
 ALLOWED_MODULES = {"cgist.stage.numerics", "cgist.stage.ties", "cgist.stage.budget", "cgist.stage.devices",
                    "cgist.stage.stats", "cgist.stage.spec.problem"}
 
@@ -97,15 +124,22 @@ def runtime_imports(node: ast.AST) -> Iterator[tuple[int, str]]:
             yield child.lineno, "." * child.level + (child.module or "")
 
 
-def allowed(module: str) -> bool:
-    """torch, triton, the standard library, the leaf modules (``ALLOWED_MODULES``), or a module of kernels/ itself
-    (one leading dot)."""
+def kernels_allowed(module: str) -> bool:
+    """What a module of kernels/ may import: torch, triton, the standard library, or a module of kernels/ itself
+    (one leading dot). Nothing of cgist."""
     if module.startswith("."):
         return not module.startswith("..")
-    return module.split(".")[0] in ALLOWED_PACKAGES or module in ALLOWED_MODULES
+    return module.split(".")[0] in ALLOWED_PACKAGES
 
 
-def forbidden_imports(source: str) -> list[tuple[int, str]]:
+def backend_allowed(module: str) -> bool:
+    """What a module of the Triton backend may import: what kernels/ may, the kernels (``cgist.kernels``), and the
+    leaf modules (``ALLOWED_MODULES``)."""
+    return (kernels_allowed(module) or module in ALLOWED_MODULES or module == "cgist.kernels"
+            or module.startswith("cgist.kernels."))
+
+
+def forbidden_imports(source: str, allowed=kernels_allowed) -> list[tuple[int, str]]:
     return [(line, module) for line, module in runtime_imports(ast.parse(source)) if not allowed(module)]
 
 
@@ -124,25 +158,46 @@ else:
     import sentence_transformers
 def f():
     import transformers
+    import cgist
+from cgist.kernels.gist import gist_fwd_kernel
 """
 
 
-def test_the_import_check_finds_what_it_must():
-    """numpy, a module above kernels/, another cgist module, an else branch and a function body are all caught."""
-    assert forbidden_imports(SAMPLE) == [
-        (3, "numpy"), (7, ".."), (9, "cgist.stage.spec.options"), (13, "sentence_transformers"), (15, "transformers")
+def test_the_import_checks_find_what_they_must():
+    """numpy, a module above the package, a cgist module, an else branch and a function body are all caught; the
+    backend may import the leaf modules and the kernels, kernels/ neither."""
+    assert forbidden_imports(SAMPLE, backend_allowed) == [
+        (3, "numpy"), (7, ".."), (9, "cgist.stage.spec.options"), (13, "sentence_transformers"), (15, "transformers"),
+        (16, "cgist"),
+    ]
+    assert forbidden_imports(SAMPLE, kernels_allowed) == [
+        (3, "numpy"), (7, ".."), (8, "cgist.stage.numerics"), (9, "cgist.stage.spec.options"),
+        (13, "sentence_transformers"), (15, "transformers"), (16, "cgist"), (17, "cgist.kernels.gist"),
     ]
 
 
-def test_kernels_import_only_torch_triton_stdlib_and_leaf_modules():
-    files = sorted(KERNELS.rglob("*.py"))
-    assert {"__init__.py", "gist.py", "launch.py"} <= {f.name for f in files}
+def _checked(root: Path, allowed) -> set[str]:
+    """Check every module under ``root`` against ``allowed``; the modules they import."""
     seen = set()
-    for path in files:
+    for path in sorted(root.rglob("*.py")):
         source = path.read_text(encoding="utf-8")
-        assert forbidden_imports(source) == [], f"{path.name} imports more than torch, triton, stdlib and cgist's leaf modules"
+        forbidden = forbidden_imports(source, allowed)
+        assert forbidden == [], f"{path.relative_to(root.parent)}: (line, module) not allowed: {forbidden}"
         seen |= {module for _, module in runtime_imports(ast.parse(source))}
-    assert {"torch", "triton"} <= seen  # the parse sees the real imports
+    return seen
+
+
+def test_kernels_import_nothing_of_cgist():
+    """kernels/ is device code: torch, triton, the standard library and its own modules only."""
+    assert {"__init__.py", "gist.py", "gemm.py"} <= {f.name for f in KERNELS.rglob("*.py")}
+    assert "triton" in _checked(KERNELS, kernels_allowed)  # the parse sees the real imports
+    assert list(runtime_imports(ast.parse((KERNELS / "__init__.py").read_text(encoding="utf-8")))) == []
+
+
+def test_the_triton_backend_imports_only_the_kernels_and_leaf_modules():
+    assert {"__init__.py", "launch.py", "tiles.py"} <= {f.name for f in BACKEND.rglob("*.py")}
+    seen = _checked(BACKEND, backend_allowed)
+    assert {"torch", "triton", "cgist.kernels.gist", "cgist.stage.spec.problem"} <= seen
 
 
 # No import circle among cgist's modules -------------------------------------------------------------------------
@@ -212,6 +267,7 @@ def test_no_import_circle_among_the_package_modules():
     import of its own package's ``__init__`` (the lazy names) is an edge like any other."""
     files = _module_files()
     graph = import_graph(files)
-    assert {"cgist.stage.spec.problem", "cgist.kernels.launch", "cgist.cli.run"} <= set(graph)
-    assert "cgist.stage.spec.problem" in graph["cgist.kernels.launch"] and "cgist.stage.numerics" in graph["cgist.stage.spec.problem"]
+    assert {"cgist.stage.spec.problem", "cgist.stage.triton.launch", "cgist.kernels.gist", "cgist.cli.run"} <= graph.keys()
+    assert {"cgist.stage.spec.problem", "cgist.kernels.gist"} <= graph["cgist.stage.triton.launch"]
+    assert "cgist.stage.numerics" in graph["cgist.stage.spec.problem"]
     assert cycles(graph) == []

@@ -140,6 +140,15 @@ def test_the_package_imports_optional_dependencies_only_through_import_extra():
     assert found == []
 
 
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists every package of the source tree (a plain install leaves out what it does not list): the
+    folders with an ``__init__.py`` under cgist/, and kernels/ as ``cgist.kernels``."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    folders = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "cgist").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders | {"cgist.kernels"}
+    assert setuptools["package-dir"]["cgist.kernels"] == "kernels" and (REPO / "kernels" / "__init__.py").is_file()
+
+
 def test_the_licence_is_at_the_root_and_declared():
     text = (REPO / "LICENSE").read_text(encoding="utf-8")
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in text

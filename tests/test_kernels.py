@@ -1,4 +1,4 @@
-"""cgist.kernels: the Triton launcher against the dense float64 oracle.
+"""The Triton backend (``cgist.stage.triton``, launching ``cgist.kernels``) against the dense float64 oracle.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest sets
 TRITON_INTERPRET=1), here in float32 and float64; every dtype pair the launcher picks (bf16, fp16, a
@@ -18,11 +18,11 @@ from torch.utils._pytree import tree_leaves
 
 import cgist
 from cgist import GistOptions
-from cgist.kernels import gist_loss_and_grads
-from cgist.kernels.launch import gist_forward
 from cgist.stage.budget import backward_chunks
 from cgist.stage.reference import gist_loss_reference, gist_scores
 from cgist.stage.ties import tie_ids
+from cgist.stage.triton import gist_loss_and_grads
+from cgist.stage.triton.launch import gist_forward
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="GPU-sized problems, and tf32, which the interpreter lacks")
 

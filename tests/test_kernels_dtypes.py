@@ -1,4 +1,5 @@
-"""cgist.kernels in every dtype pair the launcher picks, against the float64 oracle on the same rounded inputs.
+"""The Triton backend (``cgist.stage.triton`` over ``cgist.kernels``) in every dtype pair the launcher picks, against
+the float64 oracle on the same rounded inputs.
 
 The pairs: bf16, fp16, a half student with an fp32 guide, fp32 at torch's default matmul precision ("highest",
 tf32x3 products), and fp32 with a bf16 guide. Each runs odd shapes, rank offsets, ties at zero margin, Matryoshka
@@ -8,12 +9,14 @@ backward, and checks the mask counters exactly.
 Without CUDA this runs under the Triton interpreter, whose ``tl.dot`` multiplies bf16 operands by value only with the
 test-only fix of ``interpreter_dot`` (installed by conftest; ``test_interpreter_dot_*`` below show that it is needed
 and that it is right). The interpreter has no tf32: the kernels' fp32 dots run in plain fp32 there, and the backward
-GEMMs of an fp32 student run on emulated tf32 tensor cores (``helpers.tf32_addmm``), as tf32x3 runs them on a GPU.
+tf32x3 GEMMs of an fp32 student run on emulated tf32 tensor cores (``interpreter_dot.emulated_tf32_dot``, which rounds
+as ``helpers.tf32_addmm``), as they run on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -30,15 +33,14 @@ from helpers import (  # noqa: F401  (one_thread: autouse)
     shape_id,
     tf32_addmm,
 )
-from interpreter_dot import unpatched_dot
+from interpreter_dot import emulated_tf32_dot, unpatched_dot
 
 from cgist import GistOptions
-from cgist.kernels import launch
-from cgist.kernels.launch import gist_backward, gist_forward
 from cgist.stage.numerics import normalize, threshold
 from cgist.stage.reference import gist_loss_reference
 from cgist.stage.stats import COUNT_FIELDS
 from cgist.stage.ties import rank_ids, tie_ids
+from cgist.stage.triton.launch import gist_backward, gist_forward
 
 #: Student and guide dtype of each pair, by its id.
 PAIRS = {
@@ -63,12 +65,17 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], tl.dot(a, b, out_dtype=tl.float32))
 
 
-def _small_dot(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A 16 x 32 by 32 x 16 ``tl.dot`` of random ``dtype`` values, torch's float64 product of the same values, and the
-    sums of the absolute products ``|a| @ |b|`` (the scale of a float32 summation's error)."""
+def _dot_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16 x 32 and 32 x 16 random ``dtype`` operands of ``_small_dot``."""
     gen = torch.Generator().manual_seed(11)
-    a = torch.randn(16, 32, generator=gen).to(dtype)
-    b = torch.randn(32, 16, generator=gen).to(dtype)
+    return torch.randn(16, 32, generator=gen).to(dtype), torch.randn(32, 16, generator=gen).to(dtype)
+
+
+def _small_dot(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 16 x 32 by 32 x 16 ``tl.dot`` of random ``dtype`` values (at Triton's default input precision, tf32 for fp32),
+    torch's float64 product of the same values, and the sums of the absolute products ``|a| @ |b|`` (the scale of a
+    float32 summation's error)."""
+    a, b = _dot_operands(dtype)
     c = torch.full((16, 16), float("nan"), device=DEVICE)
     _dot_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, 16, 16, 32)
     a, b = a.double(), b.double()
@@ -94,6 +101,21 @@ def test_interpreter_dot_needs_the_fix_for_bf16():
         fp16, want_fp16, scale_fp16 = _small_dot(torch.float16)
     assert (bf16 - want_bf16).abs().max() > 1e6 * want_bf16.abs().max()
     assert bool(((fp16 - want_fp16).abs() <= SUM_BOUND * scale_fp16).all())
+
+
+@pytest.mark.skipif(CUDA, reason="an emulation for the interpreter only")
+@pytest.mark.parametrize("mode", ["rz", "rn"])
+def test_the_emulated_tf32_dot_rounds_as_tensor_cores(mode):
+    """Under ``emulated_tf32_dot`` a tf32 ``tl.dot`` of fp32 operands is ``helpers.tf32_addmm``'s product, rounded once
+    to float32; the interpreter's own multiplies the fp32 values as they are, which a tf32 product does not."""
+    with emulated_tf32_dot(mode):
+        emulated, want, scale = _small_dot(torch.float32)
+    plain, _, _ = _small_dot(torch.float32)
+    tensor_cores = torch.zeros(16, 16, dtype=torch.float64)
+    tf32_addmm(mode)(tensor_cores, *_dot_operands(torch.float32))
+    assert bool(((emulated - tensor_cores).abs() <= 2.0**-24 * tensor_cores.abs()).all())
+    assert bool(((plain - want).abs() <= SUM_BOUND * scale).all())
+    assert bool(((emulated - want).abs() > SUM_BOUND * scale).any())
 
 
 # -- the kernels in every pair ----------------------------------------------------------------------------------------
@@ -190,9 +212,9 @@ def _errors(case: Case, pair: str) -> tuple[float, float, dict, dict, tuple, tup
         for ids in (tie_ids(guide, guide[0].dtype), tie_ids(guide64, torch.float64)):
             assert all(ids[column][row] == ids[1][options.offset + anchor] for column, row, anchor in case.ties)
 
-    with pytest.MonkeyPatch.context() as patch:
+    with ExitStack() as stack:
         if student_dtype == torch.float32 and not CUDA:
-            patch.setattr(launch, "_addmm_", tf32_addmm("rn"))
+            stack.enter_context(emulated_tf32_dot("rn"))
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:

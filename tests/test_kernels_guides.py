@@ -1,4 +1,4 @@
-"""cgist.kernels: where the guide comes from, and the explicit masks, against the dense float64 oracle.
+"""The Triton backend: where the guide comes from, and the explicit masks, against the dense float64 oracle.
 
 No guide (nothing is guide-masked), the student as its own guide, and a guide's embeddings, each with and
 without ``mask_self`` (AA[i, i], PP[i, o + i]) and ``mask_duplicates`` (candidates with anchor i's or its
@@ -13,10 +13,10 @@ import torch
 from helpers import DEVICE, assert_close, make_inputs, tolerance
 
 from cgist import GistOptions
-from cgist.kernels.launch import gist_backward, gist_forward
 from cgist.stage import ties
 from cgist.stage.pytorch import streaming
 from cgist.stage.reference import gist_loss_reference, gist_scores
+from cgist.stage.triton.launch import gist_backward, gist_forward
 
 B, N, D, DG, K = 13, 26, 40, 24, 1
 

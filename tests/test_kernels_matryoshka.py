@@ -1,4 +1,4 @@
-"""cgist.kernels with Matryoshka dimensions: parity with the oracle applied per dimension, gradcheck, determinism.
+"""The Triton backend with Matryoshka dimensions: parity with the oracle applied per dimension, gradcheck, determinism.
 
 The loss is ``sum_d w_d * L_d`` where ``L_d`` scores the student embeddings truncated to their first d
 components and the guide is untouched. The kernels compute every dimension in one forward (the guide
@@ -14,8 +14,8 @@ from helpers import DEVICE, DTYPES, Tol, assert_close, make_inputs, one_thread, 
 
 import cgist
 from cgist import GistOptions
-from cgist.kernels import gist_loss_and_grads
 from cgist.stage.reference import gist_loss_reference
+from cgist.stage.triton import gist_loss_and_grads
 
 
 def matryoshka_reference(student, guide, options: GistOptions) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""cgist.kernels: the guide-mask counters (``need_stats``) against the oracle's masks and the streaming path.
+"""The Triton backend: the guide-mask counters (``need_stats``) against the oracle's masks and the streaming path.
 
 The counts of each block, and the rows where only the label survives, are the test oracle's
 (``helpers.oracle_counters``, counted on the masks of the dense oracle ``cgist.stage.reference.score_groups``: the
@@ -23,10 +23,10 @@ from helpers import (  # noqa: F401  (one_thread: autouse)
 )
 
 from cgist import GistOptions
-from cgist.kernels import gist_loss_and_grads
 from cgist.stage.numerics import compute_dtype
 from cgist.stage.pytorch import streaming
 from cgist.stage.stats import COUNT_FIELDS, SUM_FIELDS
+from cgist.stage.triton import gist_loss_and_grads
 
 
 def _tie(guide, column, row, anchor, offset):

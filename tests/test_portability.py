@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 import cgist
 from cgist import GistOptions
 from cgist.stage import ties
-from cgist.stage.devices import arch_for
+from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for
 from cgist.stage.dispatch import route
 from cgist.stage.pytorch import streaming
 
@@ -143,7 +143,15 @@ CUDA0 = torch.device("cuda:0")
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fresh_route():
+    """Nothing that "auto" remembers per process (failures, checks, notices) before the test or after it."""
+    route.reset()
+    yield
+    route.reset()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, fresh_route):
     """Make ``auto`` see an NVIDIA GPU of the capability passed to the returned setter, with Triton available."""
 
     def use(capability: tuple[int, int], hip: str | None = None) -> None:
@@ -177,17 +185,60 @@ def test_auto_route_on_rocm_and_other_devices(fake_gpu):
 
 
 def test_cgist_backend_overrides_auto(fake_gpu, monkeypatch):
-    import cgist.kernels
+    import cgist.stage.triton
 
     fake_gpu((9, 0))
     monkeypatch.setenv(route.BACKEND_ENV, "torch")
     assert route.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
     monkeypatch.setenv(route.BACKEND_ENV, "triton")
-    assert route.select_backend("auto", CUDA0) is cgist.kernels.gist_loss_and_grads
+    assert route.select_backend("auto", CUDA0) is cgist.stage.triton.gist_loss_and_grads
     assert route.select_backend("torch", CUDA0) is streaming.gist_loss_and_grads  # only "auto" is overridden
     monkeypatch.setenv(route.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match=r"CGIST_BACKEND must be one of \('auto', 'torch', 'triton'\) .*got 'cuda'"):
         route.select_backend("auto", CUDA0)
+
+
+def _import_error(name: str) -> str:
+    """The message of the ImportError that importing ``name`` raises now."""
+    with pytest.raises(ImportError) as failed:
+        __import__(name)
+    return str(failed.value)
+
+
+def test_auto_says_once_why_the_kernels_cannot_be_imported(fake_gpu, monkeypatch, caplog):
+    """On a GPU the kernels serve, "auto" without an importable Triton backend takes the PyTorch path and logs one
+    line per cause, naming the ImportError and the fix; ``route.reset`` forgets that it did."""
+    fake_gpu((9, 0))
+    oldest = ".".join(map(str, OLDEST_CHECKED_TRITON))
+    # Triton cannot be imported: the backend is imported afresh, and fails at its `import triton`
+    monkeypatch.setitem(sys.modules, "triton", None)
+    for name in [m for m in sys.modules if m == "cgist.stage.triton" or m.startswith("cgist.stage.triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+    no_triton = _import_error("triton")
+
+    def notices() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    with caplog.at_level(logging.WARNING, logger="cgist"):
+        for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
+            assert route.select_backend("auto", CUDA0, dtype) is streaming.gist_loss_and_grads
+        chosen, why = route.auto_route(CUDA0, torch.float16, torch.float16)
+        assert chosen == "torch" and no_triton in why
+        assert len(notices()) == 1, notices()
+        assert notices()[0].startswith(f"cgist: the Triton kernels cannot be imported ({no_triton})")
+        assert "backend='auto' runs the PyTorch streaming path" in notices()[0]
+        assert f"pip install 'triton>={oldest}'" in notices()[0] and "\n" not in notices()[0]
+
+        # another cause: Triton imports, the backend does not
+        monkeypatch.setitem(sys.modules, "cgist.stage.triton", None)
+        no_backend = _import_error("cgist.stage.triton")
+        for _ in range(2):
+            assert route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)[0] == "torch"
+        assert len(notices()) == 2 and f"({no_backend})" in notices()[1]
+
+        route.reset()  # the notices are forgotten: the next call logs its cause again
+        route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
+        assert len(notices()) == 3 and notices()[2] == notices()[1]
 
 
 # A kernel that fails to build or launch --------------------------------------------------------------------------
@@ -209,16 +260,15 @@ class _FailingKernel:
         return launch
 
 
-def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, caplog):
+def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, caplog, fresh_route):
     """With "auto", a launch error runs the streaming path instead, logs once (device, dtypes, error) and is
     remembered for that device and dtype pair; "triton" raises it."""
-    from cgist.kernels import launch
+    from cgist.stage.triton import launch
 
     kernel = _FailingKernel()
-    monkeypatch.setattr(launch, "gist_fwd_kernel", kernel)
+    monkeypatch.setattr(launch, "tuned_fwd_kernel", kernel)
     # CPU tensors stand in for the GPU's (the launcher runs on them under the interpreter)
     monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     student, guide = make_inputs(5, 10, 12, 8, 1, torch.float32, seed=3, requires_grad=True)
     options = dict(temperature=0.05, margin=0.1, offset=5)
@@ -235,7 +285,7 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert "cpu" in message and "float32 embeddings with a float32 guide" in message and "OutOfResources" in message
-    assert list(route._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
+    assert list(route.kernel_failures()) == [("cpu", torch.float32, torch.float32)]
 
     # another dtype pair is tried on its own
     cgist.gist_loss([s.double() for s in student], [g.double() for g in guide], backend="auto", **options)
@@ -247,13 +297,12 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
         cgist.gist_loss(student, guide, backend="triton", **options)
 
 
-def test_the_fallback_keeps_every_argument(monkeypatch):
+def test_the_fallback_keeps_every_argument(monkeypatch, fresh_route):
     """A call with text ids (duplicates masked, no guide) falls back with them: the streaming path's result."""
-    from cgist.kernels import launch
+    from cgist.stage.triton import launch
 
-    monkeypatch.setattr(launch, "gist_fwd_kernel", _FailingKernel())
+    monkeypatch.setattr(launch, "tuned_fwd_kernel", _FailingKernel())
     monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     student, _ = make_inputs(4, 8, 6, 6, 1, torch.float32, seed=5)
     text_ids = [torch.arange(4), torch.arange(8) % 5, torch.arange(8) % 3]  # duplicates across the columns
@@ -263,16 +312,15 @@ def test_the_fallback_keeps_every_argument(monkeypatch):
     assert torch.equal(cgist.gist_loss(student, None, backend="auto", **options), want)
 
 
-def test_out_of_memory_is_not_a_kernel_failure(monkeypatch):
+def test_out_of_memory_is_not_a_kernel_failure(fresh_route):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     run = route._with_fallback(out_of_memory, torch.device("cpu"), torch.float32, torch.float32)
-    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
     student, guide = make_inputs(3, 3, 4, 4, 0, torch.float32)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         run(student, guide, GistOptions(), need_grads=False, need_stats=False)
-    assert route._TRITON_FAILURES == {}
+    assert route.kernel_failures() == {}
 
 
 # Without Triton ------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ BIG_ODDS, BIG_BATCH, BIG_DIM = 8, (257, 320), 16
 #: Interpreter tiles (BLOCK_M, BLOCK_N, BLOCK_K) of the Triton fuzz: small, so that a few rows cross a second tile (the
 #: interpreter's time goes by tiles); BLOCK_M below, above and equal to BLOCK_N, and BLOCK_K below most D.
 INTERPRETER_TILES = ((2, 4, 4), (4, 2, 8), (2, 2, 16))
-#: The largest BLOCK_M / BLOCK_N of the GPU tile tables (cgist.kernels.tiles): B and N beyond them on a GPU.
+#: The largest BLOCK_M / BLOCK_N of the GPU tile tables (cgist.stage.triton.tiles): B and N beyond them on a GPU.
 GPU_TILE = (128, 128)
 
 
@@ -237,7 +237,7 @@ def _chunk_budget(draw, dtype: str, options: GistOptions, rows: list[int], top: 
     autotuner picks at run time, a small budget drawn log-uniformly."""
     if tiles is None:
         return 2 ** draw(st.integers(12, 24)), "gpu budget"
-    from cgist.kernels.launch import input_precision
+    from cgist.stage.triton.launch import input_precision
 
     batch, widest, n_dims = rows[0], max(_widths(options, rows)), len(options.dims(top))
     parts = 2 if input_precision(DTYPES[dtype]) == "tf32x3" else 1  # fp32 operands split for tf32x3 products
@@ -535,12 +535,12 @@ def _interpreter_tiles(tiles: tuple[int, int, int] | None):
         return
     import triton
 
-    from cgist.kernels.gist import gist_fwd_kernel
+    from cgist.stage.triton.tiles import tuned_fwd_kernel
 
     config = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiles)), num_warps=1, num_stages=1)
-    with mock.patch.object(gist_fwd_kernel, "configs", [config]):
+    with mock.patch.object(tuned_fwd_kernel, "configs", [config]):
         yield
-    assert gist_fwd_kernel.best_config is config, "the kernel ran with another tile"
+    assert tuned_fwd_kernel.best_config is config, "the kernel ran with another tile"
 
 
 def _events(spec: Spec, student: list[torch.Tensor]) -> None:

@@ -17,9 +17,9 @@ from test_kernels import _HostReads
 
 import cgist
 from cgist import GistOptions
-from cgist.kernels import gist_loss_and_grads, launch
 from cgist.stage.dispatch import route, selfcheck
 from cgist.stage.pytorch import streaming
+from cgist.stage.triton import gist_loss_and_grads, launch
 
 ROWS_HERE = 24
 OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
@@ -27,11 +27,10 @@ OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
 
 @pytest.fixture
 def auto_runs_kernels(monkeypatch):
-    """``auto`` takes the (interpreted) kernels on the CPU, with empty per-process tables; returns the list of the
-    checks run."""
+    """``auto`` takes the (interpreted) kernels on the CPU, with nothing remembered before or after (``route.reset``);
+    returns the list of the checks run."""
+    route.reset()
     monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.setattr(route, "_TRITON_FAILURES", {})
-    monkeypatch.setattr(route, "_SELF_CHECKS", {})
     monkeypatch.setattr(selfcheck, "ROWS", ROWS_HERE)
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     monkeypatch.delenv(selfcheck.ENV, raising=False)
@@ -43,7 +42,8 @@ def auto_runs_kernels(monkeypatch):
         return checks[-1]
 
     monkeypatch.setattr(selfcheck, "check_call", counted)
-    return checks
+    yield checks
+    route.reset()
 
 
 def _inputs(dtype=torch.float32):
@@ -114,8 +114,8 @@ def test_a_wrong_kernel_is_caught_falls_back_and_is_logged_once(auto_runs_kernel
                               "(D=12) with a float32 guide (Dg=8), fp32 products at 'highest', 1 dimension, "
                               f"directions query_to_doc, joint partition (first-use check, {ROWS_HERE} rows): ")
     assert numbers in message and "run `cgist doctor`" in message
-    assert route._TRITON_FAILURES == {}  # a disagreement is remembered per variant, not as a build failure
-    (variant, check), = route._SELF_CHECKS.items()
+    assert route.kernel_failures() == {}  # a disagreement is remembered per variant, not as a build failure
+    (variant, check), = route.first_use_checks().items()
     assert variant == selfcheck.variant_of("cpu", student, guide, GistOptions(**OPTIONS)) and not check.ok
 
 
@@ -151,7 +151,7 @@ def test_the_check_can_be_turned_off(auto_runs_kernels, monkeypatch):
     student, guide = _inputs()
     monkeypatch.setenv(selfcheck.ENV, "0")
     assert _same(_loss_and_grads(student, guide, "auto"), _loss_and_grads(student, guide, "triton"))
-    assert auto_runs_kernels == [] and route._SELF_CHECKS == {}
+    assert auto_runs_kernels == [] and route.first_use_checks() == {}
     monkeypatch.setenv(selfcheck.ENV, "no")
     with pytest.raises(ValueError, match=r"CGIST_SELF_CHECK must be 0 or 1 \(or unset\), got 'no'"):
         cgist.gist_loss(student, guide, backend="auto", **OPTIONS)
@@ -169,7 +169,7 @@ def test_a_kernel_failing_in_the_check_falls_back_as_a_build_failure(auto_runs_k
         assert _same(_loss_and_grads(student, guide, "auto"), want)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: PassManager::run failed" in warnings[0]
-    assert list(route._TRITON_FAILURES) == [("cpu", torch.float32, torch.float32)]
+    assert list(route.kernel_failures()) == [("cpu", torch.float32, torch.float32)]
 
 
 def test_a_warm_call_reads_no_value_on_the_host(auto_runs_kernels):

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgist.stage import devices
 from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for, triton_release
 from cgist.stage.dispatch import route
 from cgist.stage.pytorch import streaming
@@ -53,9 +52,9 @@ def hopper(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
-    devices._notice.cache_clear()
+    route.reset()
     yield lambda version: monkeypatch.setattr(triton, "__version__", version)
-    devices._notice.cache_clear()
+    route.reset()
 
 
 def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hopper, caplog):
@@ -82,10 +81,10 @@ def test_auto_runs_the_kernels_under_a_checked_triton(hopper, caplog, version):
 
 
 def test_an_explicit_triton_backend_is_not_gated(hopper):
-    import cgist.kernels
+    import cgist.stage.triton
 
     hopper("3.0.0")
-    assert route.select_backend("triton", CUDA0) is cgist.kernels.gist_loss_and_grads
+    assert route.select_backend("triton", CUDA0) is cgist.stage.triton.gist_loss_and_grads
 
 
 def test_triton_release():
@@ -119,7 +118,7 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
     _copy_sources(tmp_path)
     compile_table.check_table(table, tmp_path)  # the copy is what the table was built from
 
-    tiles = tmp_path / "kernels" / "tiles.py"
+    tiles = tmp_path / "cgist" / "stage" / "triton" / "tiles.py"
     source = tiles.read_text()
     # the second config of sm_80's tf32x3 tiles: a smaller tile
     changed = source.replace("_MMA_TF32X3 = [(128, 64, 16, 8, 3), (64, 64, 16, 4, 3)]",
@@ -139,10 +138,12 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
 
 
 @pytest.mark.parametrize(("file", "old", "new"), [
-    ("kernels/launch.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
+    ("cgist/stage/triton/launch.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
     ("cgist/stage/devices.py", "(8, 6): (86, 99)", "(8, 6): (80, 99)"),  # the tile family of sm_86
     # which release takes which tables
-    ("kernels/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
+    ("cgist/stage/triton/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
+    ("cgist/stage/triton/tiles.py", "90: [(128, 128, 16, 8, 3)]", "90: [(128, 64, 16, 8, 3)]"),  # the GEMM's config
+    ("kernels/gemm.py", "acc = tl.dot(a_lo, b_hi, acc", "acc = tl.dot(a_hi, b_hi, acc"),  # the GEMM's products
 ])
 def test_the_hash_covers_the_config_choice(tmp_path, file, old, new):
     _copy_sources(tmp_path)

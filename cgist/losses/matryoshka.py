@@ -1,5 +1,5 @@
 """``FusedMatryoshka``: the takeover of ``MatryoshkaLoss``'s decoration of a drop-in's ``calculate_loss``, every
-dimension of a step in one loss stage (docs/design.md#the-matryoshka-take-over)."""
+dimension of a step in one loss stage (docs/design.md#the-drop-in-protocol, docs/design.md#matryoshka)."""
 
 from __future__ import annotations
 

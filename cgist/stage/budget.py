@@ -62,7 +62,7 @@ def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
 ROW_TARGET = 1024
 
 
-#: Fewer rows per block than this in one pass, and the call runs in two passes of this many (see ``plan``).
+#: Fewer rows per block than this in one pass, and the call runs in two passes of this many (see ``row_blocks``).
 ROW_FLOOR = 256
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KNOWN_ARCHS", "OLDEST_CHECKED_TRITON", "Arch", "arch_for", "device_kind", "gpu_arch", "triton_release",
-           "unchecked_triton"]
+__all__ = ["KNOWN_ARCHS", "OLDEST_CHECKED_TRITON", "Arch", "arch_for", "device_kind", "gpu_arch", "reset_notices",
+           "triton_release", "unchecked_triton"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,12 @@ def triton_release(version: str) -> tuple[int, int]:
 def _notice(version: str, why: str) -> None:
     """Log ``why`` once per process (and per Triton version)."""
     logger.warning("cgist: %s", why)
+
+
+def reset_notices() -> None:
+    """Forget which notices ``unchecked_triton`` has logged, so that the next one is logged again
+    (``cgist.stage.dispatch.route.reset``)."""
+    _notice.cache_clear()
 
 
 def unchecked_triton() -> str | None:

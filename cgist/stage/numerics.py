@@ -1,7 +1,8 @@
 """Numerics shared by the oracle, the PyTorch streaming path and the Triton launcher; imports only torch.
 
 Each rule of the loss that more than one path applies lives here once: the normalisation, the accumulation dtype,
-the guide threshold, the guide-mask rule, the tie ids, and the half-precision products (``addmm_``, ``half_rows``).
+the guide threshold, the guide-mask rule, and the half-precision products (``addmm_``, ``half_rows``). The tie ids
+the guide-mask rule reads are ``cgist.stage.ties``'.
 """
 
 from __future__ import annotations

@@ -1,2 +1,2 @@
 """Which backend computes a loss-stage call (``route``), and the check a kernel variant passes before ``"auto"`` uses
-it (``selfcheck``). The only part of the package that reaches the Triton kernels (``cgist.kernels``)."""
+it (``selfcheck``). The only part of the package that reaches the Triton backend (``cgist.stage.triton``)."""

@@ -1,10 +1,13 @@
-"""Which backend runs a loss-stage call: the one place that reaches the Triton kernels (``cgist.kernels``).
+"""Which backend runs a loss-stage call: the one place that reaches the Triton backend (``cgist.stage.triton``, the
+host side of the kernels in ``cgist.kernels``).
 
 ``"auto"`` (the default) takes the kernels on NVIDIA GPUs of sm_80 and newer and the PyTorch streaming path
 elsewhere (``auto_route``); it checks each kernel variant against the streaming path on its first use
 (``cgist.stage.dispatch.selfcheck``) and falls back to the streaming path, for the rest of the process, where a
-kernel fails to build or launch or disagrees (the two process-wide caches ``_TRITON_FAILURES`` and ``_SELF_CHECKS``).
-``"torch"`` and ``"triton"`` force a backend; ``$CGIST_BACKEND`` overrides ``"auto"``.
+kernel fails to build or launch or disagrees (the two process-wide caches ``_TRITON_FAILURES`` and ``_SELF_CHECKS``,
+read through ``kernel_failures`` and ``first_use_checks``, forgotten by ``reset``). Each reason for leaving the
+kernels on a GPU they serve is logged once. ``"torch"`` and ``"triton"`` force a backend; ``$CGIST_BACKEND``
+overrides ``"auto"``.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..devices import device_kind, gpu_arch
+from .. import devices
+from ..devices import OLDEST_CHECKED_TRITON, device_kind, gpu_arch
 from ..pytorch import streaming
 from ..spec.options import GistOptions
 from . import selfcheck
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "auto_route", "check_backend", "check_kernels", "kernel_tiles",
-           "requested_backend", "select_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "auto_route", "check_backend", "check_kernels", "first_use_checks",
+           "kernel_failures", "kernel_tiles", "requested_backend", "reset", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +42,9 @@ Backend = Callable[..., tuple[Tensor, "list[Tensor] | None", "Tensor | None"]]
 
 
 def _triton_backend() -> Backend:
-    """The Triton launcher, or a RuntimeError saying why it cannot run here."""
+    """The Triton launcher, or a RuntimeError saying why it cannot run here (from the ImportError)."""
     try:
-        from ...kernels import gist_loss_and_grads
+        from ..triton import gist_loss_and_grads
     except ImportError as err:
         raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
     return gist_loss_and_grads
@@ -49,6 +53,15 @@ def _triton_backend() -> Backend:
 #: ``(device, student dtype, guide dtype)`` -> the error with which the Triton kernels failed there: "auto" then
 #: takes the PyTorch streaming path for that pair on that device, for the rest of the process.
 _TRITON_FAILURES: dict[tuple[str, torch.dtype, torch.dtype], str] = {}
+#: The notices "auto" has logged in this process, each once.
+_NOTICES: set[str] = set()
+
+
+def _notice(message: str) -> None:
+    """Log ``message`` (one line) once per process."""
+    if message not in _NOTICES:
+        _NOTICES.add(message)
+        logger.warning("cgist: %s", message)
 
 
 def _device_key(device: torch.device) -> str:
@@ -87,7 +100,8 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     (its ``tl.dot`` becomes FMA loops), so the streaming path's cuBLAS products are at least as fast there;
     ROCm devices, where the kernels are untested, and every other device type take the streaming path too,
     as does a pair whose kernels failed on this device before (``_TRITON_FAILURES``), and every pair when
-    Triton cannot be imported or is older than the compile check covers (``cgist.stage.devices.unchecked_triton``).
+    Triton or the kernels cannot be imported (logged once per cause, with the fix) or Triton is older than the
+    compile check covers (``cgist.stage.devices.unchecked_triton``, logged once).
     """
     route = _device_route(device)
     if route[0] == "torch":
@@ -95,13 +109,15 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     failure = _TRITON_FAILURES.get((_device_key(device), dtype, guide_dtype))
     if failure is not None:
         return "torch", f"the Triton kernels failed here earlier ({failure})"
-    from ..devices import unchecked_triton  # a Triton older than the compile check covers: logged once
-
-    if (why := unchecked_triton()) is not None:
+    if (why := devices.unchecked_triton()) is not None:
         return "torch", why
     try:
         _triton_backend()
     except RuntimeError as err:
+        oldest = ".".join(map(str, OLDEST_CHECKED_TRITON))
+        _notice(f"the Triton kernels cannot be imported ({err.__cause__}), so backend='auto' runs the PyTorch "
+                f"streaming path on CUDA devices; for the kernels, install Triton {oldest} or newer "
+                f"(pip install 'triton>={oldest}', or the release the CUDA build of torch pins)")
         return "torch", str(err).replace("backend='triton' is", "Triton is")
     return route
 
@@ -109,6 +125,32 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
 #: The first-use check of each kernel variant (``cgist.stage.dispatch.selfcheck.Variant``) in this process: a variant whose check
 #: failed takes the PyTorch streaming path under "auto" from then on; one that passed is not checked again.
 _SELF_CHECKS: dict[selfcheck.Variant, selfcheck.Check] = {}
+
+
+def kernel_failures() -> dict[tuple[str, torch.dtype, torch.dtype], str]:
+    """The kernels' build and launch failures "auto" remembers: ``(device, student dtype, guide dtype)`` -> the
+    error (a copy)."""
+    return dict(_TRITON_FAILURES)
+
+
+def first_use_checks() -> dict[selfcheck.Variant, selfcheck.Check]:
+    """The first-use checks "auto" has run in this process, by kernel variant (a copy)."""
+    return dict(_SELF_CHECKS)
+
+
+def reset() -> None:
+    """Forget what "auto" has learnt in this process: the kernels' build and launch failures, the first-use checks
+    and their verdicts, and which notices were logged (``cgist.stage.devices``'s too). The next call then routes,
+    checks and notifies as the process's first did.
+
+    Call it where a remembered verdict no longer holds: in a test, before and after one that fakes a device or a
+    failure, and in a long-lived process after its Triton, driver or GPU changed. Not thread-safe against calls
+    running at the same time.
+    """
+    _TRITON_FAILURES.clear()
+    _SELF_CHECKS.clear()
+    _NOTICES.clear()
+    devices.reset_notices()
 
 
 def _first_use_check(run: Backend, device: torch.device, embeddings, guide_embeddings, options: GistOptions) -> bool:
@@ -215,8 +257,8 @@ def select_backend(backend: object, device: torch.device, dtype: torch.dtype = t
 
 def kernel_tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
     """The tile configs the kernels' forward autotunes over for this dtype pair on ``device`` (``cgist doctor``)."""
-    from ...kernels.launch import input_precision
-    from ...kernels.tiles import tile_configs
+    from ..triton.launch import input_precision
+    from ..triton.tiles import tile_configs
 
     arch = gpu_arch(device)
     configs = tile_configs(dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch),

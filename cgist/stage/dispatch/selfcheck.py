@@ -2,14 +2,16 @@
 
 A build or launch error shows itself; a kernel that runs and returns a wrong number (a miscompile, a driver or
 Triton bug, a tile config that is wrong on a GPU never run) does not. So before ``backend="auto"`` uses a kernel
-variant on a device, ``cgist.function`` runs ``check_call``: a problem of ``ROWS`` anchors with the call's
-dimensions, dtypes and options, through the kernels and through the streaming path on that device. The loss and
-every gradient must agree within the tolerance of the student's score precision (``TOLERANCE``) and the guide's
-mask counts exactly. ``cgist doctor`` runs the same check and prints it. ``CGIST_SELF_CHECK=0`` skips it.
+variant on a device, the router (``cgist.stage.dispatch.route``) runs ``check_call``: a problem of ``ROWS`` anchors
+with the call's dimensions, dtypes and options, through the kernels and through the streaming path on that device.
+The loss and every gradient must agree within the tolerance of the student's score precision (``TOLERANCE``) and the
+guide's mask counts exactly. ``cgist doctor`` runs the same check and prints it. ``CGIST_SELF_CHECK=0`` skips it.
 
-A variant (``Variant``) is what selects the compiled kernels: the device, the dtype pair, the fp32 matmul
-precision where an fp32 operand is multiplied (tf32 or tf32x3), the dimensions D and Dg (autotuning keys), the
-number of Matryoshka dimensions (``N_DIMS``), whether a guide masks, the directions and the partition.
+A variant (``Variant``) is what one check vouches for: what selects the compiled kernels and their tiles (the
+device, the dtype pair, the fp32 matmul precision where an fp32 operand is multiplied (tf32 or tf32x3), the
+dimensions D and Dg (autotuning keys), the number of Matryoshka dimensions (``N_DIMS``)), and what selects the
+launches they run: whether a guide masks, the directions and the partition, which reach the kernels as runtime bits
+of each column group's rules (the same binaries, other branches and column groups).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def _name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """What selects the kernels a call compiles and runs: one first-use check each, once per process."""
+    """What selects the kernels a call compiles and the launches it runs: one first-use check each, once per
+    process."""
 
     device: str
     dtype: torch.dtype

@@ -1,6 +1,7 @@
-"""The tile configs of the GIST kernels: which tiles (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages) each architecture
-family, operand kind and number of Matryoshka dimensions gets, under each Triton release; the shared-memory estimate
-that checks a table against an architecture the tables do not know; and the autotuner's pruning. Measured per family
+"""The tile configs of the GIST kernels (``cgist.kernels``): which tiles (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages)
+each architecture family, operand kind and number of Matryoshka dimensions gets, under each Triton release; the
+shared-memory estimate that checks a table against an architecture the tables do not know; the autotuned forward
+(``tuned_fwd_kernel``) and its pruning; and the one config of the tf32x3 GEMM (``gemm_configs``). Measured per family
 (spills, shared memory): ``bench/aot_compile.py`` compiles every entry and fails on a spill; its tables
 (``bench/results/aot_compile*.txt``) record the result.
 """
@@ -13,11 +14,13 @@ import os
 import torch
 import triton
 
+from cgist.kernels.gist import gist_fwd_kernel
 from cgist.stage.devices import Arch, arch_for, gpu_arch, triton_release
 
 __all__ = [
-    "ALL_CONFIGS", "DEFAULT_ARCH", "FMA_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON", "operand_kind",
-    "prune_configs", "shared_memory_estimate", "tile_configs",
+    "ALL_CONFIGS", "DEFAULT_ARCH", "FMA_CONFIGS", "GEMM_INTERPRET_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON",
+    "gemm_configs", "gemm_shared_memory_estimate", "operand_kind", "prune_configs", "shared_memory_estimate",
+    "tile_configs", "tuned_fwd_kernel",
 ]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -216,11 +219,15 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     key = arch.family, kind
     tables = _tables(release or TRITON)
     configs = _configs(tables["matryoshka" if n_dims > 1 else "gemm"][key])
-    if not arch.known:
-        estimate = {str(c): shared_memory_estimate(c, kind) for c in configs}
-        configs = ([c for c in configs if estimate[str(c)] <= arch.shared_bytes]
-                   or [min(configs, key=lambda c: estimate[str(c)])])
-    return configs
+    return _fitting(configs, lambda c: shared_memory_estimate(c, kind), arch)
+
+
+def _fitting(configs: list[triton.Config], estimate, arch: Arch) -> list[triton.Config]:
+    """``configs`` on a known ``arch``; on one the tables do not know, those whose ``estimate`` (bytes) fits its shared
+    memory, or the smallest one if none does."""
+    if arch.known:
+        return configs
+    return [c for c in configs if estimate(c) <= arch.shared_bytes] or [min(configs, key=estimate)]
 
 
 def _device_arch(device: torch.device) -> Arch | None:
@@ -240,3 +247,49 @@ def prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
     args = {**named_args, **kwargs}  # keyword launches leave named_args empty
     return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
                         args["N_DIMS"], _device_arch(args["q_ptr"].device))
+
+
+#: The forward row pass (``cgist.kernels.gist.gist_fwd_kernel``) autotuned over the tile configs of its launch
+#: (``prune_configs``), per batch and column bucket, dimensions and input precisions; the running state it updates
+#: is restored between trials. The score-gradient kernel takes its pick (``best_config``).
+tuned_fwd_kernel = triton.autotune(
+    configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
+    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G", "N_DIMS"],
+    prune_configs_by={"early_config_prune": prune_configs},
+    restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
+)(gist_fwd_kernel)
+
+# The tf32x3 GEMM of the backward (``cgist.kernels.gemm.tf32x3_addmm_kernel``): one config (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps, stages) per tile family from sm_80 on (below it fp32 runs at "ieee", unsplit). Each K step loads four
+# fp32 tiles, the high and low parts of both operands, and issues three tf32 products.
+_GEMM_TILES = {
+    80: [(128, 128, 16, 8, 3)],
+    86: [(128, 64, 16, 4, 3)],
+    89: [(128, 64, 16, 4, 3)],
+    90: [(128, 128, 16, 8, 3)],
+    100: [(128, 128, 16, 8, 3)],
+    120: [(128, 64, 16, 4, 3)],
+}
+#: The interpreter's cost is per program and K step: a larger tile than the kernels' keeps the GEMMs cheap there, and
+#: the tests' sizes still cross several of it.
+GEMM_INTERPRET_CONFIGS = _configs([(32, 32, 32, 1, 1)])
+
+
+def gemm_shared_memory_estimate(config: triton.Config) -> int:
+    """An upper bound on the shared memory (bytes) of ``tf32x3_addmm_kernel`` compiled with ``config``: the pipelined
+    loads of its K loop, ``num_stages`` buffers of the four fp32 tiles ``2 * (BLOCK_M + BLOCK_N) * BLOCK_K * 4``, plus
+    1 KiB for barriers and alignment. bench/aot_compile.py checks it against every binary it builds."""
+    bm, bn, bk = (config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    return config.num_stages * 2 * (bm + bn) * bk * 4 + 1024
+
+
+def gemm_configs(arch: Arch | None = None, interpret: bool = INTERPRET) -> list[triton.Config]:
+    """The configs of the tf32x3 GEMM on ``arch`` (None: ``DEFAULT_ARCH``), the first of which the launcher runs: its
+    family's (on an architecture the tables do not know, pruned as ``tile_configs`` prunes); under the interpreter
+    ``GEMM_INTERPRET_CONFIGS``."""
+    if interpret:
+        return GEMM_INTERPRET_CONFIGS
+    arch = arch or DEFAULT_ARCH
+    if not arch.mma:
+        raise ValueError(f"{arch.name}: no tensor-core MMA, so no tf32x3 products")
+    return _fitting(_configs(_GEMM_TILES[arch.family]), gemm_shared_memory_estimate, arch)

@@ -3,7 +3,7 @@
 ``gist_loss_and_grads`` has the signature and semantics of ``cgist.stage.pytorch.streaming.gist_loss_and_grads``;
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
 launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
-``gist.py`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
+``cgist.kernels.gist`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
 directions' QQ, DQ, DD, DN_1..DN_k):
 
 * forward: the AP launch stores theta, the threshold, the flag ``theta_i > T_i``, the positive logits
@@ -19,20 +19,23 @@ directions' QQ, DQ, DD, DN_1..DN_k):
   ``gist_score_grad_kernel`` recomputes the chunk's tiles with the forward's code and tile config (so the masks
   are bit-identical) and writes the score gradient with both inverse norms folded in, ``F = dL/dcos * rq * rk``,
   as a GEMM operand (the student's dtype; fp32 at the default matmul precision as a tf32 pair for a tf32x3
-  product). Then ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are ``torch`` GEMMs (cuBLAS on a GPU), in
-  a fixed order, so the sums are deterministic without atomics. With Matryoshka dimensions there is one operand
-  per segment between consecutive dimensions, and the GEMMs cover each segment once. It ends in the normalisation
-  backward (``cgist.stage.spec.problem.normalization_backward_``) on the summed products ``h``. The fused backward
-  (row and column passes) was removed after commit e096582; history keeps it.
+  product). Then ``dq_raw += F @ k_raw`` and ``dk_raw += F^T @ q_raw`` are GEMMs in a fixed order, so the sums are
+  deterministic without atomics: ``torch``'s (cuBLAS on a GPU), or for tf32x3 ``cgist.kernels.gemm``'s. With
+  Matryoshka dimensions there is one operand per segment between consecutive dimensions, and the GEMMs cover each
+  segment once. It ends in the normalisation backward (``cgist.stage.spec.problem.normalization_backward_``) on the
+  summed products ``h``. The fused backward (row and column passes) was removed after commit e096582; history keeps
+  it.
 
 fp32 products: ``torch.get_float32_matmul_precision()`` "highest" runs every product of the loss stage
-as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``); "high" and
-"medium" run plain tf32, as ``torch.mm`` does.
+as tf32x3 (three tf32 tensor-core products of a high/low split, see ``split_tf32``): in the kernels, and in the
+backward GEMMs through ``tf32x3_addmm_``, whose kernel sets its own precision, so no process-wide setting changes.
+"high" and "medium" run plain tf32, as ``torch.mm`` does.
 
-At run time this module imports only torch, triton, the kernels' modules and the leaf modules ``cgist.stage.numerics``
-(normalisation, tie ids, the budget, half-precision products), ``cgist.stage.spec.problem`` (the bound column groups, the
-dimensions, how each row's softmax ends) and ``cgist.stage.devices`` (the architecture); the options arrive as a
-``cgist.GistOptions``.
+At run time this module imports only torch, triton, the kernels (``cgist.kernels``), the tile configs (``tiles``) and
+the leaf modules ``cgist.stage.numerics`` (normalisation, half-precision products), ``cgist.stage.ties`` (tie ids),
+``cgist.stage.budget`` (the chunks), ``cgist.stage.stats`` (the counters' layout), ``cgist.stage.spec.problem`` (the
+bound column groups, the dimensions, how each row's softmax ends) and ``cgist.stage.devices`` (the architecture); the
+options arrive as a ``cgist.GistOptions``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from cgist.kernels.gemm import tf32x3_addmm_kernel
+from cgist.kernels.gist import (
+    RULE_EXCLUDED,
+    RULE_GUIDED,
+    RULE_HARD_OTHERS,
+    RULE_HARD_OWN,
+    RULE_LABEL,
+    RULE_TEXTS,
+    RULE_UNMASKED,
+    gist_score_grad_kernel,
+    pack_scalars,
+)
 from cgist.stage.budget import Chunks, backward_chunks
 from cgist.stage.devices import Arch, gpu_arch
 from cgist.stage.numerics import EPS, addmm_, compute_dtype, stack_rows
@@ -66,25 +81,14 @@ from cgist.stage.spec.problem import (
 from cgist.stage.stats import BLOCKS
 from cgist.stage.ties import tie_ids
 
-from .gist import (
-    RULE_EXCLUDED,
-    RULE_GUIDED,
-    RULE_HARD_OTHERS,
-    RULE_HARD_OWN,
-    RULE_LABEL,
-    RULE_TEXTS,
-    RULE_UNMASKED,
-    gist_fwd_kernel,
-    gist_score_grad_kernel,
-    pack_scalars,
-)
+from .tiles import gemm_configs, tuned_fwd_kernel
 
 if TYPE_CHECKING:
     from cgist.stage.spec.options import GistOptions
 
 __all__ = [
     "BackwardWork", "ForwardState", "forward_group", "gist_backward",
-    "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32",
+    "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32", "tf32x3_addmm_",
 ]
 
 LN2 = math.log(2.0)
@@ -118,41 +122,38 @@ def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
     ``low`` is exact in fp32. A tf32x3 product ``a @ b ~ ah @ bh + ah @ bl + al @ bh`` on tf32 tensor
     cores (which round ``bl`` and ``al`` to tf32 again) differs from the exact product by at most
     ``5 u^2 sum_k |a_k b_k|`` per entry with u = 2^-11, beside the fp32 accumulation of the three
-    products (README, GPU section). The Triton kernels round with the same arithmetic.
+    products (docs/design.md#numerics). The Triton kernels round with the same arithmetic.
     """
     bits = x.contiguous().view(torch.int32)
     high = ((bits + (((bits >> 13) & 1) + 0xFFF)) & -8192).view(torch.float32)
     return high, x - high
 
 
-@contextlib.contextmanager
-def _tf32_products(device: torch.device):
-    """fp32 ``torch`` matrix products on the tf32 tensor cores inside (on CUDA; a no-op elsewhere)."""
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-#: ``out += a @ b`` accumulated in ``out``'s dtype (``cgist.stage.numerics.addmm_``); a name of its own, so that tests can
-#: stand emulated tensor cores in for it.
-_addmm_ = addmm_
+def tf32x3_addmm_(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> None:
+    """``out += a @ b`` (fp32) for fp32 operands given as tf32 splits ``(high, low)`` (``split_tf32``): the three tf32
+    tensor-core products ``al @ bh + ah @ bl + ah @ bh`` in one fp32 accumulator, by ``cgist.kernels.gemm``'s kernel
+    with the tile config of ``tiles.gemm_configs``. The high and the low part of an operand share their strides."""
+    (a_hi, a_lo), (b_hi, b_lo) = a, b
+    if a_hi.stride() != a_lo.stride() or b_hi.stride() != b_lo.stride():
+        raise ValueError("the high and the low part of a tf32 split must share their strides")
+    (m, k), n = a_hi.shape, b_hi.shape[1]
+    config = gemm_configs(_arch(out.device))[0]
+    grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]), triton.cdiv(n, config.kwargs["BLOCK_N"]))
+    with _launch_device(out.device):
+        tf32x3_addmm_kernel[grid](
+            out, a_hi, a_lo, b_hi, b_lo, m, n, k, out.stride(0), out.stride(1), a_hi.stride(0), a_hi.stride(1),
+            b_hi.stride(0), b_hi.stride(1), num_warps=config.num_warps, num_stages=config.num_stages,
+            **config.kwargs,
+        )
 
 
 def _gemm_acc(out: Tensor, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> None:
-    """``out += a @ b`` for operands given as ``(x,)`` or as a tf32 split ``(high, low)`` (tf32x3, three products)."""
+    """``out += a @ b`` for operands given as ``(x,)`` (``cgist.stage.numerics.addmm_``: torch's product at its
+    matmul precision, accumulated in ``out``'s dtype) or as a tf32 split ``(high, low)`` (``tf32x3_addmm_``)."""
     if len(a) == 1:
-        _addmm_(out, a[0], b[0])
-        return
-    with _tf32_products(out.device):
-        _addmm_(out, a[1], b[0])  # the small terms first
-        _addmm_(out, a[0], b[1])
-        _addmm_(out, a[0], b[0])
+        addmm_(out, a[0], b[0])
+    else:
+        tf32x3_addmm_(out, a, b)
 
 
 @functools.lru_cache(maxsize=64)
@@ -326,7 +327,7 @@ def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: 
     """Launch the forward row pass of one group (the AP group first); records the autotuner's pick."""
     batch = state.batch
     with _launch_device(state.pos.device):
-        gist_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
+        tuned_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
             **_kernel_args(state, group), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
             masked_ptr=state.counts[_COUNTER_ROW[group.name]], left_ptr=state.counts[_LEFT_ROW],
             n_rows=state.batch, n_cols=group.n_cols,
@@ -335,7 +336,7 @@ def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: 
             relative=int(state.options.relative), count=int(count),
             DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
         )
-    config = gist_fwd_kernel.best_config
+    config = tuned_fwd_kernel.best_config
     state.tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
