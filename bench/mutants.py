@@ -140,6 +140,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_matryoshka.py",),
     ),
     Mutant(
+        "own-option-unkeyed",
+        "the options cache key leaves out one of cgist's own options: hardness_strength assigned is ignored",
+        "cgist/losses/base.py",
+        "*(option.name for option in self.own_options())])",
+        '*(option.name for option in self.own_options() if option.name != "hardness_strength")])',
+        ("tests/test_dropin.py",),
+    ),
+    Mutant(
         "positive-only-off-by-label",
         "the statistics count as positive-only the anchors left with one candidate besides the label",
         "cgist/stage/pytorch/streaming.py",
