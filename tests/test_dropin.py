@@ -215,11 +215,28 @@ def test_the_constructor_is_sentence_transformers_then_the_own_options_keyword_o
         [(o.name, o.default, inspect.Parameter.KEYWORD_ONLY) for o in ours.own_options()]
 
 
-def test_an_unknown_keyword_names_itself(student):
-    with pytest.raises(TypeError, match="mask_selff"):
+def test_an_unknown_keyword_names_itself_and_the_class(student):
+    with pytest.raises(TypeError, match="^FusedCachedGISTLoss\\(\\): .*mask_selff"):
         FusedCachedGISTLoss(student, "self", mask_selff=True)
-    with pytest.raises(TypeError, match="mask_self"):  # a GIST option, not a ranking one
-        FusedCachedMultipleNegativesRankingLoss(student, mask_self=True)
+    with pytest.raises(TypeError, match="^FusedCachedMultipleNegativesRankingLoss\\(\\): .*mask_self"):
+        FusedCachedMultipleNegativesRankingLoss(student, mask_self=True)  # a GIST option, not a ranking one
+    with pytest.raises(TypeError, match="^FusedCachedGISTLoss\\(\\): .*guide"):
+        FusedCachedGISTLoss(student)
+
+
+def test_the_first_bad_argument_is_the_familys_then_the_embedding_stages(student):
+    """The family's arguments are checked first, as before the protocol: a bad guide before a bad mini-batch."""
+    with pytest.raises(ValueError, match="guide must be"):
+        FusedCachedGISTLoss(student, "bogus", mini_batch_size=0)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        FusedCachedMultipleNegativesRankingLoss(student, scale="20", mini_batch_size=0)
+
+
+@pytest.mark.parametrize("cls", [FusedCachedGISTLoss, FusedGISTEmbedLoss])
+def test_gist_calculate_loss_without_the_guides_embeddings_says_so(cls, student):
+    reps = [[torch.randn(4, 8, dtype=torch.float64)] for _ in range(2)]
+    with pytest.raises(TypeError, match="takes reps_guided"):
+        cls(student, "self").calculate_loss(reps)
 
 
 # Bad assigned values get the constructor's error ---------------------------------------------------------------

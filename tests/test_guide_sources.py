@@ -30,12 +30,13 @@ from sentence_transformers.sentence_transformer.data_collator import SentenceTra
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
+    GISTEmbedLoss,
     MatryoshkaLoss,
 )
 from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
 
 import cgist
-from cgist import FusedCachedGISTLoss
+from cgist import FusedCachedGISTLoss, FusedGISTEmbedLoss
 from cgist.losses.base import FUSED, UNFUSED
 from cgist.losses.precompute import must_retokenize
 from cgist.stage.reference import gist_loss_reference, gist_scores
@@ -291,10 +292,11 @@ LABEL_CASES = [
 
 
 def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wrap=None, adjust=None, path=FUSED,
-                             **options):
+                             plain=False, **options):
     """``FusedCachedGISTLoss(model, "labels")`` with labels from ``add_guide_embeddings``, against the same loss
-    with the guide model and against ``CachedGISTEmbedLoss(model, guide)``; ``adjust`` changes each loss object
-    after construction; the drop-ins compute on ``path``.
+    with the guide model and against ``CachedGISTEmbedLoss(model, guide)`` (with ``plain``, ``FusedGISTEmbedLoss``
+    against ``GISTEmbedLoss``); ``adjust`` changes each loss object after construction; the drop-ins compute on
+    ``path``.
 
     Duplicate texts only with a margin: at margin 0 a duplicate ties with theta, and the live guide embeds the two
     copies in mini-batches of different padding widths, so rounding would decide the tie.
@@ -303,9 +305,10 @@ def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wra
     labels = _labels(model, guide, columns, dtype)
     adjust = adjust or (lambda loss: loss)
     wrap = (lambda loss: loss) if wrap is None else wrap
-    make = {"labels": lambda: FusedCachedGISTLoss(model, "labels", mini_batch_size=MINI_BATCH, **options),
-            "live": lambda: FusedCachedGISTLoss(model, guide, mini_batch_size=MINI_BATCH, **options),
-            "st": lambda: CachedGISTEmbedLoss(model, guide, mini_batch_size=MINI_BATCH, **options)}
+    ours, theirs = (FusedGISTEmbedLoss, GISTEmbedLoss) if plain else (FusedCachedGISTLoss, CachedGISTEmbedLoss)
+    options = options if plain else {"mini_batch_size": MINI_BATCH, **options}
+    make = {"labels": lambda: ours(model, "labels", **options), "live": lambda: ours(model, guide, **options),
+            "st": lambda: theirs(model, guide, **options)}
     model.train(train)
     try:
         runs = {name: _run(wrap(adjust(build())), model, columns, labels if name == "labels" else None, path=path)
@@ -317,7 +320,7 @@ def _compare_with_live_guide(model, guide, dtype, *, negatives, train=False, wra
     if train:  # dropout is really on: without it the loss differs
         with torch.no_grad():
             features = [model.preprocess(texts) for texts in columns]
-            quiet = wrap(FusedCachedGISTLoss(model, "labels", mini_batch_size=MINI_BATCH, **options))(features, labels)
+            quiet = wrap(ours(model, "labels", **options))(features, labels)
         assert not torch.isclose(quiet, runs["labels"][0])
 
 
@@ -335,12 +338,13 @@ def _plain_cross_entropy(loss):
     return loss
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["cached", "no-gradcache"])
 @pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
-def test_labels_unfused_run_sentence_transformers_own_loss(matryoshka, guides, students):
+def test_labels_unfused_run_sentence_transformers_own_loss(matryoshka, plain, guides, students):
     model = students[FP64]
     wrap = (lambda loss: MatryoshkaLoss(model, loss, [32, 16, 8])) if matryoshka else None
     _compare_with_live_guide(model, guides[FP64], FP64, negatives=1, margin=0.1, wrap=wrap, adjust=_plain_cross_entropy,
-                             path=UNFUSED)
+                             path=UNFUSED, plain=plain)
 
 
 @pytest.mark.parametrize("dtype", [FP64, FP32], ids=precision)

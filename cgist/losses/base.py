@@ -92,7 +92,8 @@ def fused_loss_stage(
     reps: list[list[Tensor]], guide: list | str | None, text_ids: list[Tensor] | None, options: GistOptions, *,
     backend: str, gather: bool, with_backward: bool, dims: tuple[tuple[int, float], ...] | None = None,
 ) -> tuple[Tensor, GistStats]:
-    """The loss stage of a GradCache step: the loss over the cached mini-batch embeddings ``reps`` and its statistics.
+    """The loss stage of a step: the loss over a step's embeddings ``reps`` (a cached step's mini-batches, or a plain
+    step's one chunk per column) and its statistics.
 
     Each column stays a list of its mini-batches (the loss stage takes them as row chunks, so the embeddings are not
     concatenated into a copy). With ``gather`` the candidates are gathered with gradients from every rank, as
@@ -169,8 +170,13 @@ class FusedDropIn:
     * the family: ``family`` (its name in the options table), ``family_attributes``, ``_check_arguments``,
       ``_family_key``, ``_family_options``; optionally ``_for_sentence_transformers``, ``_keep_arguments``,
       ``_step_inputs``, ``_guide_columns``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``;
-    * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``;
+    * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``; a plain
+      step asks its family for ``_plain_reps_guided``, ``_embeddings_loss`` and ``_st_forward_computes``
+      (``cgist.losses.steps.PlainStep``);
     * the class: its sentence-transformers base (``replaces``, found from the bases) and ``deprecation``.
+
+    A drop-in computes one step at a time: ``step_inputs`` belong to the loss object, so two threads must not step
+    the same loss object at once (as with any ``nn.Module`` that keeps state between its calls).
     """
 
     # -- declared by the family ---------------------------------------------------------------------------------------
@@ -202,14 +208,19 @@ class FusedDropIn:
         if "family" in cls.__dict__:
             for option in options_of(cls.family):
                 setattr(cls, option.name, option.default)
-        replaces = next((base for base in cls.__mro__ if issubclass(base, torch.nn.Module)
-                         and not issubclass(base, FusedDropIn)), None)
+        # A subclass of a drop-in replaces what its drop-in replaces, whatever else it mixes in.
+        replaces = cls.replaces or next((base for base in cls.__mro__ if issubclass(base, torch.nn.Module)
+                                         and not issubclass(base, FusedDropIn)), None)
         if replaces is None:
             return
         cls.replaces = replaces
+        clash = sorted(set(_parameter_names(replaces)) & {option.name for option in cls.own_options()})
+        if clash:
+            raise TypeError(f"{replaces.__name__} takes {clash} itself, which are also options of cgist's table "
+                            "(cgist.losses.options): this sentence-transformers release is not supported by this cgist")
         if "__init__" not in cls.__dict__:
             cls.__init__ = _constructor(cls)
-        if cls.__doc__ and "family" not in cls.__dict__:
+        if cls.__doc__ and cls.__module__.startswith("cgist.") and "family" not in cls.__dict__:
             lines = "".join(f"\n        {option.name} (default {option.default!r}): {option.doc}."
                             for option in cls.own_options())
             cls.__doc__ = (f"{cls.__doc__.rstrip()}\n\n    cgist's own options, keyword-only "
@@ -222,7 +233,10 @@ class FusedDropIn:
         for what its constructor would not name), its constructor run on them, then cgist's own options and the
         family's arguments kept as attributes, and every attribute checked as it is again at each call."""
         own = {option.name: kwargs.pop(option.name, option.default) for option in self.own_options()}
-        bound = _parameters(self.replaces).bind(self, *args, **kwargs)
+        try:
+            bound = _parameters(self.replaces).bind(self, *args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{type(self).__name__}(): {error}") from None
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         del arguments["self"]
@@ -230,8 +244,8 @@ class FusedDropIn:
             warnings.warn(self.deprecation, DeprecationWarning, stacklevel=3)
         if not isinstance(arguments["model"], SentenceTransformer):
             raise TypeError(f"model must be a SentenceTransformer, got {type(arguments['model']).__name__}")
-        self._check_embedding_stage(arguments)
         self._check_arguments(arguments)
+        self._check_embedding_stage(arguments)
         super().__init__(**self._for_sentence_transformers(arguments))
         for name, value in own.items():
             setattr(self, name, value)
@@ -439,13 +453,15 @@ def _constructor(cls: type[FusedDropIn]) -> object:
     def __init__(self, *args: object, **kwargs: object) -> None:
         self._construct(args, kwargs)
 
-    own = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default)
+    own = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+                             annotation=option.annotation or inspect.Parameter.empty)
            for option in cls.own_options()]
     signature = _parameters(cls.replaces)
     theirs = [p.replace(annotation=cls.argument_annotations.get(p.name, p.annotation))
               for p in signature.parameters.values()]
     __init__.__signature__ = signature.replace(parameters=[*theirs, *own])
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
     __init__.__doc__ = (f"The loss from the arguments of sentence-transformers' ``{cls.replaces.__name__}`` and "
                         "cgist's own options (keyword-only); a bad one raises here, naming it.")
     return __init__

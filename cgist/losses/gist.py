@@ -118,6 +118,7 @@ class GistFamily(FusedDropIn):
     the guide's statistics and the citations."""
 
     family = "gist"
+    family_attributes = ("temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives")
     argument_annotations = {"guide": "SentenceTransformer | Literal['labels', 'self'] | None"}
     _warned_positive_only = False
 
@@ -194,6 +195,9 @@ class GistFamily(FusedDropIn):
     def _guide_columns(self, reps: list[list[Tensor]],
                        reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
         """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
+        if reps_guided is None:
+            raise TypeError("calculate_loss of a GIST drop-in takes reps_guided, the guide's embeddings of each "
+                            "column (with guide='labels', 'self' or None, the student's, which are not read)")
         reps_guided = list(reps_guided)
         if len(reps) != len(reps_guided):
             raise ValueError(f"reps and reps_guided must have the same length, got {len(reps)} and {len(reps_guided)}")
@@ -287,9 +291,9 @@ class FusedCachedGISTLoss(GistFamily, CachedStep, CachedGISTEmbedLoss):
         gather_across_devices: score each rank's anchors against the candidates of all ranks (torch.distributed);
             every rank must then hold the same number of anchors.
 
-    cgist's own options (listed below) add the masks of self-pairs and duplicates, sentence-transformers' directions,
-    partitions and hardness (Lan et al. 2025, arXiv:2503.04812) under the guide's mask, and the loss stage's backend
-    and budget; docs/losses.md explains each.
+    cgist's own options, keyword-only (docs/losses.md#cgists-own-options), add the masks of self-pairs and
+    duplicates, sentence-transformers' directions, partitions and hardness (Lan et al. 2025, arXiv:2503.04812) under
+    the guide's mask, and the loss stage's backend and budget; docs/losses.md explains each.
 
     With ``MatryoshkaLoss(model, FusedCachedGISTLoss(...), matryoshka_dims=...)`` every dimension of a step is
     computed in one pass (the guide's scores and mask once, the student's from prefixes of one product), with
@@ -371,6 +375,8 @@ class FusedGISTEmbedLoss(GistFamily, PlainStep, GISTEmbedLoss):
         temperature, margin_strategy, margin, contrast_anchors, contrast_positives, gather_across_devices: as in
             sentence-transformers.
 
+    cgist's own options are those of ``FusedCachedGISTLoss``, keyword-only (docs/losses.md#cgists-own-options).
+
     Beyond sentence-transformers' class, it takes any number of negative columns (sentence-transformers' takes at
     most one). ``MatryoshkaLoss`` around it computes every dimension in one loss stage and one guide pass: it reports
     ``uses_gradient_cache``, so ``MatryoshkaLoss`` decorates its ``calculate_loss`` (the loss over a step's
@@ -381,6 +387,10 @@ class FusedGISTEmbedLoss(GistFamily, PlainStep, GISTEmbedLoss):
         TypeError, ValueError: for a bad argument, naming it, before anything is computed (sentence-transformers' own
             arguments with its messages).
     """
+
+    def _st_forward_computes(self) -> bool:
+        # sentence-transformers' forward runs a guide model; the label column's guide is this drop-in's own.
+        return self.guide_source.runs_model
 
     def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
                            embeddings: list[Tensor], labels: Tensor | None) -> list[list[Tensor]]:

@@ -31,7 +31,7 @@ class Option:
 
     ``check(name, value)`` raises, naming the option, for a bad value (None: ``GistOptions`` checks it, by the same
     name); ``field``: a ``GistOptions`` field of the same name; ``families``: the drop-in families that take it;
-    ``example``: a valid value that changes the loss stage's arguments from those of the default, for a GIST drop-in
+    ``annotation``: its type, as the constructor's signature shows it; ``example``: a valid value that changes the loss stage's arguments from those of the default, for a GIST drop-in
     guided by ``"self"`` without its contrast blocks and for a ranking drop-in (the tests assign it).
     """
 
@@ -42,29 +42,32 @@ class Option:
     families: tuple[str, ...] = EVERY_FAMILY
     field: bool = True
     check: Callable[[str, object], None] | None = None
+    annotation: str = ""
 
 
 OPTIONS = (
     Option("backend", "auto", "`\"auto\"` (the Triton kernels on GPUs they support, the PyTorch path elsewhere), "
            "`\"torch\"` or `\"triton\"`", example="torch", field=False,
-           check=lambda name, value: requested_backend(value)),
+           check=lambda name, value: requested_backend(value), annotation="Literal['auto', 'torch', 'triton']"),
     Option("block_bytes", None, "bytes of score buffers the loss stage may hold at once; None: a default for the "
-           "device (at most an eighth of its free memory and 1 GiB)", example=2**20),
+           "device (at most an eighth of its free memory and 1 GiB)", example=2**20, annotation="int | None"),
     Option("mask_self", None, "always exclude the self-pairs AA[i, i] and PP[i, i]; None: the installed "
            "sentence-transformers' rule with a guide's own embeddings, on with `\"self\"` and None",
-           example=False, families=("gist",), check=_bool_or_none),
+           example=False, families=("gist",), check=_bool_or_none, annotation="bool | None"),
     Option("mask_duplicates", None, "exclude every candidate whose text is the anchor's or its positive's, whatever "
            "the scores; None: off with a guide's own embeddings, on with `\"self\"` and None", example=False,
-           families=("gist",), check=_bool_or_none),
+           families=("gist",), check=_bool_or_none, annotation="bool | None"),
     Option("directions", ("query_to_doc",), "sentence-transformers' `MultipleNegativesRankingLoss` directions, each "
-           "block masked by the guide", example=("query_to_doc", "doc_to_query"), families=("gist",)),
+           "block masked by the guide", example=("query_to_doc", "doc_to_query"), families=("gist",),
+           annotation="tuple[str, ...]"),
     Option("partition_mode", "joint", "`\"joint\"` (one softmax over every block) or `\"per_direction\"` (the mean "
-           "of each direction's log-sum-exp)", example="per_direction", families=("gist",)),
+           "of each direction's log-sum-exp)", example="per_direction", families=("gist",),
+           annotation="Literal['joint', 'per_direction']"),
     Option("hardness_mode", None, "the query-to-document logits that get `hardness_strength * stop_grad(cos)`: "
            "`\"in_batch_negatives\"`, `\"hard_negatives\"` or `\"all_negatives\"`", example="all_negatives",
-           families=("gist",)),
+           families=("gist",), annotation="str | None"),
     Option("hardness_strength", 0.0, "the hardness penalty's weight, not divided by the temperature", example=0.5,
-           families=("gist",)),
+           families=("gist",), annotation="float"),
 )
 
 

@@ -108,7 +108,8 @@ class FusedCachedMultipleNegativesRankingLoss(RankingFamily, CachedStep, CachedM
     The hyperparameters stay sentence-transformers' attributes and are read at each call, so ``loss.scale = 5.0``
     takes effect on the next one (and is checked then, as the constructor checks it). ``similarity_fct``
     ``sentence_transformers.util.cos_sim`` or ``dot_score`` runs fused; any other function runs sentence-transformers'
-    own loss computation (one warning says so).
+    own loss computation (one warning says so). cgist's own options, keyword-only: ``backend`` and ``block_bytes``
+    (docs/losses.md#cgists-own-options).
 
     Raises:
         TypeError, ValueError: for a bad argument, naming it, before anything is computed (sentence-transformers' own
@@ -122,7 +123,8 @@ class FusedMultipleNegativesRankingLoss(RankingFamily, PlainStep, MultipleNegati
     A drop-in for ``MultipleNegativesRankingLoss``: the same arguments, defaults, attributes, loss and gradients, with
     the loss stage of ``FusedCachedMultipleNegativesRankingLoss`` (no B x N similarity matrix). The student embeds the
     batch in one forward pass and the gradients reach it through autograd, as in sentence-transformers;
-    ``MatryoshkaLoss`` around it computes every dimension in one loss stage (``cgist.losses.matryoshka``).
+    ``MatryoshkaLoss`` around it computes every dimension in one loss stage (``cgist.losses.matryoshka``). cgist's
+    own options, keyword-only: ``backend`` and ``block_bytes`` (docs/losses.md#cgists-own-options).
     """
 
 

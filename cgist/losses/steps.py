@@ -78,6 +78,8 @@ class PlainStep(FusedDropIn):
 
     The family supplies ``_plain_reps_guided`` (what ``calculate_loss`` takes beside the embeddings: the guide's
     embeddings, or the labels) and ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings).
+    Where the fused stage does not run, sentence-transformers' own ``forward`` runs instead, unless it cannot compute
+    the loss as configured (``_st_forward_computes``) or ``MatryoshkaLoss`` decorated ``calculate_loss``.
     """
 
     embedding_attributes = ("gather_across_devices",)
@@ -95,7 +97,7 @@ class PlainStep(FusedDropIn):
         runs its computation once per dimension)."""
         features = list(sentence_features)
         options = self.resolve()
-        if options is None and "calculate_loss" not in self.__dict__:  # not decorated (MatryoshkaLoss)
+        if options is None and "calculate_loss" not in self.__dict__ and self._st_forward_computes():
             self.record_path(UNFUSED)
             return super().forward(features, labels)
         # As sentence-transformers does: a guide reads copies made before the student writes its outputs into the
@@ -105,6 +107,11 @@ class PlainStep(FusedDropIn):
         reps_guided = self._plain_reps_guided(features, copies, embeddings, labels)
         with self.reading(self._step_inputs(features, labels, options)):
             return self.calculate_loss([[e] for e in embeddings], reps_guided)
+
+    def _st_forward_computes(self) -> bool:
+        """The family: whether sentence-transformers' own ``forward`` computes this loss as it is configured (default:
+        yes). Where it does not, the unfused path is ``_embeddings_loss`` after this ``forward``'s own embedding."""
+        return True
 
     def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
                            embeddings: list[Tensor], labels: Tensor | None) -> object:
