@@ -17,6 +17,7 @@ import math
 import resource
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -178,3 +179,47 @@ def read_csv(path: str | Path) -> list[dict[str, str]]:
     """Rows of a CSV written by :func:`write_csv`, as strings."""
     with Path(path).open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def _measuring_child(measure: Callable, point: object, settings: object, conn) -> None:
+    """Entry point of a measuring process: sends ("ok", row) or ("error", message)."""
+    try:
+        conn.send(("ok", measure(point, settings)))
+    except BaseException as err:  # report everything, MemoryError included, to the parent
+        traceback.print_exc()
+        conn.send(("error", f"{type(err).__name__}: {err}".splitlines()[0][:200]))
+    finally:
+        conn.close()
+
+
+def measure_in_subprocess(ctx, measure: Callable, point: object, settings: object,
+                          timeout_s: float) -> dict[str, object] | str:
+    """Run ``measure(point, settings)`` in a fresh process of ``ctx`` (a multiprocessing context), so that its peak
+    RSS is its own; return its row, or a note saying why there is none."""
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_measuring_child, args=(measure, point, settings, send), daemon=True)
+    proc.start()
+    send.close()
+    status, payload = "error", None
+    try:
+        if not recv.poll(timeout_s):
+            proc.kill()
+            return f"failed: no result within {timeout_s:.0f} s"
+        status, payload = recv.recv()
+    except EOFError:
+        pass
+    finally:
+        proc.join()
+        recv.close()
+    if status == "ok":
+        return payload
+    if payload is None:
+        return f"failed: measuring process died with exit code {proc.exitcode} (out of memory?)"
+    return f"failed: {payload}"
+
+
+def available_mb() -> float:
+    """The host's available memory in MB (``cgist.stage.budget.available_bytes``: MemAvailable, or physical memory)."""
+    from cgist.stage.budget import available_bytes
+
+    return available_bytes(torch.device("cpu")) / 2**20

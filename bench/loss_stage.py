@@ -89,7 +89,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -457,40 +456,6 @@ def point_note(point: Point) -> str:
     return f"matryoshka_dims={','.join(map(str, point.matryoshka_dims))}" if point.matryoshka_dims else ""
 
 
-def _child(point: Point, settings: Settings, conn) -> None:
-    """Entry point of a measuring process: sends ("ok", row) or ("error", message)."""
-    try:
-        conn.send(("ok", measure(point, settings)))
-    except BaseException as err:  # report everything, including MemoryError, to the parent
-        traceback.print_exc()
-        conn.send(("error", f"{type(err).__name__}: {err}".splitlines()[0][:200]))
-    finally:
-        conn.close()
-
-
-def measure_in_subprocess(ctx, point: Point, settings: Settings, timeout_s: float) -> dict[str, object] | str:
-    """Run :func:`measure` in a fresh process; return its row, or a note saying why there is none."""
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(point, settings, send), daemon=True)
-    proc.start()
-    send.close()
-    try:
-        if not recv.poll(timeout_s):
-            proc.kill()
-            return f"failed: no result within {timeout_s:.0f} s"
-        status, payload = recv.recv()
-    except EOFError:
-        status, payload = "error", None
-    finally:
-        proc.join()
-        recv.close()
-    if status == "ok":
-        return payload
-    if payload is None:
-        return f"failed: measuring process died with exit code {proc.exitcode} (out of memory?)"
-    return f"failed: {payload}"
-
-
 def measure_in_process(point: Point, settings: Settings) -> dict[str, object] | str:
     """CUDA points: measure here, turning out-of-memory into a note."""
     import torch
@@ -501,17 +466,6 @@ def measure_in_process(point: Point, settings: Settings) -> dict[str, object] | 
         return "failed: CUDA out of memory"
     finally:
         torch.cuda.empty_cache()
-
-
-def available_mb() -> float:
-    """MemAvailable from /proc/meminfo in MB (infinite where unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("inf")
 
 
 def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings) -> str | None:
@@ -525,7 +479,7 @@ def over_budget(prev: dict[str, object] | None, point: Point, settings: Settings
     if est_s > settings.budget_s:
         return f"skipped: estimated {est_s:.0f} s per call (B^2 from B={prev['B']}) > budget {settings.budget_s:g} s"
     est_mb = prev["peak_mb"] * scale
-    if point.device == "cpu" and est_mb > available_mb() * settings.memory_share:
+    if point.device == "cpu" and est_mb > common.available_mb() * settings.memory_share:
         return f"skipped: estimated peak {est_mb:.0f} MB > {settings.memory_share:g} of the available RAM"
     return None
 
@@ -577,7 +531,7 @@ def sweep(args: argparse.Namespace, points: Sequence[Point], settings: Settings)
             if ctx is None:
                 result = measure_in_process(point, settings)
             else:
-                result = measure_in_subprocess(ctx, point, settings, timeout_s=args.timeout)
+                result = common.measure_in_subprocess(ctx, measure, point, settings, timeout_s=args.timeout)
             note = result if isinstance(result, str) else None
         row = result if note is None else {**row_head(point)}
         row["version"] = version[family(point.impl)]

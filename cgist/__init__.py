@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from .compat import check_sentence_transformers
 from .function import gist_loss
+from .maxsim import maxsim_loss
 from .stage.spec.options import GistOptions
 from .stage.stats import GistStats
 
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from .losses.callbacks import GuideStatsCallback
     from .losses.gist import FusedCachedGISTLoss
     from .losses.gist import FusedGISTEmbedLoss
+    from .losses.multi_vector import (
+        FusedCachedMultiVectorMultipleNegativesRankingLoss,
+        FusedMultiVectorMultipleNegativesRankingLoss,
+    )
     from .losses.precompute import add_guide_embeddings
     from .losses.ranking import (
         FusedCachedMultipleNegativesRankingLoss,
@@ -38,9 +43,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
-    "FusedGISTEmbedLoss", "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss",
+    "FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedGISTEmbedLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
+    "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss",
     "GistOptions", "GistStats", "GuideStatsCallback",
-    "add_guide_embeddings", "gist_loss", "__version__",
+    "add_guide_embeddings", "gist_loss", "maxsim_loss", "__version__",
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.
@@ -48,7 +54,9 @@ _LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedGISTEmbedLoss": "losses.gis
          "FusedCachedMultipleNegativesRankingLoss": "losses.ranking", "FusedMultipleNegativesRankingLoss": "losses.ranking",
          "FusedCachedMultipleNegativesSymmetricRankingLoss": "losses.ranking",
          "FusedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",
-         "add_guide_embeddings": "losses.precompute"}
+         "add_guide_embeddings": "losses.precompute",
+         "FusedCachedMultiVectorMultipleNegativesRankingLoss": "losses.multi_vector",
+         "FusedMultiVectorMultipleNegativesRankingLoss": "losses.multi_vector"}
 
 
 def __getattr__(name: str):

@@ -40,6 +40,7 @@ DESIGN_SECTIONS = {
     "The workspace budget": "the-workspace-budget",
     "The drop-in protocol": "the-drop-in-protocol",
     "Dispatch": "dispatch",
+    "Late interaction": "late-interaction",
 }
 
 #: The two commands a newcomer runs, exactly as the README's set-up section gives them.

@@ -6,7 +6,8 @@ pieces (docs/design.md#the-drop-in-protocol).
   ``options``: the table of cgist's own options every drop-in takes.
 * ``steps``: how a batch is embedded, GradCache's mini-batches (``CachedStep``) or one forward pass (``PlainStep``).
 * ``gist``: the GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``); ``ranking``: the ranking family (the
-  cached and plain ``MultipleNegativesRankingLoss`` and its symmetric variant).
+  cached and plain ``MultipleNegativesRankingLoss`` and its symmetric variant); ``multi_vector``: the late-interaction
+  family (the cached and plain ``MultiVectorMultipleNegativesRankingLoss``, MaxSim streamed by ``cgist.maxsim_loss``).
 * ``matryoshka``: the takeover of ``MatryoshkaLoss``'s decoration (every dimension in one loss stage).
 * ``precompute``: a guide's embeddings of a dataset as its label column (``add_guide_embeddings``);
   ``callbacks``: the guide's statistics in the trainer's logs (``GuideStatsCallback``).

@@ -194,6 +194,11 @@ class FusedDropIn:
     deprecation: str | None = None
     #: The family: the annotations of sentence-transformers' parameters that it takes more of (the GIST guide).
     argument_annotations: dict[str, str] = {}
+    #: The family: the model class its ``model`` argument must be.
+    model_class: type = SentenceTransformer
+    #: The family: whether it computes ``MatryoshkaLoss``'s dimensions in one loss stage (``FusedMatryoshka``); if
+    #: not, sentence-transformers' decoration runs the loss stage once per dimension.
+    fuses_matryoshka: bool = True
 
     last_stats: GistStats | None = None
     #: The path of the last loss computation: ``FUSED`` (cgist's loss stage) or ``UNFUSED`` (sentence-transformers'
@@ -242,8 +247,8 @@ class FusedDropIn:
         del arguments["self"]
         if self.deprecation:
             warnings.warn(self.deprecation, DeprecationWarning, stacklevel=3)
-        if not isinstance(arguments["model"], SentenceTransformer):
-            raise TypeError(f"model must be a SentenceTransformer, got {type(arguments['model']).__name__}")
+        if not isinstance(arguments["model"], self.model_class):
+            raise TypeError(f"model must be a {self.model_class.__name__}, got {type(arguments['model']).__name__}")
         self._check_arguments(arguments)
         self._check_embedding_stage(arguments)
         super().__init__(**self._for_sentence_transformers(arguments))
@@ -400,7 +405,7 @@ class FusedDropIn:
     def __setattr__(self, name: str, value: object) -> None:
         # MatryoshkaLoss decorates a gradient-cache loss by replacing its ``calculate_loss`` with a loop over
         # dimensions; take that decoration over and compute the dimensions in one pass instead.
-        if name == "calculate_loss":
+        if name == "calculate_loss" and self.fuses_matryoshka:
             value = FusedMatryoshka.take_over(self, value)
         super().__setattr__(name, value)
 

@@ -16,8 +16,9 @@ from ..stage.dispatch.route import requested_backend
 
 __all__ = ["EVERY_FAMILY", "OPTIONS", "Option", "markdown_table", "options_of"]
 
-#: The option families: ``"gist"`` (the guided drop-ins) and ``"ranking"`` (the ranking drop-ins).
-EVERY_FAMILY = ("gist", "ranking")
+#: The option families: ``"gist"`` (the guided drop-ins), ``"ranking"`` (the ranking drop-ins) and ``"multi_vector"``
+#: (the late-interaction drop-ins).
+EVERY_FAMILY = ("gist", "ranking", "multi_vector")
 
 
 def _bool_or_none(name: str, value: object) -> None:
@@ -78,6 +79,6 @@ def options_of(family: str) -> Iterator[Option]:
 
 def markdown_table() -> str:
     """The table as docs/losses.md shows it: name, default, the drop-ins that take it, what it does."""
-    names = {"gist": "GIST", "ranking": "ranking"}
+    names = {"gist": "GIST", "ranking": "ranking", "multi_vector": "multi-vector"}
     rows = [f"| `{o.name}` | `{o.default!r}` | {', '.join(names[f] for f in o.families)} | {o.doc} |" for o in OPTIONS]
     return "\n".join(["| option | default | drop-ins | what it does |", "|---|---|---|---|", *rows])

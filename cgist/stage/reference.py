@@ -22,7 +22,8 @@ from .numerics import guide_mask, normalize, threshold
 from .spec.options import GistOptions
 from .ties import TieIndex, tie_ids
 
-__all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "score_groups"]
+__all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "maxsim_loss_reference", "maxsim_scores_reference",
+           "score_groups"]
 
 
 @dataclass
@@ -168,3 +169,37 @@ def gist_loss_reference(
     else:
         log_z = sum(torch.logsumexp(torch.cat(zs, dim=1), dim=1) for zs in logits.values()) / len(logits)
     return (log_z - positive).mean()
+
+
+def maxsim_scores_reference(queries: Tensor, query_mask: Tensor, documents: Tensor, document_mask: Tensor, *,
+                            length_normalize: bool = False) -> Tensor:
+    """Every query's MaxSim score against every document, dense: ``(B, Lq, D)`` queries against ``(M, Ld, D)``
+    documents, ``(B, M)`` in float32 or wider (float64 stays float64).
+
+    Padding tokens of a document never win its maximum; the query's padding is masked after it; the maxima are
+    summed in float32 at least; a document without a real token scores -1e9; MeanMaxSim divides by the query's real
+    token count (at least 1), after that fill. This is sentence-transformers' MaxSim, written out.
+    """
+    tokens = torch.einsum("qtd,msd->qmts", queries, documents)
+    tokens = tokens.masked_fill(~document_mask[None, :, None, :], torch.finfo(tokens.dtype).min)
+    maxima = tokens.amax(-1).to(torch.promote_types(tokens.dtype, torch.float32))
+    scores = (maxima * query_mask[:, None, :]).sum(-1)
+    scores = scores.masked_fill(~document_mask.any(-1)[None, :], -1e9)
+    if length_normalize:
+        scores = scores / query_mask.sum(-1, keepdim=True).clamp(min=1)
+    return scores
+
+
+def maxsim_loss_reference(queries: Tensor, query_mask: Tensor, documents: Sequence[Tensor],
+                          document_masks: Sequence[Tensor], *, scale: float = 1.0, length_normalize: bool = False,
+                          offset: int = 0) -> Tensor:
+    """The multi-vector ranking loss, dense (``cgist.maxsim_loss``'s definition): the documents of every column in
+    sentence-transformers' query-major order (row ``j`` of column ``n`` is score column ``j * N + n``), cross-entropy
+    of the scaled scores with query ``i``'s label at column ``(offset + i) * N``, mean over the queries. Columns must
+    share their token width. Differentiable by plain autograd."""
+    n = len(documents)
+    stacked = torch.stack(list(documents), 1).flatten(0, 1)
+    masks = torch.stack(list(document_masks), 1).flatten(0, 1)
+    scores = maxsim_scores_reference(queries, query_mask, stacked, masks, length_normalize=length_normalize)
+    labels = (torch.arange(queries.shape[0], device=queries.device) + offset) * n
+    return torch.nn.functional.cross_entropy(scores * scale, labels)

