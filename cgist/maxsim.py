@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import requested_backend
-from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, maxsim_backward, maxsim_forward
+from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, kept_bytes, maxsim_backward, maxsim_forward
 
 __all__ = ["maxsim_loss"]
 
@@ -76,8 +76,8 @@ class MaxSimLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: MaxSimCall, *tensors: Tensor) -> Tensor:
-        loss, peak, total = maxsim_forward(call)
-        ctx.call = call
+        loss, peak, total, kept = maxsim_forward(call)
+        ctx.call, ctx.kept = call, kept
         ctx.save_for_backward(peak, total, *tensors)
         return loss
 
@@ -85,7 +85,8 @@ class MaxSimLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         peak, total, *tensors = ctx.saved_tensors
-        q_grads, d_grads = maxsim_backward(ctx.call, peak, total, float(grad_output))
+        q_grads, d_grads = maxsim_backward(ctx.call, peak, total, float(grad_output), ctx.kept)
+        ctx.kept = None
         grads = [*q_grads, *(g for column in d_grads for g in column)]
         return (None, *(g.to(t.dtype) for g, t in zip(grads, tensors)))
 
@@ -144,11 +145,16 @@ def maxsim_loss(
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if not isinstance(length_normalize, bool):
         raise TypeError(f"length_normalize must be a bool, got {type(length_normalize).__name__}")
+    lq, ld = max(x.shape[1] for x in q_chunks), max(x.shape[1] for column in d_chunks for x in column)
+    keeping = kept_bytes(n_queries, sum(heights), lq, ld, dtype)
     if block_bytes is None:
-        widest = max(x.shape[1] for column in d_chunks for x in column) * max(x.shape[1] for x in q_chunks)
-        block_bytes = default_block_bytes(device, max(TILE_FLOOR_BYTES, widest * DOC_ROWS * q_chunks[0].element_size()))
+        tile_floor = max(TILE_FLOOR_BYTES, lq * ld * DOC_ROWS * q_chunks[0].element_size())
+        block_bytes = default_block_bytes(device, tile_floor + keeping)
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
+    # The backward keeps the forward's scores and argmax while the budget leaves room beside them for the smallest
+    # tile (one query against one document).
+    keep = block_bytes - keeping >= lq * ld * q_chunks[0].element_size()
     call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
-                      int(block_bytes))
+                      int(block_bytes - keeping if keep else block_bytes), keep=keep)
     return MaxSimLossFunction.apply(call, *q_chunks, *(x for column in d_chunks for x in column))

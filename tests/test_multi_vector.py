@@ -82,8 +82,11 @@ def test_gradcheck_of_the_streaming_stage(length_normalize, offset):
     assert torch.autograd.gradcheck(loss, inputs)
 
 
-@pytest.mark.parametrize("block_bytes", [1, 500, None])
+@pytest.mark.parametrize("block_bytes", [1, 500, 6000, None])
 def test_the_stage_equals_the_oracle_however_it_is_tiled(block_bytes):
+    """1 and 500 bytes: tiles of one query against a few documents, the backward recomputing them; 6000 and the
+    default: the forward's scores and argmax (9 queries x 27 documents x (6 + 8) bytes, about 3.4 kB) kept for the
+    backward, with small tiles at 6000."""
     queries, query_mask, documents, document_masks = _inputs(2, 9, 3, 6, 11, 5)
     document_masks[0][4, :] = False
     leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .workspace import _thread_buffer
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSimCall", "accumulate", "maxsim_backward", "maxsim_forward"]
+__all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSimCall", "accumulate", "kept_bytes", "maxsim_backward", "maxsim_forward"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -166,6 +166,8 @@ class MaxSimCall:
     length_normalize: bool
     offset: int
     budget_bytes: int
+    #: Keep each tile's scores and argmax from the forward for the backward, instead of recomputing its product.
+    keep: bool = False
 
     @property
     def n_queries(self) -> int:
@@ -183,9 +185,9 @@ class MaxSimCall:
                 yield n, doc
 
 
-def maxsim_forward(call: MaxSimCall) -> tuple[Tensor, Tensor, Tensor]:
-    """The mean loss over the local queries, and each query's softmax normaliser as its largest logit ``peak`` and
-    the sum of ``exp(logit - peak)`` (for ``maxsim_backward``).
+def maxsim_forward(call: MaxSimCall) -> tuple[Tensor, Tensor, Tensor, list[tuple[Tensor, Tensor]] | None]:
+    """The mean loss over the local queries, each query's softmax normaliser as its largest logit ``peak`` and the
+    sum of ``exp(logit - peak)``, and with ``call.keep`` each tile's scores and argmax (for ``maxsim_backward``).
 
     The normaliser stays in two parts, as a softmax does: the softmax of a query's largest logit is then
     ``1 / sum`` exactly, not ``exp(logit - log-sum-exp)``, whose rounding (an ulp of the log-sum-exp) would swamp
@@ -197,9 +199,13 @@ def maxsim_forward(call: MaxSimCall) -> tuple[Tensor, Tensor, Tensor]:
     peak = torch.full((call.n_queries,), float("-inf"), dtype=dtype, device=device)
     total = torch.zeros(call.n_queries, dtype=dtype, device=device)
     positive = torch.zeros(call.n_queries, dtype=dtype, device=device)
+    kept = [] if call.keep else None
     for n, doc in call.document_tiles(doc_rows):
         for query in q_tiles:
-            logits = _tile_scores(query, doc, argmax=False)[0] * call.scale
+            scores, where = _tile_scores(query, doc, argmax=call.keep)
+            if kept is not None:
+                kept.append((scores, where.to(_index_dtype(doc.tokens.shape[1]))))
+            logits = scores * call.scale
             rows = slice(query.row, query.row + logits.shape[0])
             new_peak = torch.maximum(peak[rows], logits.amax(1))
             total[rows] = total[rows] * torch.exp(peak[rows] - new_peak) + torch.exp(logits - new_peak[:, None]).sum(1)
@@ -208,27 +214,43 @@ def maxsim_forward(call: MaxSimCall) -> tuple[Tensor, Tensor, Tensor]:
             if pairs is not None:
                 q_rows, d_rows = pairs
                 positive[query.row + q_rows.start:query.row + q_rows.stop] = logits[q_rows, d_rows].diagonal()
-    return (peak + torch.log(total) - positive).mean(), peak, total
+    return (peak + torch.log(total) - positive).mean(), peak, total, kept
 
 
-def maxsim_backward(call: MaxSimCall, peak: Tensor, total: Tensor,
-                    grad_output: float) -> tuple[list[Tensor], list[list[Tensor]]]:
+def _index_dtype(width: int) -> torch.dtype:
+    """The narrowest integer dtype that holds a token position below ``width``."""
+    return torch.uint8 if width <= 256 else torch.int16 if width <= 2**15 else torch.int32
+
+
+def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int,
+               dtype: torch.dtype) -> int:
+    """The bytes that ``MaxSimCall.keep`` holds between the passes: a score and an argmax per query token for every
+    query and document (at most; trimmed tiles hold less)."""
+    index = torch.empty(0, dtype=_index_dtype(document_tokens)).element_size()
+    return n_queries * n_documents * (query_tokens * index + torch.empty(0, dtype=accumulate(dtype)).element_size())
+
+
+def maxsim_backward(call: MaxSimCall, peak: Tensor, total: Tensor, grad_output: float,
+                    kept: list[tuple[Tensor, Tensor]] | None = None) -> tuple[list[Tensor], list[list[Tensor]]]:
     """The gradients of ``grad_output`` times the loss, for every query chunk and every document chunk (in
-    ``accumulate(dtype)``), from the softmax normaliser of ``maxsim_forward``."""
+    ``accumulate(dtype)``), from the softmax normaliser of ``maxsim_forward`` and, if it kept them, its tiles'
+    scores and argmax (else each tile's product is computed again)."""
     doc_rows, q_tiles = call.tiles()
     device = call.queries[0].device
     dtype = peak.dtype
     q_grads = [torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries]
     d_grads = [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents]
     unit = grad_output * call.scale / call.n_queries
+    tiles = iter(kept) if kept is not None else None
     for n, doc in call.document_tiles(doc_rows):
         _tile_backward(doc, q_tiles, d_grads[n][doc.chunk], q_grads, (peak, total), unit, call.scale,
-                       call.offset if n == 0 else None)
+                       call.offset if n == 0 else None, tiles)
     return q_grads, d_grads
 
 
 def _tile_backward(doc: _DocTile, q_tiles: list[_QueryTile], doc_grad: Tensor, q_grads: list[Tensor],
-                   normaliser: tuple[Tensor, Tensor], unit: float, scale: float, offset: int | None) -> None:
+                   normaliser: tuple[Tensor, Tensor], unit: float, scale: float, offset: int | None,
+                   kept: Iterator[tuple[Tensor, Tensor]] | None) -> None:
     """One document tile's share of the gradients: against every query tile, each score's gradient
     ``unit * (softmax - label)`` sent along the argmax of each query token, to the query token (the document token's
     vector, gathered) and to the document token (the query token's vector, scattered)."""
@@ -238,7 +260,7 @@ def _tile_backward(doc: _DocTile, q_tiles: list[_QueryTile], doc_grad: Tensor, q
     column_base = torch.arange(bd, device=doc_tokens.device) * ld
     doc_acc = torch.zeros(bd * ld, dim, dtype=peak.dtype, device=doc_tokens.device)
     for query in q_tiles:
-        scores, where = _tile_scores(query, doc, argmax=True)
+        scores, where = _tile_scores(query, doc, argmax=True) if kept is None else next(kept)
         rows = slice(query.row, query.row + scores.shape[0])
         grad = torch.exp(scores * scale - peak[rows, None]) * (unit / total[rows, None])
         pairs = _positives(query, doc, offset) if offset is not None else None
@@ -249,7 +271,7 @@ def _tile_backward(doc: _DocTile, q_tiles: list[_QueryTile], doc_grad: Tensor, q
             grad = grad.masked_fill(doc.empty, 0.0)
         bq, lq = query.weights.shape
         weights = (grad.unsqueeze(1) * query.weights.unsqueeze(2)).reshape(bq * lq, bd)
-        index = (where + column_base).reshape(bq * lq, bd)
+        index = (where.long() + column_base).reshape(bq * lq, bd)
         with torch.enable_grad():
             gathered = F.embedding_bag(index, doc_tokens, per_sample_weights=weights, mode="sum")
             (into_doc,) = torch.autograd.grad(gathered, doc_tokens, query.tokens.to(peak.dtype))
