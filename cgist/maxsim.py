@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .stage.budget import default_block_bytes
-from .stage.dispatch.route import requested_backend
-from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, kept_bytes, maxsim_backward, maxsim_forward
+from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
+from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, kept_bytes, maxsim_forward
 
 __all__ = ["maxsim_loss"]
 
@@ -71,12 +71,13 @@ def _check_side(embeddings: list[Tensor], masks: list[Tensor], name: str, mask_n
 
 
 class MaxSimLossFunction(torch.autograd.Function):
-    """Autograd node over the query chunks and the documents' chunks, column after column; the backward recomputes
-    the tiles (``maxsim_backward``) with the loss's incoming gradient."""
+    """Autograd node over the query chunks and the documents' chunks, column after column: the stage's forward, and
+    its backward with the loss's incoming gradient (``select_maxsim_stage``)."""
 
     @staticmethod
-    def forward(ctx, call: MaxSimCall, *tensors: Tensor) -> Tensor:
-        loss, peak, total, kept = maxsim_forward(call)
+    def forward(ctx, call: MaxSimCall, stage: MaxSimStage, *tensors: Tensor) -> Tensor:
+        forward, ctx.backward_pass = stage
+        loss, peak, total, kept = forward(call)
         ctx.call, ctx.kept = call, kept
         ctx.save_for_backward(peak, total, *tensors)
         return loss
@@ -85,10 +86,10 @@ class MaxSimLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         peak, total, *tensors = ctx.saved_tensors
-        q_grads, d_grads = maxsim_backward(ctx.call, peak, total, float(grad_output), ctx.kept)
+        q_grads, d_grads = ctx.backward_pass(ctx.call, peak, total, float(grad_output), ctx.kept)
         ctx.kept = None
         grads = [*q_grads, *(g for column in d_grads for g in column)]
-        return (None, *(g.to(t.dtype) for g, t in zip(grads, tensors)))
+        return (None, None, *(g.to(t.dtype) for g, t in zip(grads, tensors)))
 
 
 def maxsim_loss(
@@ -109,15 +110,13 @@ def maxsim_loss(
         length_normalize: MeanMaxSim: each score divided by its query's real token count.
         offset: the first column's row of the first query's positive.
         block_bytes: bytes of one tile's token products (None: a default for the device).
-        backend: ``"auto"`` or ``"torch"`` (the streaming PyTorch stage, on every device).
+        backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
+            stage elsewhere), ``"torch"`` or ``"triton"`` (docs/design.md#late-interaction).
 
     Returns:
         The mean loss, differentiable with respect to ``queries`` and ``documents``.
     """
-    backend = requested_backend(backend)
-    if backend == "triton":
-        raise ValueError("backend='triton' has no MaxSim kernels in this release; use backend='auto' or 'torch' "
-                         "(the streaming PyTorch stage, on every device)")
+    requested_backend(backend)
     q_chunks = _chunks(queries, "queries")
     q_masks, n_queries = _check_side(q_chunks, _chunks(query_mask, "query_mask"), "queries", "query_mask", None, None,
                                      None)
@@ -152,9 +151,10 @@ def maxsim_loss(
         block_bytes = default_block_bytes(device, tile_floor + keeping)
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
-    # The backward keeps the forward's scores and argmax while the budget leaves room beside them for the smallest
-    # tile (one query against one document).
-    keep = block_bytes - keeping >= lq * ld * q_chunks[0].element_size()
+    stage = select_maxsim_stage(backend, device, dtype)
+    # The PyTorch stage's backward keeps the forward's scores and argmax while the budget leaves room beside them for
+    # the smallest tile (one query against one document); the kernels keep nothing.
+    keep = stage[0] is maxsim_forward and block_bytes - keeping >= lq * ld * q_chunks[0].element_size()
     call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
                       int(block_bytes - keeping if keep else block_bytes), keep=keep)
-    return MaxSimLossFunction.apply(call, *q_chunks, *(x for column in d_chunks for x in column))
+    return MaxSimLossFunction.apply(call, stage, *q_chunks, *(x for column in d_chunks for x in column))

@@ -1,7 +1,7 @@
 """Triton kernels of cgist's loss stages (installed as ``cgist.kernels``): device code only.
 
 ``gist`` holds the dense stage's forward row pass and chunk score-gradient kernel, ``gemm`` the tf32x3 products of its
-backward. They import only triton (and the standard
+backward, ``maxsim`` the late-interaction (MaxSim) stage's forward and backward. They import only triton (and the standard
 library), nothing of cgist: the host side (the launchers, the tile tables and the autotuner, the architecture
 queries) is the Triton backend ``cgist.stage.triton``.
 

@@ -32,7 +32,6 @@ from sentence_transformers.util import similarity as st_similarity
 from torch import Tensor
 
 from ..maxsim import maxsim_loss
-from ..stage.dispatch.route import requested_backend
 from .base import FUSED, UNFUSED, FusedDropIn, check_equal_batches
 from .steps import CachedStep, check_embedding_stage, check_gather
 
@@ -115,9 +114,6 @@ class MultiVectorFamily(FusedDropIn):
 
     def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
         _check_scale(self.scale)
-        if requested_backend(self.backend) == "triton":
-            raise ValueError("backend='triton' has no MaxSim kernels in this release; use backend='auto' or 'torch' "
-                             "(the streaming PyTorch stage, on every device)")
         length_normalize = maxsim_normalization(self.similarity_fct, getattr(self, "model", None))
         if length_normalize is None:
             name = "the model's similarity" if self.similarity_fct is None else similarity_fct_name(self.similarity_fct)
@@ -160,10 +156,10 @@ class FusedCachedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, Cach
                                                          CachedMultiVectorMultipleNegativesRankingLoss):
     """sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` with a fused, streaming loss stage.
 
-    A drop-in: the same arguments, defaults, attributes, loss and gradients, with a loss stage that holds neither the
-    ``(queries, documents, query tokens, document tokens)`` similarities, nor the ``(queries, documents)`` scores,
-    nor an argmax per query token and document: blocks of queries against blocks of documents, each tile's MaxSim
-    scores streamed into a log-sum-exp, and a backward that recomputes the tiles (``cgist.maxsim_loss``). The
+    A drop-in: the same arguments, defaults, attributes, loss and gradients, with a loss stage that never holds the
+    ``(queries, documents, query tokens, document tokens)`` similarities: blocks of queries against blocks of
+    documents, each tile's MaxSim scores streamed into the softmax's normaliser, and a backward that takes each tile's
+    argmax, kept from the forward while it fits ``block_bytes`` or recomputed (``cgist.maxsim_loss``). The
     embedding stage is sentence-transformers' own GradCache loop; each mini-batch's ``.grad`` is filled as its
     second pass reads it.
 

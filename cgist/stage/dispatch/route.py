@@ -13,6 +13,7 @@ overrides ``"auto"``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -25,8 +26,9 @@ from ..pytorch import streaming
 from ..spec.options import GistOptions
 from . import selfcheck
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "auto_route", "check_backend", "check_kernels", "first_use_checks",
-           "kernel_failures", "kernel_tiles", "requested_backend", "reset", "select_backend"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "Backend", "MaxSimStage", "auto_route", "check_backend", "check_kernels",
+           "check_maxsim_kernels", "first_use_checks", "kernel_failures", "kernel_tiles", "requested_backend", "reset",
+           "select_backend", "select_maxsim_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ def reset() -> None:
     """
     _TRITON_FAILURES.clear()
     _SELF_CHECKS.clear()
+    _MAXSIM_CHECKS.clear()
     _NOTICES.clear()
     devices.reset_notices()
 
@@ -275,3 +278,99 @@ def check_kernels(device: torch.device, dtype: torch.dtype, guide_dtype: torch.d
     variant = selfcheck.make_variant(_device_key(device), dtype, guide_dtype, dim, dim_g, options)
     return selfcheck.check_call(_triton_backend(), streaming.gist_loss_and_grads, variant, options, 2 + k, device,
                                 rows)
+
+
+# The MaxSim (late-interaction) stage ------------------------------------------------------------------------------
+
+#: The MaxSim stage of a backend: ``(forward, backward)`` with the contract of ``cgist.stage.pytorch.maxsim``'s
+#: ``maxsim_forward`` (``call -> (loss, peak, total, kept)``) and ``maxsim_backward``
+#: (``(call, peak, total, grad_output, kept) -> (query gradients, document gradients)``).
+MaxSimStage = tuple[Callable, Callable]
+
+#: ``(device, dtype)`` -> None where "auto" may use the MaxSim kernels (their first-use check passed, or checks are
+#: off), else why not (a failure, or a disagreement with the PyTorch stage).
+_MAXSIM_CHECKS: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def _pytorch_maxsim() -> MaxSimStage:
+    from ..pytorch import maxsim
+
+    return maxsim.maxsim_forward, maxsim.maxsim_backward
+
+
+def _triton_maxsim() -> MaxSimStage:
+    """The MaxSim kernels' launchers, as a stage that keeps nothing between its passes; or a RuntimeError saying why
+    they cannot run here."""
+    try:
+        from ..triton.maxsim import maxsim_backward_triton, maxsim_forward_triton
+    except ImportError as err:
+        raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
+
+    def forward(call):
+        return (*maxsim_forward_triton(call), None)
+
+    def backward(call, peak, total, grad_output, kept=None):
+        return maxsim_backward_triton(call, peak, total, grad_output)
+
+    return forward, backward
+
+
+def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
+    """The MaxSim kernels against the PyTorch stage on a small ragged problem on ``device`` (``dtype`` inputs): the
+    largest difference of the loss and the gradients, each relative to its largest entry. Errors of the kernels
+    propagate."""
+    from ..pytorch.maxsim import MaxSimCall
+
+    gen = torch.Generator().manual_seed(0)
+    rows, lq, ld, dim = 8, 8, 40, 32
+    queries = torch.nn.functional.normalize(torch.randn(rows, lq, dim, generator=gen), dim=-1).to(device, dtype)
+    documents = [torch.nn.functional.normalize(torch.randn(rows, ld, dim, generator=gen), dim=-1).to(device, dtype)
+                 for _ in range(2)]
+    lengths = torch.randint(1, ld + 1, (2, rows), generator=gen)
+    masks = [(torch.arange(ld) < lengths[n, :, None]).to(device) for n in range(2)]
+    query_mask = torch.ones(rows, lq, dtype=torch.bool, device=device)
+    call = MaxSimCall([queries], [query_mask], [[d] for d in documents], [[m] for m in masks], scale=4.0,
+                      length_normalize=False, offset=0, budget_bytes=2**20)
+    results = []
+    for forward, backward in (_triton_maxsim(), _pytorch_maxsim()):
+        loss, peak, total, kept = forward(call)
+        q_grads, d_grads = backward(call, peak, total, 1.0, kept)
+        results.append([loss, *q_grads, *(g for column in d_grads for g in column)])
+    diffs = [(a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)
+             for a, b in zip(*results)]
+    return float(torch.stack(diffs).nan_to_num(math.inf).max())
+
+
+def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtype) -> MaxSimStage:
+    """The MaxSim stage for ``backend`` on ``device``: ``"torch"`` the PyTorch stage; ``"triton"`` the kernels (CUDA,
+    or CPU tensors under the Triton interpreter), never checked; ``"auto"`` the kernels where the dense stage's would
+    run (``auto_route``) once their first-use check on this device and dtype passed (``check_maxsim_kernels``, within
+    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying why."""
+    backend = requested_backend(backend)
+    if backend == "torch":
+        return _pytorch_maxsim()
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                               "before importing cgist, or use backend='torch'")
+        return _triton_maxsim()
+    if auto_route(device, dtype, dtype)[0] == "torch":
+        return _pytorch_maxsim()
+    key = (_device_key(device), dtype)
+    if key not in _MAXSIM_CHECKS:
+        failure = None
+        if selfcheck.enabled():
+            allowed = selfcheck.TOLERANCE[selfcheck.score_precision(dtype)]
+            try:
+                diff = check_maxsim_kernels(device, dtype)
+                if not diff <= allowed:
+                    failure = f"they disagree with the PyTorch stage by {diff:.1e} (allowed {allowed:.0e})"
+            except Exception as err:  # a build or launch failure: the PyTorch stage runs instead
+                failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        _MAXSIM_CHECKS[key] = failure
+    failure = _MAXSIM_CHECKS[key]
+    if failure is not None:
+        _notice(f"the MaxSim kernels are not used on {_describe(device)} for {dtype} ({failure}); backend='auto' runs "
+                "the PyTorch MaxSim stage there")
+        return _pytorch_maxsim()
+    return _triton_maxsim()

@@ -1,13 +1,13 @@
 """The streaming MaxSim loss stage on PyTorch: the multi-vector ranking loss over blocks of documents x blocks of
-queries, without the token-similarity tensor, the (queries, documents) score matrix or an argmax of
-``queries * documents * query tokens`` entries (docs/design.md#late-interaction).
+queries, without the token-similarity tensor (docs/design.md#late-interaction).
 
 A tile is ``bq`` queries against ``bd`` documents: one matrix product of their token vectors
 ``(bq * Lq, D) @ (D, bd * Ld)`` into a buffer bounded by the budget, the maximum over each document's tokens, and the
-sum over the query's tokens, weighted by its mask, in float32 (float64 for float64 inputs). Its scores update each query's running softmax normaliser.
-The backward recomputes each tile's product and takes the argmax where the forward took the maximum; the gradient
-of a score reaches one document token per query token, so both gradients are gathers (``embedding_bag`` and its
-weight gradient) instead of products as large as the forward's.
+sum over the query's tokens, weighted by its mask, in float32 (float64 for float64 inputs). Its scores update each
+query's running softmax normaliser. The backward takes each tile's argmax, kept from the forward while the scores and
+argmax fit the budget (``MaxSimCall.keep``), else computed again from the tile's product; the gradient of a score
+reaches one document token per query token, so both gradients are gathers (``embedding_bag`` and its weight gradient)
+instead of products as large as the forward's.
 
 Documents are read as their row chunks (GradCache's mini-batches), never concatenated. A document tile is trimmed to
 its last real token; a masked token inside it is replaced by a copy of the document's first real token, which leaves

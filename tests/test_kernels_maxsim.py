@@ -1,0 +1,341 @@
+"""The MaxSim kernels (``cgist.kernels.maxsim``, launched by ``cgist.stage.triton.maxsim``) against the streaming
+PyTorch stage (``cgist.stage.pytorch.maxsim``) and the dense float64 oracle (``maxsim_loss_reference``, gradients by
+autograd).
+
+Without CUDA the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1, and fixes the
+interpreter's bf16 ``tl.dot``: ``interpreter_dot``), so the shapes are tiny, with tiles small enough that they still
+cross several: 16 document tokens per product against documents of up to 40 (three chunks), and 2 to 4 documents
+per forward program. The cases cover ragged masks with holes, a document whose whole first chunk is masked, empty
+documents (a negative, and a label), MeanMaxSim, a rank offset with document columns taller than the queries, and
+query and document chunks of different token widths; fp64 and fp32 to their rounding, bf16 and fp16 at one shape to
+theirs; and the backward's tie rule (the first of equal maxima takes the gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, one_thread  # noqa: F401  (one_thread: autouse)
+
+pytest.importorskip("triton")
+
+from cgist.stage.pytorch.maxsim import MaxSimCall, maxsim_backward, maxsim_forward  # noqa: E402
+from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
+from cgist.stage.triton.maxsim import maxsim_backward_triton, maxsim_forward_triton  # noqa: E402
+
+#: The incoming gradient of the loss in every backward (not 1, so that its factor is checked).
+GRAD_OUTPUT = 0.7
+#: Document tokens per product: documents of up to 40 tokens cross three chunks.
+BLOCK_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One problem. The documents are ``columns`` columns of ``batch + extra_rows`` rows; ``query_chunks`` and
+    ``doc_chunks`` split the rows (every column alike), each chunk trimmed to its width (``*_widths``, None: all of
+    ``lq`` / ``ld``) with the tokens past it masked in the oracle's dense tensors. ``empty`` lists (column, row) of
+    documents without a real token, ``masked_head`` those whose first ``BLOCK_TOKENS`` tokens are all masked."""
+
+    name: str
+    batch: int
+    columns: int
+    lq: int
+    ld: int
+    dim: int
+    dtype: torch.dtype = torch.float64
+    extra_rows: int = 0
+    offset: int = 0
+    length_normalize: bool = False
+    scale: float = 1.7
+    query_chunks: tuple[int, ...] | None = None
+    query_widths: tuple[int, ...] | None = None
+    doc_chunks: tuple[int, ...] | None = None
+    doc_widths: tuple[int, ...] | None = None
+    empty: tuple[tuple[int, int], ...] = ()
+    masked_head: tuple[tuple[int, int], ...] = ()
+    block_tokens: int | None = BLOCK_TOKENS
+    block_docs: int = 2
+    seed: int = 0
+
+
+def _masks(gen: torch.Generator, rows: int, width: int, holes: float = 0.25) -> torch.Tensor:
+    """Ragged masks: a random length per row (at least 1) with holes inside it, the first token always real."""
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width) < lengths[:, None]) & (torch.rand(rows, width, generator=gen) >= holes)
+    mask[:, 0] = True
+    return mask
+
+
+def _chunked(dense: torch.Tensor, mask: torch.Tensor, rows: tuple[int, ...] | None,
+             widths: tuple[int, ...] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``dense`` and ``mask`` split into row chunks, each trimmed to its width; ``mask`` is cleared past the widths
+    in place, so the dense tensors describe the same problem."""
+    rows = rows or (dense.shape[0],)
+    widths = widths or (dense.shape[1],) * len(rows)
+    assert sum(rows) == dense.shape[0] and len(widths) == len(rows)
+    chunks, masks, start = [], [], 0
+    for count, width in zip(rows, widths):
+        mask[start : start + count, width:] = False
+        chunks.append(dense[start : start + count, :width])
+        masks.append(mask[start : start + count, :width])
+        start += count
+    return chunks, masks
+
+
+def _problem(case: Case):
+    """The call, and the dense queries, query mask, documents and document masks (the oracle's)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    rows = case.batch + case.extra_rows
+    queries = torch.randn(case.batch, case.lq, case.dim, generator=gen, dtype=torch.float64).to(case.dtype)
+    query_mask = _masks(gen, case.batch, case.lq)
+    documents = [torch.randn(rows, case.ld, case.dim, generator=gen, dtype=torch.float64).to(case.dtype)
+                 for _ in range(case.columns)]
+    document_masks = [_masks(gen, rows, case.ld) for _ in range(case.columns)]
+    for column, row in case.masked_head:
+        assert case.ld > BLOCK_TOKENS
+        document_masks[column][row, :BLOCK_TOKENS] = False
+        document_masks[column][row, BLOCK_TOKENS + 1] = True
+    for column, row in case.empty:
+        document_masks[column][row] = False
+    q_chunks, q_masks = _chunked(queries, query_mask, case.query_chunks, case.query_widths)
+    d_chunks, d_masks = zip(*(_chunked(d, m, case.doc_chunks, case.doc_widths)
+                              for d, m in zip(documents, document_masks)))
+    for column, row in case.masked_head:  # still a real token after the masked chunk, within the chunk's width
+        assert bool(document_masks[column][row, BLOCK_TOKENS:].any())
+    device = [[t.to(DEVICE) for t in chunks] for chunks in (q_chunks, q_masks)]
+    call = MaxSimCall(device[0], device[1], [[t.to(DEVICE) for t in c] for c in d_chunks],
+                      [[t.to(DEVICE) for t in c] for c in d_masks], case.scale, case.length_normalize, case.offset,
+                      budget_bytes=2**20)
+    return call, (queries, query_mask, documents, document_masks)
+
+
+def _oracle(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The oracle's loss and gradients (times ``GRAD_OUTPUT``), in float64 on the inputs' values."""
+    queries, query_mask, documents, document_masks = dense
+    leaves = [t.double().requires_grad_() for t in (queries, *documents)]
+    loss = maxsim_loss_reference(leaves[0], query_mask, leaves[1:], document_masks, scale=case.scale,
+                                 length_normalize=case.length_normalize, offset=case.offset)
+    grads = torch.autograd.grad(loss * GRAD_OUTPUT, leaves)
+    return loss.detach(), grads[0], list(grads[1:])
+
+
+def _flat(call: MaxSimCall, q_grads, d_grads) -> list[torch.Tensor]:
+    """The gradients of every chunk, padded back to the dense widths and concatenated per column, on the CPU:
+    ``[queries, column 0, column 1, ...]``."""
+    def pad(chunks, width):
+        return torch.cat([torch.nn.functional.pad(g.cpu(), (0, 0, 0, width - g.shape[1])) for g in chunks])
+
+    lq = max(q.shape[1] for q in call.queries)
+    ld = max(d.shape[1] for column in call.documents for d in column)
+    return [pad(q_grads, lq), *(pad(column, ld) for column in d_grads)]
+
+
+def _run(case: Case):
+    """The Triton stage's loss, normaliser and gradients (checked for their dtypes and shapes), the PyTorch stage's,
+    and the oracle's."""
+    call, dense = _problem(case)
+    kw = dict(block_tokens=case.block_tokens)
+    loss, peak, total = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
+    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, **kw)
+    acc = torch.promote_types(case.dtype, torch.float32)
+    assert loss.dtype == peak.dtype == total.dtype == acc and loss.dim() == 0
+    assert peak.shape == total.shape == (case.batch,)
+    assert [(g.shape, g.dtype) for g in q_grads] == [(q.shape, acc) for q in call.queries]
+    assert [[(g.shape, g.dtype) for g in column] for column in d_grads] == \
+        [[(d.shape, acc) for d in column] for column in call.documents]
+    if CUDA:  # no atomics: a second run is bitwise the same
+        again = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
+        assert all(torch.equal(a, b) for a, b in zip((loss, peak, total), again))
+        q2, d2 = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(_flat(call, q_grads, d_grads), _flat(call, q2, d2)))
+
+    stage_loss, stage_peak, stage_total = maxsim_forward(call)[:3]
+    stage_grads = maxsim_backward(call, stage_peak, stage_total, GRAD_OUTPUT)
+    triton_run = (loss.cpu(), peak.cpu(), total.cpu(), _flat(call, q_grads, d_grads))
+    stage_run = (stage_loss.cpu(), stage_peak.cpu(), stage_total.cpu(), _flat(call, *stage_grads))
+    oracle_loss, *oracle_grads = _oracle(case, dense)
+    return triton_run, stage_run, (oracle_loss, [oracle_grads[0], *oracle_grads[1]])
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    """``got`` within ``rel`` of ``want``, entry by entry, relative to ``want``'s largest entry (at least 1)."""
+    scale = max(1.0, float(want.double().abs().max()))
+    error = float((got.double() - want.double()).abs().max())
+    assert error <= rel * scale, f"{name}: error {error:.3g} > {rel:.3g} x {scale:.3g}"
+
+
+#: Relative tolerances: fp64's and fp32's rounding (a few hundred units of the accumulation's, for sums of
+#: ``Lq * D`` products and logits up to ``scale * Lq * max |product|``).
+REL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+CASES = [
+    Case("maxsim", 3, 2, 4, 37, 8, doc_chunks=(2, 1), doc_widths=(37, 30), masked_head=((0, 1),)),
+    Case("meanmaxsim-empty", 4, 2, 5, 23, 6, length_normalize=True, query_chunks=(2, 2), query_widths=(5, 3),
+         empty=((1, 2),), block_docs=3, seed=1),
+    Case("offset", 3, 3, 3, 40, 16, extra_rows=4, offset=3, length_normalize=True, query_chunks=(1, 2),
+         query_widths=(3, 2), doc_chunks=(3, 2, 2), doc_widths=(40, 17, 5), masked_head=((0, 0), (2, 4)),
+         empty=((1, 5),), block_docs=4, scale=0.6, seed=2),
+    Case("one-token", 1, 2, 1, 1, 4, block_tokens=None, seed=3),
+    Case("empty-label", 2, 2, 2, 5, 4, empty=((0, 1), (1, 0)), seed=4),
+    # query 0's label is empty, and it has 3 real tokens: the label's logit is the fill divided by 3
+    Case("empty-label-meanmaxsim", 2, 1, 3, 5, 4, extra_rows=1, offset=1, length_normalize=True, empty=((0, 1),),
+         seed=5),
+    Case("fp32", 5, 2, 5, 40, 16, dtype=torch.float32, doc_chunks=(3, 2), doc_widths=(40, 33), masked_head=((1, 3),),
+         scale=3.0, seed=5),
+    Case("fp32-meanmaxsim-offset", 2, 2, 4, 29, 12, dtype=torch.float32, extra_rows=3, offset=1,
+         length_normalize=True, query_chunks=(1, 1), query_widths=(4, 2), doc_chunks=(1, 4), doc_widths=(20, 29),
+         empty=((1, 4),), block_docs=3, seed=6),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_matches_the_pytorch_stage_and_the_oracle(case):
+    (loss, peak, total, grads), (s_loss, s_peak, s_total, s_grads), (o_loss, o_grads) = _run(case)
+    rel = REL[case.dtype]
+    _close("loss vs stage", loss, s_loss, rel)
+    _close("loss vs oracle", loss, o_loss, rel)
+    # The normaliser as the stage keeps it: the same peak, and the total relative to it.
+    _close("peak", peak, s_peak, rel)
+    torch.testing.assert_close(total, s_total, rtol=rel, atol=0.0)
+    names = ["queries", *(f"column {n}" for n in range(case.columns))]
+    for name, got, stage, oracle in zip(names, grads, s_grads, o_grads):
+        # a gradient's entries relative to its largest (the softmax's weights times token vectors)
+        scale = float(oracle.abs().max())
+        assert scale > 0, f"{name}: no gradient, nothing checked"
+        _close(f"{name} gradient vs stage", got / scale, stage / scale, rel)
+        _close(f"{name} gradient vs oracle", got / scale, oracle / scale, rel)
+    if case.empty:  # an empty document gets no gradient, and none of its tokens is ever picked
+        for column, row in case.empty:
+            assert not bool(grads[1 + column][row].any())
+
+
+def test_a_tie_sends_the_gradient_to_the_first_token():
+    """A document holds one token twice, in different chunks, as the largest product of a query token: the kernels'
+    gradient goes to the first copy and none to the second. The oracle's (``amax``'s) splits it evenly between
+    them, so their sum is the oracle's sum, and the query's gradient is the oracle's."""
+    case = Case("tie", 2, 1, 3, 40, 8, seed=7)
+    call, dense = _problem(case)
+    queries, query_mask, documents, document_masks = dense
+    first, second = 3, 35  # chunks 0 and 2 of 16 tokens
+    # document m's copies are twice token 0 of the other query, its largest product there: that query's softmax
+    # favours document m over its label, so both get a large gradient
+    for m, i in enumerate([1, 0]):
+        documents[0][m, first] = documents[0][m, second] = 2.0 * queries[i, 0]
+        document_masks[0][m, [first, second]] = True
+    assert bool(query_mask[:, 0].all())
+    call = dataclasses.replace(call, documents=[[documents[0].to(DEVICE)]],
+                               document_masks=[[document_masks[0].to(DEVICE)]])
+    loss, peak, total = maxsim_forward_triton(call, block_docs=1, block_tokens=BLOCK_TOKENS)
+    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_tokens=BLOCK_TOKENS)
+    oracle_loss, oracle_q, (oracle_d,) = _oracle(case, dense)
+    got_d = d_grads[0][0].cpu()
+    rel = REL[torch.float64]
+    _close("loss", loss.cpu(), oracle_loss, rel)
+    _close("query gradient", q_grads[0].cpu(), oracle_q, rel)
+    for m in range(2):
+        assert bool((oracle_d[m, first] != 0).all()) and torch.equal(oracle_d[m, first], oracle_d[m, second])
+        assert not bool(got_d[m, second].any()), "the second copy of a tied maximum got a gradient"
+        _close(f"document {m}'s first copy", got_d[m, first], oracle_d[m, first] + oracle_d[m, second], rel)
+    mask = torch.ones(40, dtype=torch.bool)
+    mask[[first, second]] = False
+    _close("the other tokens", got_d[:, mask], oracle_d[:, mask], rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_inputs_to_their_rounding(dtype):
+    """bf16 and fp16 inputs, fp32 accumulation: each token product is rounded to the inputs' dtype before its
+    maximum (as the PyTorch stage's and sentence-transformers' are), so a maximum is off by up to ``eps`` of itself
+    (the dtype's, which also covers the interpreter's bf16 rounding by truncation) and a logit by
+    ``eps * scale * sum_t w_t |max_t|``: the loss by twice the largest, a gradient entry by a few times it relative to
+    the largest. Against the oracle on the same rounded values, whose maxima are at the same tokens: every largest
+    product leads the next by more than two of its ``eps``, so no rounding reorders them."""
+    case = Case("half", 3, 2, 4, 20, 8, dtype=dtype, doc_chunks=(2, 1), doc_widths=(20, 13), masked_head=((1, 0),),
+                scale=2.0, seed=9)
+    call, dense = _problem(case)
+    queries, query_mask, documents, document_masks = dense
+    products = torch.einsum("qtd,msd->qmts", queries.double(), torch.cat(documents).double())
+    products = products.masked_fill(~torch.cat(document_masks)[None, :, None, :], float("-inf"))
+    top2 = products.topk(2, dim=-1).values
+    eps = torch.finfo(dtype).eps
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * eps * top2[..., 0].abs()
+    assert bool((clear | ~query_mask[:, None, :]).all()), "a near-tie: change the seed"
+    bound = eps * case.scale * float((top2[..., 0].abs() * query_mask[:, None, :]).sum(-1).max())
+
+    (loss, peak, total, grads), (s_loss, *_, s_grads), (o_loss, o_grads) = _run(case)
+    assert loss.dtype == torch.float32
+    for want in (s_loss, o_loss):
+        assert abs(float(loss) - float(want)) <= 2 * bound
+    for got, stage, oracle in zip(grads, s_grads, o_grads):
+        scale = float(oracle.abs().max())
+        for want in (stage, oracle):
+            error = float((got.double() - want.double()).abs().max())
+            assert error <= 4 * bound * scale, f"gradient error {error:.3g} > {4 * bound * scale:.3g}"
+
+
+# -- dispatch: backend="triton", and "auto"'s first-use check -------------------------------------------------------
+
+
+def _small_problem(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    queries = torch.randn(4, 3, 8, generator=gen, dtype=dtype)
+    documents = [torch.randn(4, 20, 8, generator=gen, dtype=dtype) for _ in range(2)]
+    masks = [torch.arange(20) < torch.randint(1, 21, (4, 1), generator=gen) for _ in range(2)]
+    return queries, torch.ones(4, 3, dtype=torch.bool), documents, masks
+
+
+def _loss_and_grads(backend, problem):
+    import cgist
+
+    queries, query_mask, documents, masks = problem
+    leaves = [t.clone().requires_grad_() for t in (queries, *documents)]
+    loss = cgist.maxsim_loss(leaves[0], query_mask, leaves[1:], masks, scale=2.0, backend=backend)
+    return [loss.detach(), *torch.autograd.grad(loss, leaves)]
+
+
+def test_backend_triton_runs_the_kernels_through_maxsim_loss():
+    problem = _small_problem()
+    for got, expected in zip(_loss_and_grads("triton", problem), _loss_and_grads("torch", problem)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def kernels_routed(monkeypatch):
+    """``"auto"`` routed to the kernels on this CPU (the interpreter), as on a GPU they serve; verdicts forgotten."""
+    from cgist.stage.dispatch import route
+
+    route.reset()
+    monkeypatch.setattr(route, "auto_route", lambda device, dtype, guide_dtype: ("triton", "test"))
+    yield route
+    route.reset()
+
+
+def test_auto_takes_the_kernels_once_their_first_use_check_passes(kernels_routed, monkeypatch):
+    from cgist.stage.pytorch import maxsim
+
+    checked = []
+    check = kernels_routed.check_maxsim_kernels
+    monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", lambda *a: checked.append(a) or check(*a))
+    stage = kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32)
+    kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32)
+    assert stage[0] is not maxsim.maxsim_forward and len(checked) == 1  # checked once per device and dtype
+    for got, expected in zip(_loss_and_grads("auto", _small_problem()), _loss_and_grads("torch", _small_problem())):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("failure", ["raises", "disagrees"])
+def test_auto_falls_back_to_the_pytorch_stage_with_one_notice(kernels_routed, monkeypatch, caplog, failure):
+    from cgist.stage.pytorch import maxsim
+
+    def check(device, dtype):
+        if failure == "raises":
+            raise RuntimeError("no kernel here")
+        return 1.0  # a relative difference far beyond any tolerance
+
+    monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", check)
+    with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
+        stages = [kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32) for _ in range(2)]
+    assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
+    notices = [r.getMessage() for r in caplog.records if "MaxSim kernels are not used" in r.getMessage()]
+    assert len(notices) == 1 and ("no kernel here" if failure == "raises" else "disagree") in notices[0]
