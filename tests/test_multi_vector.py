@@ -352,3 +352,53 @@ def test_the_drop_ins_on_the_triton_backend_equal_sentence_transformers(cached):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _wrapped_step(wrap, cached: bool, columns):
+    """``wrap(model, inner)``'s training step around sentence-transformers' class and around the drop-in."""
+    if cached:
+        pair = (CachedMultiVectorMultipleNegativesRankingLoss, cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss)
+        kwargs = dict(mini_batch_size=2, scale=3.0)
+    else:
+        pair = (MultiVectorMultipleNegativesRankingLoss, cgist.FusedMultiVectorMultipleNegativesRankingLoss)
+        kwargs = dict(scale=3.0)
+    results = []
+    for cls in pair:
+        inner = cls(_model(), **kwargs)
+        results.append((*_model_step_of(wrap(_model(), inner), columns), inner))
+    return results
+
+
+def _model_step_of(loss, columns):
+    model = _model()
+    model.zero_grad()
+    value = loss(_features(model, columns), None)
+    value.backward()
+    grads = torch.cat([p.grad.flatten() for _, p in sorted(model.named_parameters()) if p.grad is not None])
+    return value.detach(), grads
+
+
+def _wrappers():
+    losses = pytest.importorskip("sentence_transformers.multi_vector_encoder.losses")
+    if not hasattr(losses, "MultiVectorMatryoshkaLoss"):
+        pytest.skip("sentence-transformers before 6.3 has no multi-vector Matryoshka or token-pooling loss")
+    from sentence_transformers.multi_vector_encoder.modules import HierarchicalTokenPooling
+
+    return {
+        "matryoshka": lambda model, inner: losses.MultiVectorMatryoshkaLoss(model, inner, [128, 64, 32],
+                                                                           matryoshka_weights=[1.0, 0.5, 0.25]),
+        "token-pooling": lambda model, inner: losses.MultiVectorTokenPoolingLoss(
+            model, inner, token_poolings=[None, HierarchicalTokenPooling(pool_factor=2)]),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["matryoshka", "token-pooling"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_sentence_transformers_wrappers_run_the_fused_stage(wrapper, cached):
+    """``MultiVectorMatryoshkaLoss`` and ``MultiVectorTokenPoolingLoss`` (6.3) around each drop-in: the loss and the
+    model's gradients of the same wrapper around sentence-transformers' class, each variant a fused loss stage."""
+    wrap = _wrappers()[wrapper]
+    (expected, expected_grads, _), (got, grads, ours) = _wrapped_step(wrap, cached, [QUERIES, DOCUMENTS, NEGATIVES])
+    assert ours.path_counts[UNFUSED] == 0 and ours.path_counts[FUSED] >= 2  # a fused stage per variant
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert (grads - expected_grads).norm() < 1e-4 * expected_grads.norm()

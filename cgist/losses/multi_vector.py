@@ -125,6 +125,8 @@ class MultiVectorFamily(FusedDropIn):
                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
         """The loss over a step's token embeddings ``reps`` and masks ``masks_chunks`` (each column's mini-batches):
         ``cgist.maxsim_loss``, or sentence-transformers' own computation where it does not run."""
+        if dims is not None:  # fuses_matryoshka is off: sentence-transformers' decoration calls once per dimension
+            raise NotImplementedError("the multi-vector loss stage computes one Matryoshka dimension per call")
         options = self.resolve()
         if options is None:
             self.record_path(UNFUSED)
