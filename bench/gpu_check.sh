@@ -3,7 +3,8 @@
 # printed beside the estimate it should confirm (bench/kernel_bench.py's docstring says how they are counted).
 #   1. the tests that run on CUDA (kernels in bf16/fp16/tf32/fp32, mixed pairs, backward chunks, statistics,
 #      Matryoshka, determinism; the tf32x3 GEMM of the backward on the tensor cores against its error bound,
-#      tests/test_kernels_precision.py), while other processes compile and tune every kernel the benchmark runs;
+#      tests/test_kernels_precision.py; the MaxSim kernels against the PyTorch MaxSim stage and the oracle,
+#      tests/test_kernels_maxsim.py), while other processes compile and tune every kernel the benchmark runs;
 #   2. calibrations: the GEMM ceiling (torch.mm 8192^3, bf16 and tf32), the device copy bandwidth, the L2
 #      bandwidth (a resident buffer of 24 MiB read 64 times);
 #   3. torch.unique ids against fingerprint ids (same partition, time, peak memory);
@@ -35,6 +36,7 @@ for pair in bf16 fp32 bf16+fp32; do
 done
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_stats.py \
     tests/test_kernels_matryoshka.py tests/test_kernels_precision.py tests/test_determinism.py \
+    tests/test_kernels_maxsim.py \
     2>&1 | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "CUDA tests FAILED (see $OUT/tests.txt)"; status=1; }
 for pid in "${warm_pids[@]}"; do

@@ -282,7 +282,8 @@ def _small_problem(dtype=torch.float32):
     queries = torch.randn(4, 3, 8, generator=gen, dtype=dtype)
     documents = [torch.randn(4, 20, 8, generator=gen, dtype=dtype) for _ in range(2)]
     masks = [torch.arange(20) < torch.randint(1, 21, (4, 1), generator=gen) for _ in range(2)]
-    return queries, torch.ones(4, 3, dtype=torch.bool), documents, masks
+    return [t.to(DEVICE) for t in (queries, torch.ones(4, 3, dtype=torch.bool))] + [
+        [t.to(DEVICE) for t in documents], [m.to(DEVICE) for m in masks]]
 
 
 def _loss_and_grads(backend, problem):
@@ -302,7 +303,8 @@ def test_backend_triton_runs_the_kernels_through_maxsim_loss():
 
 @pytest.fixture
 def kernels_routed(monkeypatch):
-    """``"auto"`` routed to the kernels on this CPU (the interpreter), as on a GPU they serve; verdicts forgotten."""
+    """``"auto"`` routed to the kernels on the test device (the interpreter on a CPU), as on a GPU they serve; the
+    verdicts forgotten."""
     from cgist.stage.dispatch import route
 
     route.reset()
@@ -317,8 +319,8 @@ def test_auto_takes_the_kernels_once_their_first_use_check_passes(kernels_routed
     checked = []
     check = kernels_routed.check_maxsim_kernels
     monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", lambda *a: checked.append(a) or check(*a))
-    stage = kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32)
-    kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32)
+    stage = kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
+    kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
     assert stage[0] is not maxsim.maxsim_forward and len(checked) == 1  # checked once per device and dtype
     for got, expected in zip(_loss_and_grads("auto", _small_problem()), _loss_and_grads("torch", _small_problem())):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
@@ -335,7 +337,7 @@ def test_auto_falls_back_to_the_pytorch_stage_with_one_notice(kernels_routed, mo
 
     monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", check)
     with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
-        stages = [kernels_routed.select_maxsim_stage("auto", torch.device("cpu"), torch.float32) for _ in range(2)]
+        stages = [kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32) for _ in range(2)]
     assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
     notices = [r.getMessage() for r in caplog.records if "MaxSim kernels are not used" in r.getMessage()]
     assert len(notices) == 1 and ("no kernel here" if failure == "raises" else "disagree") in notices[0]
