@@ -309,6 +309,7 @@ def kernels_routed(monkeypatch):
 
     route.reset()
     monkeypatch.setattr(route, "auto_route", lambda device, dtype, guide_dtype: ("triton", "test"))
+    monkeypatch.setattr(route, "MAXSIM_IN_AUTO", True)
     yield route
     route.reset()
 
@@ -341,3 +342,15 @@ def test_auto_falls_back_to_the_pytorch_stage_with_one_notice(kernels_routed, mo
     assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
     notices = [r.getMessage() for r in caplog.records if "MaxSim kernels are not used" in r.getMessage()]
     assert len(notices) == 1 and ("no kernel here" if failure == "raises" else "disagree") in notices[0]
+
+
+def test_auto_keeps_the_pytorch_stage_while_the_kernels_are_not_admitted(kernels_routed, monkeypatch, caplog):
+    """Until the kernels compile spill-free and have run on a GPU (``MAXSIM_IN_AUTO``), "auto" runs the PyTorch
+    stage even where the dense kernels run, and says so once."""
+    from cgist.stage.pytorch import maxsim
+
+    monkeypatch.setattr(kernels_routed, "MAXSIM_IN_AUTO", False)
+    with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
+        stages = [kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32) for _ in range(2)]
+    assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
+    assert sum("MaxSim kernels spill" in r.getMessage() for r in caplog.records) == 1

@@ -287,6 +287,12 @@ def check_kernels(device: torch.device, dtype: torch.dtype, guide_dtype: torch.d
 #: (``(call, peak, total, grad_output, kept) -> (query gradients, document gradients)``).
 MaxSimStage = tuple[Callable, Callable]
 
+#: Whether "auto" may take the MaxSim kernels at all. Not yet: compiled ahead of time for sm_70 to sm_120 (Triton 3.9,
+#: 32 query tokens and 128 features, 64 document tokens per product), the document-gradient kernel spills registers
+#: on every architecture and the others at 128 query tokens or on sm_70/sm_75 (docs/design.md#late-interaction), and
+#: none has run on a GPU. ``backend="triton"`` runs them.
+MAXSIM_IN_AUTO = False
+
 #: ``(device, dtype)`` -> None where "auto" may use the MaxSim kernels (their first-use check passed, or checks are
 #: off), else why not (a failure, or a disagreement with the PyTorch stage).
 _MAXSIM_CHECKS: dict[tuple[str, torch.dtype], str | None] = {}
@@ -345,7 +351,8 @@ def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtyp
     """The MaxSim stage for ``backend`` on ``device``: ``"torch"`` the PyTorch stage; ``"triton"`` the kernels (CUDA,
     or CPU tensors under the Triton interpreter), never checked; ``"auto"`` the kernels where the dense stage's would
     run (``auto_route``) once their first-use check on this device and dtype passed (``check_maxsim_kernels``, within
-    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying why."""
+    ``selfcheck.TOLERANCE``) and while ``MAXSIM_IN_AUTO`` allows them, else the PyTorch stage, with one notice saying
+    why."""
     backend = requested_backend(backend)
     if backend == "torch":
         return _pytorch_maxsim()
@@ -355,6 +362,10 @@ def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtyp
                                "before importing cgist, or use backend='torch'")
         return _triton_maxsim()
     if auto_route(device, dtype, dtype)[0] == "torch":
+        return _pytorch_maxsim()
+    if not MAXSIM_IN_AUTO:
+        _notice("backend='auto' runs the PyTorch MaxSim stage on GPUs too: the MaxSim kernels spill registers and have "
+                "not run on a GPU yet (backend='triton' runs them)")
         return _pytorch_maxsim()
     key = (_device_key(device), dtype)
     if key not in _MAXSIM_CHECKS:
