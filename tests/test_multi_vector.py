@@ -402,3 +402,31 @@ def test_sentence_transformers_wrappers_run_the_fused_stage(wrapper, cached):
     assert ours.path_counts[UNFUSED] == 0 and ours.path_counts[FUSED] >= 2  # a fused stage per variant
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert (grads - expected_grads).norm() < 1e-4 * expected_grads.norm()
+
+
+def test_which_scores_are_fused():
+    """``maxsim_normalization``: MaxSim (False), MeanMaxSim (True) or not fused (None), for every form of the score."""
+    import copy
+
+    from cgist.losses.multi_vector import maxsim_normalization
+
+    model = copy.deepcopy(_model())
+    assert maxsim_normalization(colbert_scores, model) is False
+    assert maxsim_normalization(mean_colbert_scores, model) is True
+    assert maxsim_normalization(functools.partial(mean_colbert_scores, length_normalize=False), model) is False
+    assert maxsim_normalization(functools.partial(colbert_scores, chunk_elements=10), model) is False
+    assert maxsim_normalization(functools.partial(colbert_scores, device="cpu"), model) is None
+    assert maxsim_normalization(_custom, model) is None
+    assert maxsim_normalization(None, object()) is None  # no model similarity to read
+    if not hasattr(model, "_similarity"):
+        return  # sentence-transformers 6.2 sets colbert_scores itself: None is never its default
+    assert maxsim_normalization(None, model) is False
+    model.similarity_fn_name = "meanmaxsim"
+    assert maxsim_normalization(None, model) is True
+    from sentence_transformers.multi_vector_encoder.scoring import colbert
+
+    if hasattr(colbert, "_MaxSimScorer"):  # 6.3: the model's kernels (use_kernels=True)
+        model._similarity = colbert._MaxSimScorer(length_normalize=True)
+        assert maxsim_normalization(None, model) is True
+    model._similarity = lambda *args, **kwargs: None
+    assert maxsim_normalization(None, model) is None

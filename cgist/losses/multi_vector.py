@@ -53,7 +53,10 @@ def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
         scorer = getattr(model, "_similarity", None)
         if type(scorer).__name__ == "_MaxSimScorer":  # the model's kernels (use_kernels): the same scores
             return bool(scorer.length_normalize)
-        return {getattr(st_similarity, "maxsim", None): False, getattr(st_similarity, "mean_maxsim", None): True}.get(scorer)
+        for name, length_normalize in (("maxsim", False), ("mean_maxsim", True)):
+            if scorer is not None and scorer is getattr(st_similarity, name, None):
+                return length_normalize
+        return None
     keywords: Mapping[str, object] = {}
     if isinstance(similarity_fct, functools.partial):
         if similarity_fct.args or not set(similarity_fct.keywords) <= _BINDABLE:
