@@ -1,4 +1,5 @@
-"""Compile every GIST kernel ahead of time for every GPU architecture the tile tables know, on a machine without a GPU.
+"""Compile every Triton kernel (GIST's and MaxSim's) ahead of time for every GPU architecture the tile tables know, on a
+machine without a GPU.
 
 For each architecture (``--arch``: compute capabilities, each through ``cgist.stage.devices.arch_for``; by default one per
 tile family and sm_70), each kernel of ``cgist.kernels`` (the forward and the chunk score-gradient kernel of the
@@ -15,12 +16,24 @@ are one binary, compiled once per architecture and listed with every size and pa
 arguments (all multiples of 16 here), and below sm_80, where fp32 runs at "ieee", the fp32 and tf32 pairs (and
 bf16+fp32 and bf16+tf32) are the same source.
 
+The MaxSim kernels (``cgist.kernels.maxsim``: forward, label logits, the logits' gradients, the query and the document
+gradients) are built for the student dtypes of the chosen pairs among ``MAXSIM_DTYPES`` (fp32, tf32, bf16, fp16), on
+every architecture, at ColBERT's shapes: 32 and 128 query tokens (the ``LQ`` constexpr), documents longer than a chunk
+of tokens, D = 128, each with the launch the launcher picks (``cgist.stage.triton.maxsim.launch_configs``: tiles,
+warps, stages and register limit), which the table's ``tiles`` writes as ``LQ32-Q32xT64xK32xM32-w4-s2-r255``
+(query lengths, then query tokens, document tokens and features per product, documents per program, warps, stages,
+``.maxnreg``). The token counts and the batch are runtime arguments the kernels do not specialise on, so the query
+gradient, whose grid spans the query's token blocks, is one binary for both lengths. Their rows have D 128 and Dg
+"-", and their estimate is ``cgist.stage.triton.maxsim.shared_memory_estimate``.
+
 Prints one row per binary: kernel, arch, dtype pairs, config, number of dimensions, D, Dg, registers, stack frame
 and the bytes of it that ptxas spills registers to, shared memory, the tile tables' shared-memory estimate for the
-config (``shared_memory_estimate``, which prunes the tables on GPUs they do not know), whether the SASS uses
+config (``shared_memory_estimate``, which prunes the tables on GPUs they do not know; the MaxSim launcher's for its
+kernels), whether the SASS uses
 warpgroup MMA (``wgmma``: HGMMA, sm_90 only) and which tensor-core instructions it uses (``mma``: HMMA for
 mma.sync on sm_80 to sm_89 and sm_120, HGMMA on sm_90, UTCHMMA for tcgen05 on sm_100; "-" for the FMA loops below
-sm_80; "?" where the disassembler cannot read the architecture). Then one summary line per architecture: binaries, the largest spill, the largest shared memory against
+sm_80; "?" where the disassembler cannot read the architecture). Then one summary line per architecture: binaries,
+the largest spill, the largest shared memory against
 the architecture's limit (``cgist.stage.devices.KNOWN_ARCHS``) and the largest ratio of shared memory to estimate.
 Exits non-zero on a compile error, any spill, shared memory over the limit, or shared memory over the estimate.
 
@@ -87,6 +100,9 @@ from cgist.kernels.gist import gist_fwd_kernel, gist_score_grad_kernel  # noqa: 
 from cgist.stage.devices import Arch, arch_for  # noqa: E402
 from cgist.stage.numerics import compute_dtype  # noqa: E402
 from cgist.stage.triton.launch import TL_DTYPES, input_precision  # noqa: E402
+from cgist.stage.triton.maxsim import KERNELS as MAXSIM_BY_NAME  # noqa: E402
+from cgist.stage.triton.maxsim import Launch, launch_configs  # noqa: E402
+from cgist.stage.triton.maxsim import shared_memory_estimate as maxsim_shared_memory_estimate  # noqa: E402
 from cgist.stage.triton.tiles import (  # noqa: E402
     gemm_configs,
     gemm_shared_memory_estimate,
@@ -128,6 +144,15 @@ MATRYOSHKA_KERNELS = (gist_fwd_kernel, gist_score_grad_kernel)
 #: along its rows, ``h_cols += F^T @ q`` across them.
 GEMM_KERNEL = tf32x3_addmm_kernel
 GEMM_USES = {"tf32x3_addmm_kernel(F)": False, "tf32x3_addmm_kernel(F^T)": True}
+#: The MaxSim kernels (``cgist.kernels.maxsim``), in launch order, each with the launch its launcher picks
+#: (``cgist.stage.triton.maxsim.launch_configs``); the input dtypes they are built for (by ``PAIRS``' name: the
+#: student's dtype and matmul precision); ColBERT's shapes: 32 and 128 query tokens (``LQ``), documents longer than
+#: a chunk of tokens, 128 features.
+MAXSIM_KERNELS = tuple(MAXSIM_BY_NAME.values())
+MAXSIM_DTYPES = ("fp32", "tf32", "bf16", "fp16")
+MAXSIM_LQ = (32, 128)
+MAXSIM_LD = 256
+MAXSIM_D = 128
 COLUMNS = ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est", "wgmma",
            "mma"]
 KEY = ("kernel", "arch", "dtype", "tiles", "dims", "D", "Dg")
@@ -188,6 +213,33 @@ def gemm_values(transposed: bool, dim: int, config: triton.Config, rows: int = 4
     stride_am, stride_ak = (1, cols) if transposed else (cols, 1)
     return dict(out_ptr=f, a_hi_ptr=f, a_lo_ptr=f, b_hi_ptr=f, b_lo_ptr=f, M=m, N=dim, K=k, stride_om=dim, stride_on=1,
                 stride_am=stride_am, stride_ak=stride_ak, stride_bk=dim, stride_bn=1, **config.kwargs)
+
+
+def maxsim_values(kernel, dtype: torch.dtype, launch: Launch, lq: int, ld: int = MAXSIM_LD, dim: int = MAXSIM_D,
+                  batch: int = 4096, docs: int = 4096) -> dict:
+    """A MaxSim kernel's argument values as ``cgist.stage.triton.maxsim`` passes them for ``batch`` queries of ``lq``
+    tokens and ``docs`` documents of ``ld`` tokens, ``dim`` features (tensors stand in for pointers; the token counts
+    and the batch are not specialised on)."""
+    acc = compute_dtype(dtype)
+    emb = torch.empty(1, dtype=dtype)
+    vec = torch.empty(1, dtype=acc)
+    values = dict(q_ptr=emb, w_ptr=vec, fill_ptr=vec, d_ptr=emb, dmask_ptr=torch.empty(1, dtype=torch.int8),
+                  width_ptr=torch.empty(1, dtype=torch.int32), scalars_ptr=vec, peak_ptr=vec, total_ptr=vec,
+                  label_ptr=vec, g_ptr=vec, dq_ptr=vec, dd_ptr=vec, n_docs=docs, n_rows=batch, offset=0, q_start=0,
+                  lq=lq, ld=ld, dim=dim, **launch.meta)
+    return {name: values[name] for name in kernel.arg_names}
+
+
+def maxsim_launches(pair: str, arch: Arch, lq: int) -> dict[str, Launch]:
+    """The launcher's ``launch_configs`` for the MaxSim kernels with ``pair``'s dtype and matmul precision on
+    ``arch``, at ColBERT's shapes."""
+    dtype, _, matmul = PAIRS[pair]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        return launch_configs(dtype, arch, lq, MAXSIM_LD, MAXSIM_D)
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def specialise(kernel, values: dict, backend) -> ASTSource:
@@ -284,7 +336,8 @@ def compile_one(row: dict, src: ASTSource, target: GPUTarget, backend, config: t
     (asked only where there is a frame): a frame can also hold a local variable, such as two int8 values that
     LLVM packs through memory for sm_86 and newer.
     """
-    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
+    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                     "maxnreg": config.maxnreg})
     row = {**row, "est": estimate}
     try:
         with ptxas_log() as log:
@@ -354,6 +407,27 @@ def build_jobs(args) -> list[tuple]:
                        dims=entry["dims"], D=",".join(sorted({str(d) for d, _ in entry["sizes"]}, key=int)),
                        Dg=",".join(guide_dims))
             jobs.append((row, entry["src"], target, backend, c, arch, entry["estimate"]))
+        # the MaxSim kernels: one binary per source and launch, listed with every dtype and query length it serves
+        # (the query-gradient kernel's grid spans the query's token blocks, so one binary serves both lengths)
+        maxsim: dict[tuple, dict] = {}
+        for pair in (p for p in args.dtypes if p in MAXSIM_DTYPES):
+            for lq in MAXSIM_LQ:
+                for name, launch in maxsim_launches(pair, arch, lq).items():
+                    kernel = MAXSIM_BY_NAME[name]
+                    dtype = PAIRS[pair][0]
+                    src = specialise(kernel, maxsim_values(kernel, dtype, launch, lq), backend)
+                    entry = maxsim.setdefault((src.hash(), launch.num_warps, launch.num_stages, launch.maxnreg), dict(
+                        kernel=name, src=src, launch=launch, pairs=[], lqs=[],
+                        estimate=maxsim_shared_memory_estimate(launch, dtype)))
+                    entry["pairs"] += [] if pair in entry["pairs"] else [pair]
+                    entry["lqs"] += [] if lq in entry["lqs"] else [lq]
+        for entry in maxsim.values():
+            launch = entry["launch"]
+            row = dict(kernel=entry["kernel"], arch=arch.name, dtype=",".join(entry["pairs"]),
+                       tiles=f"LQ{','.join(map(str, entry['lqs']))}-{launch.tiles}", dims="1", D=str(MAXSIM_D), Dg="-")
+            config = triton.Config({}, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                                   maxnreg=launch.maxnreg)
+            jobs.append((row, entry["src"], target, backend, config, arch, entry["estimate"]))
     return jobs
 
 

@@ -9,8 +9,11 @@ binaries: the parsed code (comments, layout and docstrings aside) of
 - the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``cgist/stage/triton/launch.py``),
   ``compute_dtype`` (``cgist/stage/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
   ``arch_for`` in ``cgist/stage/devices.py``);
-- what ``bench/aot_compile.py`` builds from them: its dtype pairs, kernels, Matryoshka configuration and the
-  argument values it specialises the kernels with;
+- the MaxSim launcher's choice of each kernel's launch (``cgist/stage/triton/maxsim.py``: ``launch_configs``, its
+  tile table and register limit, ``Launch`` and the shared-memory estimate);
+- what ``bench/aot_compile.py`` builds from them: its dtype pairs, kernels, Matryoshka configuration, the MaxSim
+  kernels' dtypes and shapes, the argument values it specialises the kernels with and the options it compiles them
+  with;
 
 and the Triton release. ``check_table`` recomputes it; a table whose hash differs is stale. This module reads
 files only (no torch, no Triton), so tests can import it.
@@ -25,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The kernel modules that bench/aot_compile.py builds: their kernels are the tables' rows. (kernels/__init__.py holds
-#: no kernel; kernels/maxsim.py is not in the tables yet.)
-KERNEL_FILES = ("gemm.py", "gist.py")
+#: no kernel.)
+KERNEL_FILES = ("gemm.py", "gist.py", "maxsim.py")
 #: File -> the top-level names whose definitions are hashed (None: the whole module).
 SOURCES: dict[str, tuple[str, ...] | None] = {
     **{f"kernels/{name}": None for name in KERNEL_FILES},
@@ -34,9 +37,12 @@ SOURCES: dict[str, tuple[str, ...] | None] = {
     "cgist/stage/triton/launch.py": ("TL_DTYPES", "input_precision"),
     "cgist/stage/numerics.py": ("compute_dtype",),
     "cgist/stage/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
+    "cgist/stage/triton/maxsim.py": ("BLOCK_M", "MAX_BLOCK_T", "KERNELS", "_ALL", "_TILES", "MAX_REGISTERS", "_kind",
+                                     "Launch", "launch_configs", "shared_memory_estimate"),
     "bench/aot_compile.py": ("PAIRS", "MATRYOSHKA_DIMS", "MATRYOSHKA_PAIRS", "KERNELS", "MATRYOSHKA_KERNELS",
-                             "GEMM_KERNEL", "GEMM_USES", "RULES_ALL", "operands", "launch_values", "gemm_values",
-                             "specialise", "build_jobs"),
+                             "GEMM_KERNEL", "GEMM_USES", "RULES_ALL", "MAXSIM_KERNELS", "MAXSIM_DTYPES", "MAXSIM_LQ",
+                             "MAXSIM_LD", "MAXSIM_D", "operands", "launch_values", "gemm_values", "maxsim_values",
+                             "maxsim_launches", "specialise", "compile_one", "build_jobs"),
 }
 #: A table's first line: ``# python bench/aot_compile.py ARGS  (Triton 3.9.0, sources 1a2b...)``.
 HEADER = re.compile(

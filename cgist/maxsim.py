@@ -21,12 +21,16 @@ from torch.autograd.function import once_differentiable
 
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
-from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, kept_bytes, maxsim_forward
+from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall
+from .stage.spec.checks import check_finite
 
 __all__ = ["maxsim_loss"]
 
-#: The smallest default budget of one tile's token products (docs/design.md#late-interaction).
-TILE_FLOOR_BYTES = 16 * 2**20
+#: The default budget of one tile's token products (more where one document tile of one query needs more); the
+#: default budget is twice it, the other half for what a row block of queries keeps between its sweeps. Measured:
+#: smaller tiles cost time, larger ones memory, the BLAS's packing buffers growing with them
+#: (docs/design.md#late-interaction).
+TILE_FLOOR_BYTES = 4 * 2**20
 
 
 def _chunks(value: object, name: str) -> list[Tensor]:
@@ -41,12 +45,14 @@ def _chunks(value: object, name: str) -> list[Tensor]:
 
 
 def _check_side(embeddings: list[Tensor], masks: list[Tensor], name: str, mask_name: str, dim: int | None,
-                dtype: torch.dtype | None, device: torch.device | None) -> tuple[list[Tensor], int]:
-    """One side's chunks checked against their masks, the embedding dim, dtype and device; the masks as bool."""
+                dtype: torch.dtype | None,
+                device: torch.device | None) -> tuple[list[Tensor], int, list[tuple[str, Tensor]]]:
+    """One side's chunks checked against their masks, the embedding dim, dtype and device: the masks as bool, the
+    rows, and each chunk with its name in messages (for ``check_finite``)."""
     if len(masks) != len(embeddings):
         raise ValueError(f"{mask_name} must have one mask per chunk of {name}: got {len(masks)} masks for "
                          f"{len(embeddings)} chunks")
-    out, rows = [], 0
+    out, rows, named = [], 0, []
     for k, (x, m) in enumerate(zip(embeddings, masks)):
         where = name if len(embeddings) == 1 else f"{name} chunk {k}"
         if x.dim() != 3 or not x.is_floating_point():
@@ -63,33 +69,34 @@ def _check_side(embeddings: list[Tensor], masks: list[Tensor], name: str, mask_n
                              f"{tuple(x.shape[:2])} (rows, tokens) to match {where}, got {tuple(m.shape)}")
         if m.is_floating_point() or m.is_complex():
             raise TypeError(f"{mask_name} must be a bool (or integer 0/1) tensor, got {m.dtype}")
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{where} contains NaN or infinite values")
         out.append(m.to(device=x.device, dtype=torch.bool))
         rows += x.shape[0]
-    return out, rows
+        named.append((where, x))
+    return out, rows, named
 
 
 class MaxSimLossFunction(torch.autograd.Function):
-    """Autograd node over the query chunks and the documents' chunks, column after column: the stage's forward, and
-    its backward with the loss's incoming gradient (``select_maxsim_stage``)."""
+    """Autograd node over the query chunks and the documents' chunks, column after column: the stage's forward (with
+    the gradients when the backward will want them), and its backward with the loss's incoming gradient
+    (``select_maxsim_stage``)."""
 
     @staticmethod
-    def forward(ctx, call: MaxSimCall, stage: MaxSimStage, *tensors: Tensor) -> Tensor:
-        forward, ctx.backward_pass = stage
-        loss, peak, total, kept = forward(call)
-        ctx.call, ctx.kept = call, kept
-        ctx.save_for_backward(peak, total, *tensors)
+    def forward(ctx, call: MaxSimCall, stage: MaxSimStage, with_grad: bool, *tensors: Tensor) -> Tensor:
+        ctx.call, ctx.stage = call, stage
+        loss, ctx.state = stage[0](call, with_grad and any(ctx.needs_input_grad[3:]))
+        ctx.dtypes = [t.dtype for t in tensors]
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        peak, total, *tensors = ctx.saved_tensors
-        q_grads, d_grads = ctx.backward_pass(ctx.call, peak, total, float(grad_output), ctx.kept)
-        ctx.kept = None
+        forward, backward = ctx.stage
+        state, ctx.state = ctx.state, None  # the gradients are handed over; a second backward recomputes them
+        if state is None:
+            state = forward(ctx.call, True)[1]
+        q_grads, d_grads = backward(ctx.call, state, float(grad_output))
         grads = [*q_grads, *(g for column in d_grads for g in column)]
-        return (None, None, *(g.to(t.dtype) for g, t in zip(grads, tensors)))
+        return (None, None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
 
 
 def maxsim_loss(
@@ -109,7 +116,8 @@ def maxsim_loss(
         scale: multiplies the scores (sentence-transformers' ``scale``, ``1 / temperature``).
         length_normalize: MeanMaxSim: each score divided by its query's real token count.
         offset: the first column's row of the first query's positive.
-        block_bytes: bytes of one tile's token products (None: a default for the device).
+        block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
+            and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
             stage elsewhere), ``"torch"`` or ``"triton"`` (docs/design.md#late-interaction).
 
@@ -118,8 +126,8 @@ def maxsim_loss(
     """
     requested_backend(backend)
     q_chunks = _chunks(queries, "queries")
-    q_masks, n_queries = _check_side(q_chunks, _chunks(query_mask, "query_mask"), "queries", "query_mask", None, None,
-                                     None)
+    q_masks, n_queries, named = _check_side(q_chunks, _chunks(query_mask, "query_mask"), "queries", "query_mask",
+                                            None, None, None)
     dim, dtype, device = q_chunks[0].shape[2], q_chunks[0].dtype, q_chunks[0].device
     if isinstance(documents, Tensor) or not isinstance(documents, Sequence) or not documents:
         raise TypeError("documents must be a non-empty list of columns (positive, then negatives), each a tensor or "
@@ -130,11 +138,13 @@ def maxsim_loss(
     d_chunks, d_masks, heights = [], [], []
     for n, (column, masks) in enumerate(zip(documents, document_masks)):
         chunks = _chunks(column, f"documents[{n}]")
-        checked, rows = _check_side(chunks, _chunks(masks, f"document_masks[{n}]"), f"documents[{n}]",
-                                    f"document_masks[{n}]", dim, dtype, device)
+        checked, rows, column_named = _check_side(chunks, _chunks(masks, f"document_masks[{n}]"), f"documents[{n}]",
+                                                  f"document_masks[{n}]", dim, dtype, device)
+        named += column_named
         d_chunks.append(chunks)
         d_masks.append(checked)
         heights.append(rows)
+    check_finite(named)
     if len(set(heights)) > 1:
         raise ValueError(f"every document column must have the same number of rows, got {heights}")
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or not 0 <= offset <= heights[0] - n_queries:
@@ -144,17 +154,15 @@ def maxsim_loss(
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if not isinstance(length_normalize, bool):
         raise TypeError(f"length_normalize must be a bool, got {type(length_normalize).__name__}")
-    lq, ld = max(x.shape[1] for x in q_chunks), max(x.shape[1] for column in d_chunks for x in column)
-    keeping = kept_bytes(n_queries, sum(heights), lq, ld, dtype)
     if block_bytes is None:
-        tile_floor = max(TILE_FLOOR_BYTES, lq * ld * DOC_ROWS * q_chunks[0].element_size())
-        block_bytes = default_block_bytes(device, tile_floor + keeping)
+        lq, ld = max(x.shape[1] for x in q_chunks), max(x.shape[1] for column in d_chunks for x in column)
+        tile = max(TILE_FLOOR_BYTES, lq * ld * DOC_ROWS * q_chunks[0].element_size())
+        block_bytes = min(2 * tile, default_block_bytes(device, 2 * tile))  # below the dense stage's least default
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
     stage = select_maxsim_stage(backend, device, dtype)
-    # The PyTorch stage's backward keeps the forward's scores and argmax while the budget leaves room beside them for
-    # the smallest tile (one query against one document); the kernels keep nothing.
-    keep = stage[0] is maxsim_forward and block_bytes - keeping >= lq * ld * q_chunks[0].element_size()
     call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
-                      int(block_bytes - keeping if keep else block_bytes), keep=keep)
-    return MaxSimLossFunction.apply(call, stage, *q_chunks, *(x for column in d_chunks for x in column))
+                      int(block_bytes))
+    tensors = [*q_chunks, *(x for column in d_chunks for x in column)]
+    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return MaxSimLossFunction.apply(call, stage, with_grad, *tensors)

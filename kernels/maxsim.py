@@ -1,5 +1,6 @@
 """Triton kernels for the MaxSim (late-interaction) loss: a forward over (query, block of documents), the label
-logits, and the two halves of the backward (docs/design.md#late-interaction).
+logits, and the backward's three passes: the logits' gradients, the query gradients and the document gradients
+(docs/design.md#late-interaction).
 
 The math. Query ``i`` has tokens ``q[i, t]`` with weights ``w[i, t]`` (its mask, divided by its real token count under
 MeanMaxSim); document ``m`` has tokens ``d[m, u]`` with a mask. Its score is
@@ -17,24 +18,42 @@ Layout (the launcher, ``cgist.stage.triton.maxsim``, packs the chunks): queries 
 ``(M,)`` (its last real token + 1, 0 when it has none), so a program reads no token past a document's last real one.
 Every tensor is contiguous. Query ``i``'s label is document ``offset + i`` (the first column comes first).
 
-Per program, one query's tokens live in registers: ``(LQ, BLOCK_D)``, with ``Lq`` and ``D`` padded to powers of two of
-at least 16 (``tl.dot``'s smallest) and the padding masked. A document is read in chunks of ``BLOCK_T`` tokens: one
-``tl.dot`` of the query's tokens with the chunk's, ``(LQ, BLOCK_T)``, a masked token set to -inf, and a running
-maximum (with its index, in the backward) per query token. So a document may be as long as it likes; the
-registers hold one chunk. A program's registers: the query ``(LQ, BLOCK_D)``, a chunk ``(BLOCK_T, BLOCK_D)`` and its
-products ``(LQ, BLOCK_T)``, plus an ``(LQ, BLOCK_D)`` accumulator in the query-gradient kernel and a
-``(BLOCK_T, LQ)`` matrix with its ``(BLOCK_T, BLOCK_D)`` product in the document-gradient kernel. The feature
-dimension is held whole (no K loop): right for ColBERT-sized token vectors (128 and below), heavy for a few
-hundred. The token products are rounded to the inputs' dtype before their maximum, as
-sentence-transformers' (and the PyTorch stage's) bf16 and fp16 products are; the maxima, the sums, the softmax and the
-gradients accumulate in ``ACC`` (fp32, or fp64 for fp64 inputs).
+Tiles. No program holds a query's tokens, nor a document's, whole. The query's ``Lq`` tokens (padded to ``LQ``, a
+power of two of at least 16) are taken ``BLOCK_Q`` at a time (a token block), a document's tokens ``BLOCK_T`` at a
+time (a chunk, up to its width), and the features ``BLOCK_K`` at a time (of ``BLOCK_D``, ``D`` padded to a power of
+two): the products of a token block with a chunk, ``(BLOCK_Q, BLOCK_T)``, are a loop of ``tl.dot`` over the feature
+slices, each slice of both sides loaded from memory (``_products``), accumulated in ``ACC`` and then rounded to the
+inputs' dtype, as sentence-transformers' (and the PyTorch stage's) bf16 and fp16 products are, before their maximum.
+A masked token is -inf there, a padded query token or feature 0. So a program's registers hold one
+``(BLOCK_Q, BLOCK_T)`` product tile and one slice of each side, whatever ``Lq``, ``Ld`` and ``D`` (but the query
+gradient's accumulator and gathered rows, ``(BLOCK_Q, BLOCK_D)``: the feature dimension whole, right for ColBERT's
+128, heavy for several hundred); the maxima, the sums, the softmax and the gradients accumulate in ``ACC`` (fp32, or
+fp64 for fp64 inputs). The tile sizes, the warps, the pipeline stages and the register limit of each kernel are the
+launcher's (``cgist.stage.triton.maxsim.launch_configs``). The kernels do not specialise on the token counts nor on
+the batch (``_RUNTIME``), so one binary serves every query and document length of a launch.
+
+* ``maxsim_fwd_kernel`` and ``maxsim_label_kernel``: a logit is a loop over the query's token blocks, each a loop
+  over the document's chunks keeping each query token's running maximum (``_token_maxima``) and adding the block's
+  weighted maxima to the score (``_logit``).
+* ``maxsim_grad_kernel``: the backward's first pass writes ``g(i, m)`` (0 for an empty document) for a slab of
+  queries, ``(rows, M)``, with the forward's code. The two gradient kernels read it, so each recomputes only the
+  maxima's tokens of its own token block: the backward forms every token product three times.
+* ``maxsim_dq_kernel``: a program per (query, token block) owns the block's rows of ``dq``, ``(BLOCK_Q, BLOCK_D)``
+  in registers; per document, the maxima's tokens and a gather of those document rows weighted by ``g * w``.
+* ``maxsim_dd_kernel``: a program per document owns its rows of ``dd``; per query of the slab and token block, the
+  maxima's tokens, then their rows of ``dd`` are read, added to and written back, a feature slice at a time. Query
+  tokens that pick the same document token are summed first (a ``(BLOCK_Q, BLOCK_Q)`` product of the weights with the
+  query slice), and only the first of them writes the row, so no row is written twice at once.
 
 Ties: where several real tokens of a document share a query token's maximum, the backward's token is the first
 (lowest index) of them, within a chunk (the smallest index among the maximal entries) and across chunks (a later
 chunk replaces the index only when its maximum is strictly larger).
 
-Every kernel is deterministic: no atomics. Each output element is written by one program, in a fixed order (the
-forward's partial normalisers are combined on the host, in a fixed order).
+Every kernel is deterministic: no atomics. Each output element is written by one program, in a fixed order: the
+forward's partial normalisers are combined on the host in a fixed order, ``dq``'s rows are written once, and ``dd``'s
+rows are read and written by their document's program alone, query after query (a barrier orders one update's
+writes before the next one's reads, which other threads of the program may make); the launcher's slabs of queries
+follow each other.
 """
 
 from __future__ import annotations
@@ -42,49 +61,68 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["SCALE", "UNIT", "maxsim_dd_kernel", "maxsim_dq_kernel", "maxsim_fwd_kernel", "maxsim_label_kernel"]
+__all__ = ["SCALE", "UNIT", "maxsim_dd_kernel", "maxsim_dq_kernel", "maxsim_fwd_kernel", "maxsim_grad_kernel",
+           "maxsim_label_kernel"]
 
 #: Slots of the scalar tensor every kernel reads, in ``ACC`` (a Python float would reach a kernel as fp32):
 #: ``scale``, and ``unit = grad_output * scale / B`` (the backward's).
 SCALE, UNIT = tl.constexpr(0), tl.constexpr(1)
 
+#: Runtime integers that the kernels do not specialise on (a value of 1, or a multiple of 16): one binary serves every
+#: batch, query and document width (``dim`` is specialised: its multiples of 16 vectorise the loads).
+_RUNTIME = ["n_docs", "n_rows", "offset", "q_start", "lq", "ld"]
+
 
 @triton.jit
-def _load_query(q_ptr, w_ptr, i, lq, dim, LQ: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query ``i``'s tokens ``(LQ, BLOCK_D)`` (input dtype, 0 past ``lq`` and ``dim``) and weights ``(LQ,)`` (0 past
-    ``lq``), with the feature offsets and their mask."""
-    offs_t = tl.arange(0, LQ)
-    offs_k = tl.arange(0, BLOCK_D)
-    mask_t = offs_t < lq
-    mask_k = offs_k < dim
-    rows = tl.cast(i, tl.int64) * lq + offs_t
-    q = tl.load(q_ptr + rows[:, None] * dim + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-    w = tl.load(w_ptr + rows, mask=mask_t, other=0.0)
-    return q, w, offs_k, mask_k
+def _query_block(w_ptr, i, q0, lq, BLOCK_Q: tl.constexpr):
+    """Query ``i``'s token block from token ``q0``: its rows in the packed queries ``(BLOCK_Q,)`` int64, which of
+    them are real (below ``lq``), and their weights (0 past ``lq``)."""
+    offs = q0 + tl.arange(0, BLOCK_Q)
+    real = offs < lq
+    rows = tl.cast(i, tl.int64) * lq + offs
+    return rows, real, tl.load(w_ptr + rows, mask=real, other=0.0)
+
+
+@triton.jit
+def _products(
+    q_ptr, q_rows, q_real, d_ptr, d_rows, real, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The products of query rows ``q_rows`` (``q_real``) with document rows ``d_rows`` (``real``),
+    ``(BLOCK_Q, BLOCK_T)`` in ``ACC``: a ``tl.dot`` per slice of ``BLOCK_K`` features, both slices loaded here; then
+    rounded to the inputs' dtype (a no-op for fp32 and fp64), a masked token at -inf."""
+    s = tl.zeros((q_rows.shape[0], d_rows.shape[0]), ACC)
+    for k0 in range(0, BLOCK_D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < dim
+        q = tl.load(q_ptr + q_rows[:, None] * dim + offs_k[None, :], mask=q_real[:, None] & mask_k[None, :],
+                    other=0.0)
+        d = tl.load(d_ptr + d_rows[:, None] * dim + offs_k[None, :], mask=real[:, None] & mask_k[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(d), s, input_precision=PRECISION, out_dtype=ACC)
+    s = s.to(q_ptr.dtype.element_ty).to(ACC)
+    return tl.where(real[None, :], s, float("-inf"))
 
 
 @triton.jit
 def _token_maxima(
-    q, d_ptr, dmask_ptr, m, width, ld, dim, offs_k, mask_k,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, ARGMAX: tl.constexpr,
+    q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, ARGMAX: tl.constexpr,
 ):
-    """For each query token (rows of ``q``), the largest product with a real token of document ``m``, ``(LQ,)`` in
-    ``ACC`` (-inf when the document has none), and with ``ARGMAX`` the token where it is, ``(LQ,)`` int32 (the
+    """For each query token of a block, the largest product with a real token of document ``m``, ``(BLOCK_Q,)`` in
+    ``ACC`` (-inf when the document has none), and with ``ARGMAX`` the token where it is, ``(BLOCK_Q,)`` int32 (the
     first of equal maxima; 0 when the document has no real token).
 
-    The loop reads the document's first ``width`` tokens, ``BLOCK_T`` at a time: ``(BLOCK_T, BLOCK_D)`` of them and
-    their mask, one product ``(LQ, BLOCK_T)``."""
-    best = tl.full((q.shape[0],), float("-inf"), ACC)
-    where = tl.zeros((q.shape[0],), tl.int32)
+    The loop reads the document's first ``width`` tokens, ``BLOCK_T`` at a time: their mask, and their products
+    (``_products``)."""
+    best = tl.full((q_rows.shape[0],), float("-inf"), ACC)
+    where = tl.zeros((q_rows.shape[0],), tl.int32)
     first = tl.cast(m, tl.int64) * ld  # the document's first token row
     for t0 in range(0, width, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         real = tl.load(dmask_ptr + first + offs_t, mask=offs_t < width, other=0) != 0
-        d = tl.load(d_ptr + (first + offs_t)[:, None] * dim + offs_k[None, :], mask=real[:, None] & mask_k[None, :],
-                    other=0.0)
-        # rounded to the inputs' dtype (a no-op for fp32 and fp64), then masked
-        s = tl.dot(q, tl.trans(d), input_precision=PRECISION, out_dtype=ACC).to(q.dtype).to(ACC)
-        s = tl.where(real[None, :], s, float("-inf"))
+        s = _products(q_ptr, q_rows, q_real, d_ptr, first + offs_t, real, dim, ACC, PRECISION, BLOCK_D, BLOCK_K)
         chunk_best = tl.max(s, axis=1)
         if ARGMAX:
             chunk_where = tl.min(tl.where(s == chunk_best[:, None], offs_t[None, :], 2147483647), axis=1)
@@ -94,11 +132,20 @@ def _token_maxima(
 
 
 @triton.jit
-def _score(best, w, width, fill):
-    """The MaxSim score from the query tokens' maxima and weights: ``sum_t w[t] * best[t]``, or ``fill`` for a
-    document without a real token (``width == 0``, where every maximum is -inf)."""
-    score = tl.sum(tl.where(w != 0.0, best, 0.0) * w, axis=0)  # no -inf * 0 (NaN) for an empty document
-    return tl.where(width > 0, score, fill)
+def _logit(
+    q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The logit of query ``i`` against document ``m``: ``scale * sum_t w[t] * max_t``, a token block at a time, or
+    ``scale * fill`` for a document without a real token (``width == 0``, where every maximum is -inf)."""
+    score = tl.zeros((), ACC)
+    for q0 in range(0, LQ, BLOCK_Q):
+        q_rows, q_real, w = _query_block(w_ptr, i, q0, lq, BLOCK_Q)
+        best, _ = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim, ACC, PRECISION, BLOCK_D,
+                                BLOCK_K, BLOCK_T, False)
+        score += tl.sum(tl.where(w != 0.0, best, 0.0) * w, axis=0)  # no -inf * 0 (NaN) for an empty document
+    return scale * tl.where(width > 0, score, fill)
 
 
 @triton.jit
@@ -107,32 +154,28 @@ def _logit_grad(logit, peak, total, unit, is_label):
     return unit * (tl.exp(logit - peak) / total) - tl.where(is_label, unit, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_fwd_kernel(
     q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, peak_ptr, total_ptr,
     n_docs, lq, ld, dim,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Partial softmax normalisers. Grid: ``(B, cdiv(M, BLOCK_M))``; program ``(i, b)`` takes query ``i`` against
     documents ``b * BLOCK_M`` to ``(b + 1) * BLOCK_M`` (the last block shorter).
 
-    It holds the query's tokens and weights, loops over its documents (each one's chunks in ``_token_maxima``) and
-    keeps the running largest logit ``peak`` and sum ``total = sum exp(logit - peak)`` of the block: two scalars.
-    Writes them at ``(i, b)`` of the ``(B, cdiv(M, BLOCK_M))`` buffers ``peak_ptr`` and ``total_ptr``; the host
-    combines the blocks in a fixed order."""
+    It loops over its documents (each one's logit from ``_logit``) and keeps the running largest logit ``peak`` and
+    sum ``total = sum exp(logit - peak)`` of the block: two scalars. Writes them at ``(i, b)`` of the
+    ``(B, cdiv(M, BLOCK_M))`` buffers ``peak_ptr`` and ``total_ptr``; the host combines the blocks in a fixed order."""
     i = tl.program_id(0)
     block = tl.program_id(1)
-    q, w, offs_k, mask_k = _load_query(q_ptr, w_ptr, i, lq, dim, LQ, BLOCK_D)
     fill = tl.load(fill_ptr + i)
     scale = tl.load(scalars_ptr + SCALE)
     peak = tl.full((), float("-inf"), ACC)
     total = tl.zeros((), ACC)
     for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
-        width = tl.load(width_ptr + m)
-        best, _ = _token_maxima(q, d_ptr, dmask_ptr, m, width, ld, dim, offs_k, mask_k, ACC, PRECISION, BLOCK_T,
-                                False)
-        logit = scale * _score(best, w, width, fill)
+        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq, ld, dim, ACC,
+                       PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
         new_peak = tl.maximum(peak, logit)
         total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
         peak = new_peak
@@ -141,91 +184,123 @@ def maxsim_fwd_kernel(
     tl.store(total_ptr + slot, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_label_kernel(
     q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, label_ptr,
     offset, lq, ld, dim,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The label logits. Grid: ``(B,)``; program ``i`` computes query ``i``'s logit against document ``offset + i``
     with the forward's code, so the loss of a query whose label is its largest logit has ``peak - label = 0``
     exactly."""
     i = tl.program_id(0)
-    q, w, offs_k, mask_k = _load_query(q_ptr, w_ptr, i, lq, dim, LQ, BLOCK_D)
     m = offset + i
-    width = tl.load(width_ptr + m)
-    best, _ = _token_maxima(q, d_ptr, dmask_ptr, m, width, ld, dim, offs_k, mask_k, ACC, PRECISION, BLOCK_T, False)
-    tl.store(label_ptr + i, tl.load(scalars_ptr + SCALE) * _score(best, w, width, tl.load(fill_ptr + i)))
+    logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), tl.load(fill_ptr + i),
+                   tl.load(scalars_ptr + SCALE), lq, ld, dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+    tl.store(label_ptr + i, logit)
 
 
-@triton.jit
-def maxsim_dq_kernel(
-    q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, peak_ptr, total_ptr, dq_ptr,
-    n_docs, offset, lq, ld, dim,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+@triton.jit(do_not_specialize=_RUNTIME)
+def maxsim_grad_kernel(
+    q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, peak_ptr, total_ptr, g_ptr,
+    n_docs, offset, q_start, lq, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """The query gradients. Grid: ``(B,)``; program ``i`` owns query ``i``'s rows of ``dq`` ``(B, Lq, D)``.
-
-    It holds the query's tokens and an ``(LQ, BLOCK_D)`` accumulator, and loops over every document: the maxima and
-    their tokens ``u*`` (``_token_maxima``), the logit, its gradient ``g`` from the forward's ``peak_i`` and
-    ``total_i``, then one gather of the rows ``d[m, u*[t]]`` (a row per query token) added with the weights
-    ``g * w[t]``. No other program writes the rows, so nothing is reduced across programs."""
-    i = tl.program_id(0)
-    q, w, offs_k, mask_k = _load_query(q_ptr, w_ptr, i, lq, dim, LQ, BLOCK_D)
+    """The logits' gradients of a slab of queries. Grid: ``(rows, cdiv(M, BLOCK_M))``; program ``(r, b)`` takes query
+    ``q_start + r`` against the documents of block ``b`` (as the forward's), and writes ``g`` at ``(r, m)`` of
+    ``g_ptr`` ``(rows, M)``: 0 for an empty document, whose score is a constant."""
+    r = tl.program_id(0)
+    block = tl.program_id(1)
+    i = q_start + r
     fill = tl.load(fill_ptr + i)
-    peak = tl.load(peak_ptr + i)
-    total = tl.load(total_ptr + i)
     scale = tl.load(scalars_ptr + SCALE)
     unit = tl.load(scalars_ptr + UNIT)
-    acc = tl.zeros((LQ, BLOCK_D), ACC)
-    for m in range(0, n_docs):
+    peak = tl.load(peak_ptr + i)
+    total = tl.load(total_ptr + i)
+    row = tl.cast(r, tl.int64) * n_docs
+    for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
         width = tl.load(width_ptr + m)
-        best, where = _token_maxima(q, d_ptr, dmask_ptr, m, width, ld, dim, offs_k, mask_k, ACC, PRECISION,
-                                    BLOCK_T, True)
-        g = _logit_grad(scale * _score(best, w, width, fill), peak, total, unit, m == offset + i)
-        gw = tl.where(width > 0, g, 0.0) * w  # (LQ,): an empty document sends nothing
+        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim, ACC, PRECISION, LQ,
+                       BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+        g = _logit_grad(logit, peak, total, unit, m == offset + i)
+        tl.store(g_ptr + row + m, tl.where(width > 0, g, 0.0))
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def maxsim_dq_kernel(
+    q_ptr, w_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dq_ptr,
+    n_docs, q_start, lq, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The query gradients of a slab. Grid: ``(rows, cdiv(LQ, BLOCK_Q))``; program ``(r, c)`` owns the rows of token
+    block ``c`` of query ``q_start + r`` in ``dq`` ``(B, Lq, D)``.
+
+    It holds a ``(BLOCK_Q, BLOCK_D)`` accumulator and loops over every document: the maxima's tokens ``u*``
+    (``_token_maxima``), then one gather of the rows ``d[m, u*[t]]`` (a row per query token) added with the weights
+    ``g * w[t]`` (``g`` from ``maxsim_grad_kernel``'s ``(rows, M)``). No other program writes the rows, so nothing
+    is reduced across programs."""
+    r = tl.program_id(0)
+    i = q_start + r
+    q_rows, q_real, w = _query_block(w_ptr, i, tl.program_id(1) * BLOCK_Q, lq, BLOCK_Q)
+    offs_k = tl.arange(0, BLOCK_D)
+    mask_k = offs_k < dim
+    row = tl.cast(r, tl.int64) * n_docs
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), ACC)
+    for m in range(0, n_docs):
+        _, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, tl.load(width_ptr + m), ld, dim, ACC,
+                                 PRECISION, BLOCK_D, BLOCK_K, BLOCK_T, True)
+        gw = tl.load(g_ptr + row + m) * w  # (BLOCK_Q,): 0 for an empty document
         rows = tl.cast(m, tl.int64) * ld + where
         picked = tl.load(d_ptr + rows[:, None] * dim + offs_k[None, :], mask=(gw != 0.0)[:, None] & mask_k[None, :],
                          other=0.0)
         acc += gw[:, None] * picked.to(ACC)
-    offs_t = tl.arange(0, LQ)
-    rows = tl.cast(i, tl.int64) * lq + offs_t
-    tl.store(dq_ptr + rows[:, None] * dim + offs_k[None, :], acc, mask=(offs_t < lq)[:, None] & mask_k[None, :])
+    tl.store(dq_ptr + q_rows[:, None] * dim + offs_k[None, :], acc, mask=q_real[:, None] & mask_k[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_dd_kernel(
-    q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, peak_ptr, total_ptr, dd_ptr,
-    n_queries, offset, lq, ld, dim,
-    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    q_ptr, w_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dd_ptr,
+    n_docs, n_rows, q_start, lq, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The document gradients. Grid: ``(M,)``; program ``m`` owns document ``m``'s rows of ``dd`` ``(M, Ld, D)``,
-    which the launcher zeroes.
+    """The document gradients from a slab of queries. Grid: ``(M,)``; program ``m`` owns document ``m``'s rows of
+    ``dd`` ``(M, Ld, D)``, which the launcher zeroes, and adds to them the gradients from queries ``q_start`` to
+    ``q_start + n_rows``.
 
-    It loops over every query: a first pass over the document's chunks finds each query token's maximum and its
-    token ``u*`` (``_token_maxima``), which give the logit and its gradient ``g``; a second pass, chunk by chunk,
-    forms the ``(LQ, BLOCK_T)`` matrix that is ``g * w[t]`` where query token ``t`` picked the chunk's token and 0
-    elsewhere, and adds its transpose times the query's tokens, ``(BLOCK_T, LQ) @ (LQ, BLOCK_D)``, into the chunk's
-    rows of ``dd`` (read, added, written back: the rows are this program's alone, so a document of any length needs
-    one chunk of registers). The product is fp32 "ieee" (fp64 for fp64): the weights are not rounded to tf32. An
-    empty document has width 0, so neither pass runs and its rows stay 0."""
+    Per query and token block: the maxima's tokens ``u*`` (``_token_maxima``) and the weights ``g * w[t]``; the
+    tokens that pick the same document token are grouped, ``pair[t, t'] = [u*[t] = u*[t']] * g * w[t']``, and the
+    first (real, weighted) token of each group updates the row ``dd[m, u*[t]]`` with ``(pair @ q)[t]``, a slice of
+    ``BLOCK_K`` features at a time (read, added, written back). The product is fp32 "ieee" (fp64 for fp64): the
+    weights are not rounded to tf32. An empty document has width 0 and ``g = 0``: no token writes, and its rows stay
+    0."""
     m = tl.program_id(0)
     width = tl.load(width_ptr + m)
-    scale = tl.load(scalars_ptr + SCALE)
-    unit = tl.load(scalars_ptr + UNIT)
     first = tl.cast(m, tl.int64) * ld
-    for i in range(0, n_queries):
-        q, w, offs_k, mask_k = _load_query(q_ptr, w_ptr, i, lq, dim, LQ, BLOCK_D)
-        best, where = _token_maxima(q, d_ptr, dmask_ptr, m, width, ld, dim, offs_k, mask_k, ACC, PRECISION,
-                                    BLOCK_T, True)
-        logit = scale * _score(best, w, width, tl.load(fill_ptr + i))
-        g = _logit_grad(logit, tl.load(peak_ptr + i), tl.load(total_ptr + i), unit, m == offset + i)
-        gw = g * w
-        q_acc = q.to(ACC)
-        for t0 in range(0, width, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            picks = tl.where(where[:, None] == offs_t[None, :], gw[:, None], 0.0)  # (LQ, BLOCK_T)
-            grad = tl.dot(tl.trans(picks), q_acc, input_precision="ieee", out_dtype=ACC)  # (BLOCK_T, BLOCK_D)
-            ptrs = dd_ptr + (first + offs_t)[:, None] * dim + offs_k[None, :]
-            mask = (offs_t < width)[:, None] & mask_k[None, :]
-            tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + grad, mask=mask)
+    offs_q = tl.arange(0, BLOCK_Q)
+    for r in range(0, n_rows):
+        i = q_start + r
+        g = tl.load(g_ptr + tl.cast(r, tl.int64) * n_docs + m)
+        for q0 in range(0, LQ, BLOCK_Q):
+            q_rows, q_real, w = _query_block(w_ptr, i, q0, lq, BLOCK_Q)
+            _, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim, ACC, PRECISION,
+                                     BLOCK_D, BLOCK_K, BLOCK_T, True)
+            gw = g * w
+            same = (where[:, None] == where[None, :]) & (gw != 0.0)[None, :]  # (t, t'): t' picks t's token
+            pair = tl.where(same, gw[None, :], 0.0)
+            earlier = tl.max(tl.where(same & (offs_q[None, :] < offs_q[:, None]), 1, 0), axis=1)
+            writes = (gw != 0.0) & (earlier == 0)  # the first weighted token of each group
+            rows = first + where
+            tl.debug_barrier()  # the previous update's writes before this one's reads, across the program's threads
+            for k0 in range(0, BLOCK_D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < dim
+                q = tl.load(q_ptr + q_rows[:, None] * dim + offs_k[None, :], mask=q_real[:, None] & mask_k[None, :],
+                            other=0.0)
+                grad = tl.dot(pair, q.to(ACC), input_precision="ieee", out_dtype=ACC)  # (BLOCK_Q, BLOCK_K)
+                ptrs = dd_ptr + rows[:, None] * dim + offs_k[None, :]
+                mask = writes[:, None] & mask_k[None, :]
+                tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + grad, mask=mask)

@@ -2,15 +2,16 @@
 
 One run of the script over every architecture of the tile tables (sm_75 to sm_120) for the two operand kinds at
 the ends of the tables: bf16 (2-byte operands, the largest tiles) and fp32 at "highest" (tf32x3, operands split in
-registers, and the backward's tf32x3 GEMM from sm_80 on), with the Matryoshka configuration of five dimensions. It
-must cover every kernel, arch, pair and embedding size, with exactly the tile configs the launcher's
-``tile_configs`` (``gemm_configs`` for the GEMM) can pick there. Each build fits the
+registers, and the backward's tf32x3 GEMM from sm_80 on), with the Matryoshka configuration of five dimensions, and
+the MaxSim kernels at 32 and 128 query tokens of 128 features. It must cover every kernel, arch, pair and embedding
+size, with exactly the tile configs the launcher's ``tile_configs`` (``gemm_configs`` for the GEMM,
+``cgist.stage.triton.maxsim.launch_configs`` for the MaxSim kernels) can pick there. Each build fits the
 arch's shared memory and the tables' estimate. The SASS shows the tensor cores: HMMA (mma.sync) on sm_80 to sm_89
-and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100, and none on
-sm_75, where ``tl.dot`` is FMA loops.
+and sm_120, warpgroup MMA (HGMMA) on sm_90, where the 128 x 128 tiles are, tcgen05 (UTCHMMA) on sm_100 (HMMA for
+the MaxSim kernels there, whose tiles have 32 rows), and none on sm_75, where ``tl.dot`` is FMA loops.
 
-The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 240 binaries, 15
-minutes on two cores) is more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
+The script's full default table (sm_70 too, and the tf32, fp16 and mixed bf16/fp32 pairs: about 500 binaries) is
+more than the test suite's time allows; ``python bench/aot_compile.py`` runs it, and
 ``bench/results/aot_compile.txt`` holds its last output, with a hash of what it was built from that
 tests/test_triton_versions.py checks against the sources.
 """
@@ -27,6 +28,8 @@ pytest.importorskip("triton")
 
 from cgist.stage.devices import arch_for  # noqa: E402
 from cgist.stage.triton.launch import input_precision  # noqa: E402
+from cgist.stage.triton.maxsim import KERNELS as MAXSIM_KERNELS  # noqa: E402
+from cgist.stage.triton.maxsim import launch_configs  # noqa: E402
 from cgist.stage.triton.tiles import gemm_configs, tile_configs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
@@ -47,6 +50,14 @@ CHECKED_PAIRS = ("bf16", "fp32")
 #: wheel's nvdisasm no longer reads sm_70).
 MMA_OPCODE = {"sm_70": "?", "sm_75": "-", "sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
               "sm_100": "UTCHMMA", "sm_120": "HMMA"}
+#: The MaxSim kernels' products are tiles of 32 query tokens: mma.sync (HMMA) from sm_80 on, sm_90 and sm_100
+#: included (warpgroup MMA and tcgen05 take 64 rows and more).
+MAXSIM_MMA_OPCODE = {**MMA_OPCODE, "sm_90": "HMMA", "sm_100": "HMMA"}
+#: The query lengths and the feature dimension the MaxSim kernels are built for (ColBERT's shapes), and the document
+#: length (past one chunk of tokens).
+MAXSIM_LQ = (32, 128)
+MAXSIM_D = 128
+MAXSIM_LD = 256
 #: The default table's architectures, by name.
 ARCH = {f"sm_{a}": arch_for(divmod(a, 10)) for a in CHECKED_ARCHS}
 
@@ -73,9 +84,22 @@ def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] |
     return _names(tile_configs(*_operands(arch, pair), n_dims, ARCH[arch], interpret=False, release=release))
 
 
+def maxsim_tiles(arch: str, pair: str, lq: int) -> dict[str, str]:
+    """The launch of each MaxSim kernel on this arch for a pair's student dtype, as the table writes it (``LQ``
+    aside)."""
+    dtype, _, matmul = PAIRS[pair]
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        launches = launch_configs(dtype, ARCH[arch], lq, MAXSIM_LD, MAXSIM_D)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return {name: launch.tiles for name, launch in launches.items()}
+
+
 def parse_table(lines: list[str]) -> list[dict]:
     """The rows of a table printed by bench/aot_compile.py, each a dict by column."""
-    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_", "tf32x3_"))]
+    header, *table = [line.split() for line in lines if line.startswith(("kernel ", "gist_", "tf32x3_", "maxsim_"))]
     assert header == ["kernel", "arch", "dtype", "tiles", "dims", "D", "Dg", "regs", "stack", "spill", "smem", "est",
                       "wgmma", "mma"]
     assert all(len(r) == len(header) for r in table)
@@ -83,10 +107,16 @@ def parse_table(lines: list[str]) -> list[dict]:
 
 
 def tiles_seen(rows: list[dict]) -> dict[tuple, set]:
-    """``(kernel, arch, pair, dims)`` -> the configs a table built it with."""
+    """``(kernel, arch, pair, dims)`` -> the configs a table built it with; for a MaxSim kernel
+    ``(kernel, arch, pair, "LQ<n>")`` for each query length its binary serves."""
     seen: dict[tuple, set] = {}
     for r in rows:
         for pair in r["dtype"].split(","):
+            if r["kernel"] in MAXSIM_KERNELS:
+                lengths, tiles = r["tiles"].split("-", 1)
+                for lq in lengths.removeprefix("LQ").split(","):
+                    seen.setdefault((r["kernel"], r["arch"], pair, f"LQ{lq}"), set()).add(tiles)
+                continue
             seen.setdefault((r["kernel"], r["arch"], pair, r["dims"]), set()).add(r["tiles"])
     return seen
 
@@ -98,6 +128,9 @@ def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[t
              for k in MATRYOSHKA_KERNELS for a in archs for pair in pairs if pair in MATRYOSHKA_PAIRS}
     want |= {(k, a, pair, "1"): _names(gemm_configs(ARCH[a], interpret=False))
              for k in GEMM_KERNELS for a in archs for pair in pairs if _operands(a, pair)[1] == "tf32x3"}
+    # the MaxSim kernels: one launch each (the launcher's tables do not part by Triton release)
+    want |= {(k, a, pair, f"LQ{lq}"): {tiles} for a in archs for pair in pairs for lq in MAXSIM_LQ
+             for k, tiles in maxsim_tiles(a, pair, lq).items()}
     return want
 
 
@@ -118,6 +151,11 @@ def test_aot_compile_every_kernel_for_every_arch():
     for r in rows:
         assert r["spill"] == "0", r
         assert int(r["smem"]) <= min(ARCH[r["arch"]].shared_bytes, int(r["est"])), r
+        if r["kernel"] in MAXSIM_KERNELS:  # mma.sync from sm_80 on, at D = 128
+            assert MAXSIM_MMA_OPCODE[r["arch"]] in r["mma"].split("+"), r
+            assert r["wgmma"] == ("no" if r["arch"] == "sm_90" else "n/a"), r
+            assert (r["dims"], r["D"], r["Dg"]) == ("1", str(MAXSIM_D), "-"), r
+            continue
         # tensor cores from sm_80 on, and warpgroup MMA on sm_90 (where every tile has 64+ rows)
         assert MMA_OPCODE[r["arch"]] in r["mma"].split("+"), r
         assert r["wgmma"] == ("yes" if r["arch"] == "sm_90" else "n/a"), r

@@ -1,14 +1,18 @@
 """The MaxSim kernels (``cgist.kernels.maxsim``, launched by ``cgist.stage.triton.maxsim``) against the streaming
-PyTorch stage (``cgist.stage.pytorch.maxsim``) and the dense float64 oracle (``maxsim_loss_reference``, gradients by
-autograd).
+PyTorch stage (``cgist.stage.pytorch.maxsim``: its loss and gradients), a float64 normaliser from
+``maxsim_scores_reference``, and the dense float64 oracle (``maxsim_loss_reference``, gradients by autograd).
 
 Without CUDA the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1, and fixes the
-interpreter's bf16 ``tl.dot``: ``interpreter_dot``), so the shapes are tiny, with tiles small enough that they still
-cross several: 16 document tokens per product against documents of up to 40 (three chunks), and 2 to 4 documents
-per forward program. The cases cover ragged masks with holes, a document whose whole first chunk is masked, empty
-documents (a negative, and a label), MeanMaxSim, a rank offset with document columns taller than the queries, and
-query and document chunks of different token widths; fp64 and fp32 to their rounding, bf16 and fp16 at one shape to
-theirs; and the backward's tie rule (the first of equal maxima takes the gradient).
+interpreter's bf16 ``tl.dot``: ``interpreter_dot``), so the shapes are tiny, with tiles small enough that every loop
+runs more than once: 16 document tokens per product against documents of up to 40 (three chunks), 16 query tokens
+per product against queries of up to 29 (two token blocks), 16 features per ``tl.dot`` against up to 40 (three
+slices, the last one partly masked), 2 to 4 documents per forward program, and slabs of 1 or 2 queries in the
+backward (``Case.tiles``); one case takes the launcher's own tiles. The cases cover ragged masks with holes, a
+document whose whole first chunk is masked, empty documents (a negative, and a label), MeanMaxSim, a rank offset with
+document columns taller than the queries, query and document chunks of different token widths, and documents of a
+few tokens that many query tokens of a block pick at once; fp64 and fp32 to their rounding, bf16 and fp16 at one
+shape to theirs; and the backward's tie rule (the first of equal maxima takes the gradient), across chunks and within
+one, in either token block.
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ from helpers import CUDA, DEVICE, one_thread  # noqa: F401  (one_thread: autouse
 pytest.importorskip("triton")
 
 from cgist.stage.pytorch.maxsim import MaxSimCall, maxsim_backward, maxsim_forward  # noqa: E402
-from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
+from cgist.stage.reference import maxsim_loss_reference, maxsim_scores_reference  # noqa: E402
 from cgist.stage.triton.maxsim import maxsim_backward_triton, maxsim_forward_triton  # noqa: E402
 
 #: The incoming gradient of the loss in every backward (not 1, so that its factor is checked).
 GRAD_OUTPUT = 0.7
 #: Document tokens per product: documents of up to 40 tokens cross three chunks.
 BLOCK_TOKENS = 16
+#: Query tokens per product (queries of 17 to 32 tokens cross two token blocks) and features per ``tl.dot`` (40
+#: features cross three slices, the last one partly masked): the smallest ``tl.dot`` takes.
+BLOCK_QUERY_TOKENS = 16
+BLOCK_FEATURES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,16 @@ class Case:
     masked_head: tuple[tuple[int, int], ...] = ()
     block_tokens: int | None = BLOCK_TOKENS
     block_docs: int = 2
+    block_query_tokens: int | None = BLOCK_QUERY_TOKENS
+    block_features: int | None = BLOCK_FEATURES
+    block_queries: int | None = 2
     seed: int = 0
+
+    @property
+    def tiles(self) -> dict:
+        """The tiles both launchers take (the backward's slabs aside)."""
+        return dict(block_tokens=self.block_tokens, block_query_tokens=self.block_query_tokens,
+                    block_features=self.block_features)
 
 
 def _masks(gen: torch.Generator, rows: int, width: int, holes: float = 0.25) -> torch.Tensor:
@@ -132,13 +149,23 @@ def _flat(call: MaxSimCall, q_grads, d_grads) -> list[torch.Tensor]:
     return [pad(q_grads, lq), *(pad(column, ld) for column in d_grads)]
 
 
+def _normaliser(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's softmax normaliser, ``(peak, total)``, in float64 from the oracle's scores."""
+    queries, query_mask, documents, document_masks = dense
+    scores = maxsim_scores_reference(queries.double(), query_mask, torch.cat(documents).double(),
+                                     torch.cat(document_masks), length_normalize=case.length_normalize)
+    logits = case.scale * scores
+    peak = logits.amax(1)
+    return peak, torch.exp(logits - peak[:, None]).sum(1)
+
+
 def _run(case: Case):
-    """The Triton stage's loss, normaliser and gradients (checked for their dtypes and shapes), the PyTorch stage's,
-    and the oracle's."""
+    """The Triton stage's loss, normaliser and gradients (checked for their dtypes and shapes), the PyTorch stage's
+    loss and gradients with the float64 normaliser, and the oracle's loss and gradients."""
     call, dense = _problem(case)
-    kw = dict(block_tokens=case.block_tokens)
+    kw = case.tiles
     loss, peak, total = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
-    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, **kw)
+    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
     acc = torch.promote_types(case.dtype, torch.float32)
     assert loss.dtype == peak.dtype == total.dtype == acc and loss.dim() == 0
     assert peak.shape == total.shape == (case.batch,)
@@ -148,13 +175,13 @@ def _run(case: Case):
     if CUDA:  # no atomics: a second run is bitwise the same
         again = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
         assert all(torch.equal(a, b) for a, b in zip((loss, peak, total), again))
-        q2, d2 = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, **kw)
+        q2, d2 = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
         assert all(torch.equal(a, b) for a, b in zip(_flat(call, q_grads, d_grads), _flat(call, q2, d2)))
 
-    stage_loss, stage_peak, stage_total = maxsim_forward(call)[:3]
-    stage_grads = maxsim_backward(call, stage_peak, stage_total, GRAD_OUTPUT)
+    stage_loss, stage_grads = maxsim_forward(call, True)
+    stage_grads = maxsim_backward(call, stage_grads, GRAD_OUTPUT)
     triton_run = (loss.cpu(), peak.cpu(), total.cpu(), _flat(call, q_grads, d_grads))
-    stage_run = (stage_loss.cpu(), stage_peak.cpu(), stage_total.cpu(), _flat(call, *stage_grads))
+    stage_run = (stage_loss.cpu(), *_normaliser(case, dense), _flat(call, *stage_grads))
     oracle_loss, *oracle_grads = _oracle(case, dense)
     return triton_run, stage_run, (oracle_loss, [oracle_grads[0], *oracle_grads[1]])
 
@@ -182,11 +209,24 @@ CASES = [
     # query 0's label is empty, and it has 3 real tokens: the label's logit is the fill divided by 3
     Case("empty-label-meanmaxsim", 2, 1, 3, 5, 4, extra_rows=1, offset=1, length_normalize=True, empty=((0, 1),),
          seed=5),
+    # two token blocks of 16 (the second one partly padded), three feature slices (the last one partly masked), three
+    # chunks of document tokens, and two slabs of queries in the backward
+    Case("token-blocks", 5, 2, 20, 37, 40, extra_rows=1, offset=1, query_chunks=(3, 2), query_widths=(20, 14),
+         doc_chunks=(4, 2), doc_widths=(37, 21), masked_head=((1, 0),), empty=((0, 5),), block_docs=3, seed=10),
+    Case("token-blocks-meanmaxsim", 3, 1, 29, 19, 24, length_normalize=True, block_queries=1, block_docs=4, seed=11),
+    # documents of a few tokens against queries of 20: many query tokens of a block pick the same document token
+    Case("shared-picks", 4, 2, 20, 3, 20, doc_chunks=(3, 1), doc_widths=(3, 2), empty=((1, 3),), seed=12),
+    # the launcher's own tiles: two token blocks of 32, two chunks of 64 document tokens, two feature slices, one
+    # document block and one slab
+    Case("default-tiles", 3, 2, 40, 70, 40, block_tokens=None, block_query_tokens=None, block_features=None,
+         block_queries=None, block_docs=32, seed=13),
     Case("fp32", 5, 2, 5, 40, 16, dtype=torch.float32, doc_chunks=(3, 2), doc_widths=(40, 33), masked_head=((1, 3),),
          scale=3.0, seed=5),
     Case("fp32-meanmaxsim-offset", 2, 2, 4, 29, 12, dtype=torch.float32, extra_rows=3, offset=1,
          length_normalize=True, query_chunks=(1, 1), query_widths=(4, 2), doc_chunks=(1, 4), doc_widths=(20, 29),
          empty=((1, 4),), block_docs=3, seed=6),
+    Case("fp32-token-blocks", 3, 2, 18, 33, 36, dtype=torch.float32, doc_chunks=(2, 1), doc_widths=(33, 17),
+         masked_head=((0, 1),), scale=2.0, seed=14),
 ]
 
 
@@ -196,9 +236,9 @@ def test_matches_the_pytorch_stage_and_the_oracle(case):
     rel = REL[case.dtype]
     _close("loss vs stage", loss, s_loss, rel)
     _close("loss vs oracle", loss, o_loss, rel)
-    # The normaliser as the stage keeps it: the same peak, and the total relative to it.
+    # The normaliser against float64's: the largest logit, and the log-sum-exp it makes with the total.
     _close("peak", peak, s_peak, rel)
-    torch.testing.assert_close(total, s_total, rtol=rel, atol=0.0)
+    _close("log-sum-exp", peak.double() + torch.log(total.double()), s_peak + torch.log(s_total), rel)
     names = ["queries", *(f"column {n}" for n in range(case.columns))]
     for name, got, stage, oracle in zip(names, grads, s_grads, o_grads):
         # a gradient's entries relative to its largest (the softmax's weights times token vectors)
@@ -211,31 +251,36 @@ def test_matches_the_pytorch_stage_and_the_oracle(case):
             assert not bool(grads[1 + column][row].any())
 
 
-def test_a_tie_sends_the_gradient_to_the_first_token():
-    """A document holds one token twice, in different chunks, as the largest product of a query token: the kernels'
-    gradient goes to the first copy and none to the second. The oracle's (``amax``'s) splits it evenly between
-    them, so their sum is the oracle's sum, and the query's gradient is the oracle's."""
-    case = Case("tie", 2, 1, 3, 40, 8, seed=7)
+@pytest.mark.parametrize(("token", "first", "second"), [(0, 3, 35), (17, 3, 35), (0, 3, 10), (17, 20, 29)],
+                         ids=["across-chunks", "across-chunks-second-block", "within-a-chunk",
+                              "within-a-chunk-second-block"])
+def test_a_tie_sends_the_gradient_to_the_first_token(token, first, second):
+    """A document holds one token twice (in different chunks of 16, or in one), as the largest product of a query
+    token (in the query's first token block of 16, or its second): the kernels' gradient goes to the first copy and
+    none to the second. The oracle's (``amax``'s) splits it evenly between them where its products of the two tie
+    bitwise (a CPU GEMM may round them apart), so their sum is the oracle's sum, and the query's gradient is the
+    oracle's."""
+    case = Case("tie", 2, 1, 20, 40, 8, seed=7)
     call, dense = _problem(case)
     queries, query_mask, documents, document_masks = dense
-    first, second = 3, 35  # chunks 0 and 2 of 16 tokens
-    # document m's copies are twice token 0 of the other query, its largest product there: that query's softmax
-    # favours document m over its label, so both get a large gradient
+    # document m's copies are twice token ``token`` of the other query, its largest product there: that query's
+    # softmax favours document m over its label, so both get a large gradient
+    query_mask[:, token] = True
     for m, i in enumerate([1, 0]):
-        documents[0][m, first] = documents[0][m, second] = 2.0 * queries[i, 0]
+        documents[0][m, first] = documents[0][m, second] = 2.0 * queries[i, token]
         document_masks[0][m, [first, second]] = True
-    assert bool(query_mask[:, 0].all())
-    call = dataclasses.replace(call, documents=[[documents[0].to(DEVICE)]],
+    call = dataclasses.replace(call, query_masks=[query_mask.to(DEVICE)], documents=[[documents[0].to(DEVICE)]],
                                document_masks=[[document_masks[0].to(DEVICE)]])
-    loss, peak, total = maxsim_forward_triton(call, block_docs=1, block_tokens=BLOCK_TOKENS)
-    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_tokens=BLOCK_TOKENS)
+    loss, peak, total = maxsim_forward_triton(call, block_docs=1, **case.tiles)
+    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=1, **case.tiles)
     oracle_loss, oracle_q, (oracle_d,) = _oracle(case, dense)
     got_d = d_grads[0][0].cpu()
     rel = REL[torch.float64]
     _close("loss", loss.cpu(), oracle_loss, rel)
     _close("query gradient", q_grads[0].cpu(), oracle_q, rel)
     for m in range(2):
-        assert bool((oracle_d[m, first] != 0).all()) and torch.equal(oracle_d[m, first], oracle_d[m, second])
+        # the oracle's two copies share the gradient (evenly, where its products tie bitwise)
+        assert bool((oracle_d[m, first] + oracle_d[m, second] != 0).all())
         assert not bool(got_d[m, second].any()), "the second copy of a tied maximum got a gradient"
         _close(f"document {m}'s first copy", got_d[m, first], oracle_d[m, first] + oracle_d[m, second], rel)
     mask = torch.ones(40, dtype=torch.bool)
@@ -251,8 +296,8 @@ def test_half_inputs_to_their_rounding(dtype):
     ``eps * scale * sum_t w_t |max_t|``: the loss by twice the largest, a gradient entry by a few times it relative to
     the largest. Against the oracle on the same rounded values, whose maxima are at the same tokens: every largest
     product leads the next by more than two of its ``eps``, so no rounding reorders them."""
-    case = Case("half", 3, 2, 4, 20, 8, dtype=dtype, doc_chunks=(2, 1), doc_widths=(20, 13), masked_head=((1, 0),),
-                scale=2.0, seed=9)
+    case = Case("half", 3, 2, 20, 20, 24, dtype=dtype, doc_chunks=(2, 1), doc_widths=(20, 13), masked_head=((1, 0),),
+                scale=2.0, seed=44)
     call, dense = _problem(case)
     queries, query_mask, documents, document_masks = dense
     products = torch.einsum("qtd,msd->qmts", queries.double(), torch.cat(documents).double())
@@ -309,7 +354,6 @@ def kernels_routed(monkeypatch):
 
     route.reset()
     monkeypatch.setattr(route, "auto_route", lambda device, dtype, guide_dtype: ("triton", "test"))
-    monkeypatch.setattr(route, "MAXSIM_IN_AUTO", True)
     yield route
     route.reset()
 
@@ -344,13 +388,3 @@ def test_auto_falls_back_to_the_pytorch_stage_with_one_notice(kernels_routed, mo
     assert len(notices) == 1 and ("no kernel here" if failure == "raises" else "disagree") in notices[0]
 
 
-def test_auto_keeps_the_pytorch_stage_while_the_kernels_are_not_admitted(kernels_routed, monkeypatch, caplog):
-    """Until the kernels compile spill-free and have run on a GPU (``MAXSIM_IN_AUTO``), "auto" runs the PyTorch
-    stage even where the dense kernels run, and says so once."""
-    from cgist.stage.pytorch import maxsim
-
-    monkeypatch.setattr(kernels_routed, "MAXSIM_IN_AUTO", False)
-    with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
-        stages = [kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32) for _ in range(2)]
-    assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
-    assert sum("MaxSim kernels spill" in r.getMessage() for r in caplog.records) == 1

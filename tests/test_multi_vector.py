@@ -82,11 +82,10 @@ def test_gradcheck_of_the_streaming_stage(length_normalize, offset):
     assert torch.autograd.gradcheck(loss, inputs)
 
 
-@pytest.mark.parametrize("block_bytes", [1, 500, 6000, None])
+@pytest.mark.parametrize("block_bytes", [1, 500, 60000, None])
 def test_the_stage_equals_the_oracle_however_it_is_tiled(block_bytes):
-    """1 and 500 bytes: tiles of one query against a few documents, the backward recomputing them; 6000 and the
-    default: the forward's scores and argmax (9 queries x 27 documents x (6 + 8) bytes, about 3.4 kB) kept for the
-    backward, with small tiles at 6000."""
+    """1 and 500 bytes: tiles of one query against a few documents, a row block per query; 60000: row blocks of a
+    few queries (about 5 kB each, ``kept_bytes``), each over several document tiles; the default: one row block."""
     queries, query_mask, documents, document_masks = _inputs(2, 9, 3, 6, 11, 5)
     document_masks[0][4, :] = False
     leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
@@ -96,6 +95,53 @@ def test_the_stage_equals_the_oracle_however_it_is_tiled(block_bytes):
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, leaves)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_backward_and_a_scaled_loss_get_their_own_gradients(monkeypatch):
+    """The forward makes the gradients of the loss and hands them to the first backward, which passes them on
+    without a copy (the leaves' ``.grad`` are those tensors); a scaled loss gets them scaled, and a second backward
+    through a retained graph gets them again (made anew)."""
+    from cgist.stage.pytorch import maxsim as stage
+
+    queries, query_mask, documents, document_masks = _inputs(8, 5, 2, 4, 7, 6)
+    leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
+    expected = torch.autograd.grad(maxsim_loss_reference(queries, query_mask, documents, document_masks, scale=2.0),
+                                   leaves)
+    made = []  # where each backward's gradients are (holding the tensors would make autograd copy them)
+
+    def backward(*args):
+        q_grads, d_grads = grads = original(*args)
+        made.append([g.data_ptr() for g in (*q_grads, *(g for column in d_grads for g in column))])
+        return grads
+
+    original = stage.maxsim_backward
+    monkeypatch.setattr(stage, "maxsim_backward", backward)
+    loss = cgist.maxsim_loss(queries, query_mask, documents, document_masks, scale=2.0, block_bytes=2000)
+    loss.backward(retain_graph=True)
+    assert [leaf.grad.data_ptr() for leaf in leaves] == made[0]
+    loss.backward(retain_graph=True)
+    (2.0 * loss).backward()
+    for leaf, grad in zip(leaves, expected):
+        torch.testing.assert_close(leaf.grad, 4.0 * grad, rtol=1e-12, atol=1e-12)
+
+
+def test_without_autograd_the_forward_makes_no_gradients(monkeypatch):
+    """Under ``torch.no_grad`` (or for inputs that need none) the stage runs its forward alone: no argmax kept."""
+    from cgist.stage.pytorch import maxsim as stage
+
+    queries, query_mask, documents, document_masks = _inputs(9, 4, 2, 3, 5, 4)
+    calls = []
+    original = stage._tile_scores
+    monkeypatch.setattr(stage, "_tile_scores", lambda *args: calls.append(args[3]) or original(*args))
+    expected = maxsim_loss_reference(queries, query_mask, documents, document_masks)
+    with torch.no_grad():
+        got = cgist.maxsim_loss([q.requires_grad_() for q in queries.split(2)], query_mask.split(2), documents,
+                                document_masks)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert calls and all(where is None for where in calls)
+    calls.clear()
+    cgist.maxsim_loss(queries.requires_grad_(), query_mask, documents, document_masks)
+    assert calls and all(where is not None for where in calls)
 
 
 @pytest.mark.parametrize("length_normalize", [False, True])

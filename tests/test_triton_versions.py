@@ -144,6 +144,10 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
     ("cgist/stage/triton/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),
     ("cgist/stage/triton/tiles.py", "90: [(128, 128, 16, 8, 3)]", "90: [(128, 64, 16, 8, 3)]"),  # the GEMM's config
     ("kernels/gemm.py", "acc = tl.dot(a_lo, b_hi, acc", "acc = tl.dot(a_hi, b_hi, acc"),  # the GEMM's products
+    # the MaxSim launcher's tiles and register limit, and its kernels
+    ("cgist/stage/triton/maxsim.py", '("tf32x3", 16)', '("tf32x3", 32)'),
+    ("cgist/stage/triton/maxsim.py", "MAX_REGISTERS = 255", "MAX_REGISTERS = 168"),
+    ("kernels/maxsim.py", "where = tl.where(chunk_best > best,", "where = tl.where(chunk_best >= best,"),
 ])
 def test_the_hash_covers_the_config_choice(tmp_path, file, old, new):
     _copy_sources(tmp_path)

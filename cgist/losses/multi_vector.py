@@ -162,9 +162,9 @@ class FusedCachedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, Cach
     """sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` with a fused, streaming loss stage.
 
     A drop-in: the same arguments, defaults, attributes, loss and gradients, with a loss stage that never holds the
-    ``(queries, documents, query tokens, document tokens)`` similarities: blocks of queries against blocks of
-    documents, each tile's MaxSim scores streamed into the softmax's normaliser, and a backward that takes each tile's
-    argmax, kept from the forward while it fits ``block_bytes`` or recomputed (``cgist.maxsim_loss``). The
+    ``(queries, documents, query tokens, document tokens)`` similarities: row blocks of queries, each swept over
+    blocks of documents twice, the first sweep keeping the block's MaxSim scores and argmax (as many queries as fit
+    ``block_bytes``), the second sending the gradients along the argmax (``cgist.maxsim_loss``). The
     embedding stage is sentence-transformers' own GradCache loop; each mini-batch's ``.grad`` is filled as its
     second pass reads it.
 

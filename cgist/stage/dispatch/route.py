@@ -283,15 +283,10 @@ def check_kernels(device: torch.device, dtype: torch.dtype, guide_dtype: torch.d
 # The MaxSim (late-interaction) stage ------------------------------------------------------------------------------
 
 #: The MaxSim stage of a backend: ``(forward, backward)`` with the contract of ``cgist.stage.pytorch.maxsim``'s
-#: ``maxsim_forward`` (``call -> (loss, peak, total, kept)``) and ``maxsim_backward``
-#: (``(call, peak, total, grad_output, kept) -> (query gradients, document gradients)``).
+#: ``maxsim_forward`` (``(call, with_grad) -> (loss, state)``) and ``maxsim_backward``
+#: (``(call, state, grad_output) -> (query gradients, document gradients)``); ``forward(call, True)``'s state serves
+#: one backward.
 MaxSimStage = tuple[Callable, Callable]
-
-#: Whether "auto" may take the MaxSim kernels at all. Not yet: compiled ahead of time for sm_70 to sm_120 (Triton 3.9,
-#: 32 query tokens and 128 features, 64 document tokens per product), the document-gradient kernel spills registers
-#: on every architecture and the others at 128 query tokens or on sm_70/sm_75 (docs/design.md#late-interaction), and
-#: none has run on a GPU. ``backend="triton"`` runs them.
-MAXSIM_IN_AUTO = False
 
 #: ``(device, dtype)`` -> None where "auto" may use the MaxSim kernels (their first-use check passed, or checks are
 #: off), else why not (a failure, or a disagreement with the PyTorch stage).
@@ -305,18 +300,19 @@ def _pytorch_maxsim() -> MaxSimStage:
 
 
 def _triton_maxsim() -> MaxSimStage:
-    """The MaxSim kernels' launchers, as a stage that keeps nothing between its passes; or a RuntimeError saying why
-    they cannot run here."""
+    """The MaxSim kernels' launchers, as a stage whose state is each query's softmax normaliser (the backward
+    recomputes the rest); or a RuntimeError saying why they cannot run here."""
     try:
         from ..triton.maxsim import maxsim_backward_triton, maxsim_forward_triton
     except ImportError as err:
         raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
 
-    def forward(call):
-        return (*maxsim_forward_triton(call), None)
+    def forward(call, with_grad):
+        loss, peak, total = maxsim_forward_triton(call)
+        return loss, (peak, total)
 
-    def backward(call, peak, total, grad_output, kept=None):
-        return maxsim_backward_triton(call, peak, total, grad_output)
+    def backward(call, state, grad_output):
+        return maxsim_backward_triton(call, *state, grad_output)
 
     return forward, backward
 
@@ -339,8 +335,8 @@ def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
                       length_normalize=False, offset=0, budget_bytes=2**20)
     results = []
     for forward, backward in (_triton_maxsim(), _pytorch_maxsim()):
-        loss, peak, total, kept = forward(call)
-        q_grads, d_grads = backward(call, peak, total, 1.0, kept)
+        loss, state = forward(call, True)
+        q_grads, d_grads = backward(call, state, 1.0)
         results.append([loss, *q_grads, *(g for column in d_grads for g in column)])
     diffs = [(a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)
              for a, b in zip(*results)]
@@ -351,7 +347,7 @@ def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtyp
     """The MaxSim stage for ``backend`` on ``device``: ``"torch"`` the PyTorch stage; ``"triton"`` the kernels (CUDA,
     or CPU tensors under the Triton interpreter), never checked; ``"auto"`` the kernels where the dense stage's would
     run (``auto_route``) once their first-use check on this device and dtype passed (``check_maxsim_kernels``, within
-    ``selfcheck.TOLERANCE``) and while ``MAXSIM_IN_AUTO`` allows them, else the PyTorch stage, with one notice saying
+    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying
     why."""
     backend = requested_backend(backend)
     if backend == "torch":
@@ -362,10 +358,6 @@ def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtyp
                                "before importing cgist, or use backend='torch'")
         return _triton_maxsim()
     if auto_route(device, dtype, dtype)[0] == "torch":
-        return _pytorch_maxsim()
-    if not MAXSIM_IN_AUTO:
-        _notice("backend='auto' runs the PyTorch MaxSim stage on GPUs too: the MaxSim kernels spill registers and have "
-                "not run on a GPU yet (backend='triton' runs them)")
         return _pytorch_maxsim()
     key = (_device_key(device), dtype)
     if key not in _MAXSIM_CHECKS:

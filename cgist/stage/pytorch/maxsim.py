@@ -3,11 +3,13 @@ queries, without the token-similarity tensor (docs/design.md#late-interaction).
 
 A tile is ``bq`` queries against ``bd`` documents: one matrix product of their token vectors
 ``(bq * Lq, D) @ (D, bd * Ld)`` into a buffer bounded by the budget, the maximum over each document's tokens, and the
-sum over the query's tokens, weighted by its mask, in float32 (float64 for float64 inputs). Its scores update each
-query's running softmax normaliser. The backward takes each tile's argmax, kept from the forward while the scores and
-argmax fit the budget (``MaxSimCall.keep``), else computed again from the tile's product; the gradient of a score
-reaches one document token per query token, so both gradients are gathers (``embedding_bag`` and its weight gradient)
-instead of products as large as the forward's.
+sum over the query's tokens, weighted by its mask, in float32 (float64 for float64 inputs). The queries go in row
+blocks, each swept twice over every document (``maxsim_forward``): the first sweep keeps the block's scores and each
+tile's argmax, which make the block's softmax exact; the second sends each score's gradient along the argmax. The
+gradient of a score reaches one document token per query token, so both gradients are gathers (``embedding_bag`` and
+its weight gradient) instead of products as large as the forward's, and no product is computed twice. The gradients
+are made in the forward (``maxsim_backward`` scales them by the loss's incoming gradient), as a loss stage's
+backward follows its forward at once.
 
 Documents are read as their row chunks (GradCache's mini-batches), never concatenated. A document tile is trimmed to
 its last real token; a masked token inside it is replaced by a copy of the document's first real token, which leaves
@@ -30,7 +32,7 @@ __all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSimCall", "accumulate", "kept_bytes", "ma
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
 #: Documents per tile: enough columns that the product is efficient, few enough that a tile of queries is tall.
-DOC_ROWS = 32
+DOC_ROWS = 16
 
 
 def accumulate(dtype: torch.dtype) -> torch.dtype:
@@ -50,7 +52,6 @@ class _DocTile:
     tokens: Tensor  # (bd, width, D), contiguous
     remap: Tensor | None  # (bd, width) long
     empty: Tensor | None  # (bd,) bool
-    first_row: int  # the global row of ``start`` in its column
 
 
 @dataclass
@@ -74,7 +75,6 @@ def _width(mask: Tensor) -> int:
 
 
 def _document_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int) -> Iterator[_DocTile]:
-    first_row = 0
     for c, (chunk, mask) in enumerate(zip(chunks, masks)):
         for start in range(0, chunk.shape[0], rows):
             stop = min(start + rows, chunk.shape[0])
@@ -88,67 +88,71 @@ def _document_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int
                 first = tile_mask.to(torch.uint8).argmax(1, keepdim=True)
                 remap = torch.where(tile_mask, torch.arange(width, device=mask.device), first)
                 tokens = tokens.gather(1, remap.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
-            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty, first_row + start)
-        first_row += chunk.shape[0]
+            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty)
 
 
-def _query_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int,
-                 length_normalize: bool) -> list[_QueryTile]:
-    tiles, row = [], 0
-    for c, (chunk, mask) in enumerate(zip(chunks, masks)):
-        for start in range(0, chunk.shape[0], rows):
-            stop = min(start + rows, chunk.shape[0])
-            tile_mask = mask[start:stop]
-            width = _width(tile_mask)
-            weights = tile_mask[:, :width].to(accumulate(chunk.dtype))
-            fill = torch.full((stop - start, 1), EMPTY_DOCUMENT_SCORE, dtype=weights.dtype, device=chunk.device)
-            if length_normalize:
-                counts = tile_mask.sum(1, keepdim=True).clamp(min=1).to(weights.dtype)
-                weights, fill = weights / counts, fill / counts
-            tokens = chunk[start:stop, :width].reshape(-1, chunk.shape[-1])
-            tiles.append(_QueryTile(c, start, stop, row + start, tokens, weights, fill))
+def _query_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int, budget: int, per_query: int,
+                 length_normalize: bool) -> Iterator[list[_QueryTile]]:
+    """The query tiles of ``rows`` rows (none across a chunk's end), grouped into row blocks: consecutive tiles whose
+    queries keep at most ``budget`` bytes (``per_query`` each), at least one tile a block. A block's tiles are made
+    when it is reached, so a trimmed query is copied for one block at a time."""
+    spans, row = [], 0
+    for c, chunk in enumerate(chunks):
+        height = chunk.shape[0]
+        spans += [(c, start, min(start + rows, height), row + start) for start in range(0, height, rows)]
         row += chunk.shape[0]
-    return tiles
+    block: list[tuple[int, int, int, int]] = []
+    for span in [*spans, None]:
+        held = sum(stop - start for _, start, stop, _ in block)
+        if block and (span is None or (held + span[2] - span[1]) * per_query > budget):
+            yield [_query_tile(chunks[c], masks[c], c, start, stop, r, length_normalize) for c, start, stop, r in block]
+            block = []
+        if span is not None:
+            block.append(span)
 
 
-def _tile_rows(queries: Sequence[Tensor], documents: Sequence[Sequence[Tensor]], budget_bytes: int) -> tuple[int, int]:
-    """Rows per document tile and per query tile, so that one tile's product fits ``budget_bytes``."""
+def _query_tile(chunk: Tensor, mask: Tensor, c: int, start: int, stop: int, row: int,
+                length_normalize: bool) -> _QueryTile:
+    tile_mask = mask[start:stop]
+    width = _width(tile_mask)
+    weights = tile_mask[:, :width].to(accumulate(chunk.dtype))
+    fill = torch.full((stop - start, 1), EMPTY_DOCUMENT_SCORE, dtype=weights.dtype, device=chunk.device)
+    if length_normalize:
+        counts = tile_mask.sum(1, keepdim=True).clamp(min=1).to(weights.dtype)
+        weights, fill = weights / counts, fill / counts
+    tokens = chunk[start:stop, :width].reshape(-1, chunk.shape[-1])
+    return _QueryTile(c, start, stop, row, tokens, weights, fill)
+
+
+def _tile_rows(queries: Sequence[Tensor], documents: Sequence[Sequence[Tensor]], product_bytes: int,
+               keep_bytes: int, keep_per_query: int) -> tuple[int, int]:
+    """Rows per document tile and per query tile: one tile's product fits ``product_bytes``, and one query tile's
+    kept scores and argmax (``keep_per_query`` bytes a query) fit ``keep_bytes``."""
     lq = max(q.shape[1] for q in queries)
     ld = max(d.shape[1] for column in documents for d in column)
     itemsize = queries[0].element_size()
-    doc_rows = max(1, min(DOC_ROWS, budget_bytes // max(1, lq * ld * itemsize)))
-    query_rows = max(1, budget_bytes // max(1, lq * doc_rows * ld * itemsize))
-    return doc_rows, query_rows
+    doc_rows = max(1, min(DOC_ROWS, product_bytes // max(1, lq * ld * itemsize)))
+    query_rows = max(1, product_bytes // max(1, lq * doc_rows * ld * itemsize))
+    return doc_rows, max(1, min(query_rows, keep_bytes // max(1, keep_per_query)))
 
 
-def _tile_scores(query: _QueryTile, doc: _DocTile, *, argmax: bool) -> tuple[Tensor, Tensor | None]:
-    """The tile's MaxSim scores ``(bq, bd)`` in ``accumulate(dtype)``, sentence-transformers' score where a document is empty; with
-    ``argmax``, the document token each query token's maximum is at ``(bq, Lq, bd)``, as positions of ``doc.tokens``."""
+def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor | None) -> None:
+    """The tile's MaxSim scores into ``scores`` ``(bq, bd)`` (``accumulate(dtype)``), sentence-transformers' score
+    where a document is empty; and, given ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum
+    is at, as positions of ``doc.tokens``."""
     bq, lq = query.weights.shape
     bd, ld = doc.tokens.shape[:2]
     product = _thread_buffer(bq * lq * bd * ld, query.tokens.dtype, query.tokens.device)
     product = product.view(bq * lq, bd * ld)
     torch.mm(query.tokens, doc.tokens.view(bd * ld, -1).T, out=product)
     per_token = product.view(bq, lq, bd, ld)
-    if argmax:
-        maxima, where = per_token.max(-1)
+    if where is not None:
+        maxima, at = per_token.max(-1)
+        where.copy_(at)
     else:
-        maxima, where = per_token.amax(-1), None
-    scores = torch.einsum("qtd,qt->qd", maxima.to(query.weights.dtype), query.weights)
-    if doc.empty is not None:
-        scores = torch.where(doc.empty, query.fill, scores)
-    return scores, where
-
-
-def _positives(query: _QueryTile, doc: _DocTile, offset: int) -> tuple[slice, slice] | None:
-    """Where query rows' positives fall in a tile of the first document column: ``(query rows, document rows)``
-    within the tile, or None. Query ``i`` (local) is paired with the first column's global row ``offset + i``."""
-    lo = max(doc.first_row, offset + query.row)
-    hi = min(doc.first_row + (doc.stop - doc.start), offset + query.row + (query.stop - query.start))
-    if lo >= hi:
-        return None
-    q0, d0 = lo - offset - query.row, lo - doc.first_row
-    return slice(q0, q0 + hi - lo), slice(d0, d0 + hi - lo)
+        maxima = per_token.amax(-1)
+    tile = torch.einsum("qtd,qt->qd", maxima.to(query.weights.dtype), query.weights)
+    scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,9 @@ class MaxSimCall:
     """One loss-stage call's inputs. ``queries``: row chunks ``(b, Lq, D)`` with masks ``(b, Lq)`` (bool);
     ``documents``: columns, each a list of row chunks ``(r, Ld, D)`` with masks. Column ``n``'s global row ``j`` is
     score column ``j * N + n``; query ``i``'s label is the first column's row ``offset + i``. Scores are multiplied by
-    ``scale``; with ``length_normalize`` (MeanMaxSim) divided by the query's real token count first."""
+    ``scale``; with ``length_normalize`` (MeanMaxSim) divided by the query's real token count first.
+    ``budget_bytes`` bounds the stage's working memory: half for one tile's token products, half for what a row
+    block of queries keeps between its two sweeps (``keep_bytes``)."""
 
     queries: Sequence[Tensor]
     query_masks: Sequence[Tensor]
@@ -166,55 +172,117 @@ class MaxSimCall:
     length_normalize: bool
     offset: int
     budget_bytes: int
-    #: Keep each tile's scores and argmax from the forward for the backward, instead of recomputing its product.
-    keep: bool = False
 
     @property
     def n_queries(self) -> int:
         return sum(q.shape[0] for q in self.queries)
 
-    def tiles(self) -> tuple[int, list[_QueryTile]]:
-        """Rows per document tile, and the query tiles."""
-        doc_rows, query_rows = _tile_rows(self.queries, self.documents, self.budget_bytes)
-        return doc_rows, _query_tiles(self.queries, self.query_masks, query_rows, self.length_normalize)
+    @property
+    def n_documents(self) -> int:
+        return sum(d.shape[0] for column in self.documents for d in column)
+
+    def tiles(self, with_grad: bool) -> tuple[int, Iterator[list[_QueryTile]]]:
+        """Rows per document tile, and the row blocks of query tiles (``_query_tiles``)."""
+        lq = max(q.shape[1] for q in self.queries)
+        ld = max(d.shape[1] for column in self.documents for d in column)
+        per_query = kept_bytes(1, self.n_documents, lq, ld, self.queries[0].shape[2], self.queries[0].dtype,
+                               with_grad)
+        product, keep = self.budget_bytes - self.budget_bytes // 2, self.budget_bytes // 2
+        doc_rows, query_rows = _tile_rows(self.queries, self.documents, product, keep, per_query)
+        return doc_rows, _query_tiles(self.queries, self.query_masks, query_rows, keep, per_query,
+                                      self.length_normalize)
 
     def document_tiles(self, doc_rows: int) -> Iterator[tuple[int, _DocTile]]:
-        """Every document tile, with its column."""
+        """Every document tile with its column, column after column: the order in which ``maxsim_forward``
+        concatenates a query's scores (the first column's row ``j`` at position ``j``)."""
         for n, (column, masks) in enumerate(zip(self.documents, self.document_masks)):
             for doc in _document_tiles(column, masks, doc_rows):
                 yield n, doc
 
 
-def maxsim_forward(call: MaxSimCall) -> tuple[Tensor, Tensor, Tensor, list[tuple[Tensor, Tensor]] | None]:
-    """The mean loss over the local queries, each query's softmax normaliser as its largest logit ``peak`` and the
-    sum of ``exp(logit - peak)``, and with ``call.keep`` each tile's scores and argmax (for ``maxsim_backward``).
+#: The gradients of every query chunk and of every document chunk, column by column, in ``accumulate(dtype)``.
+Gradients = tuple[list[Tensor], list[list[Tensor]]]
 
-    The normaliser stays in two parts, as a softmax does: the softmax of a query's largest logit is then
-    ``1 / sum`` exactly, not ``exp(logit - log-sum-exp)``, whose rounding (an ulp of the log-sum-exp) would swamp
-    the gradient of a query that already ranks its positive far above the rest.
+
+def maxsim_forward(call: MaxSimCall, with_grad: bool) -> tuple[Tensor, Gradients | None]:
+    """The mean loss over the local queries and, ``with_grad``, its gradients (``maxsim_backward`` scales them).
+
+    A row block of queries is swept twice. The first sweep computes every tile of the block against every document
+    and keeps the tiles' scores and (``with_grad``) argmax: a byte per query token and document (up to 256 document
+    tokens). The block's softmax is then exact: each query's largest logit ``peak`` and ``total``, the sum of
+    ``exp(logit - peak)``, so the softmax of the largest logit is ``1 / total`` exactly, not
+    ``exp(logit - log-sum-exp)``, whose rounding (an ulp of the log-sum-exp) would swamp the gradient of a query that
+    already ranks its positive far above the rest. The second sweep sends each score's gradient
+    ``scale / B * (softmax - label)`` along the kept argmax: to each query token, the document token where its maximum
+    is, and back (``_tile_backward``). No tile's product is computed twice, and what is held between the sweeps is
+    bounded by the budget (``MaxSimCall.tiles``), whatever the batch.
     """
-    doc_rows, q_tiles = call.tiles()
-    device = call.queries[0].device
-    dtype = accumulate(call.queries[0].dtype)
-    peak = torch.full((call.n_queries,), float("-inf"), dtype=dtype, device=device)
-    total = torch.zeros(call.n_queries, dtype=dtype, device=device)
-    positive = torch.zeros(call.n_queries, dtype=dtype, device=device)
-    kept = [] if call.keep else None
+    doc_rows, blocks = call.tiles(with_grad)
+    device, dtype = call.queries[0].device, accumulate(call.queries[0].dtype)
+    losses = torch.empty(call.n_queries, dtype=dtype, device=device)
+    grads = None
+    if with_grad:
+        grads = ([torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries],
+                 [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents])
+    for block in blocks:
+        _row_block(call, block, doc_rows, losses, grads)
+    return losses.mean(), grads
+
+
+def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor,
+               grads: Gradients | None) -> None:
+    """One row block's two sweeps (``maxsim_forward``): its queries' losses into ``losses`` and, given ``grads``,
+    their gradients added into it. Everything it holds is freed when it returns, before the next block's."""
+    device, dtype = losses.device, losses.dtype
+    lq = max(q.shape[1] for q in call.queries)
+    index = _index_dtype(max(d.shape[1] for column in call.documents for d in column))
+    first, rows = block[0].row, sum(query.weights.shape[0] for query in block)
+    spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in block]
+    # The block's scores against every document of every column (the first column's row j at position j) and the
+    # argmax of each query token: all that is kept between the sweeps. A document tile is prepared in each.
+    scores = torch.empty(rows, call.n_documents, dtype=dtype, device=device)
+    where = torch.zeros(rows, lq, call.n_documents, dtype=index, device=device) if grads is not None else None
+    for (_, doc), cols in _column_spans(call, doc_rows):
+        for query, span in zip(block, spans):
+            _tile_scores(query, doc, scores[span, cols],
+                         None if where is None else where[span, :query.weights.shape[1], cols])
+    local = torch.arange(rows, device=device)
+    labels = call.offset + first + local
+    logits = scores.mul_(call.scale)
+    peak = logits.amax(1, keepdim=True)
+    label_logits = logits[local, labels]
+    softmax = logits.sub_(peak).exp_()  # in place: the scores are not needed again
+    total = softmax.sum(1, keepdim=True)
+    losses[first:first + rows] = (peak + torch.log(total)).squeeze(1) - label_logits
+    if grads is None:
+        return
+    unit = call.scale / call.n_queries
+    grad = softmax.mul_(unit / total)
+    grad[local, labels] -= unit
+    # The block's query tokens and weights, padded to Lq with zero weights (their argmax is 0, a real position), and
+    # the gradient of its query tokens.
+    tokens = torch.zeros(rows, lq, call.queries[0].shape[2], dtype=dtype, device=device)
+    weights = torch.zeros(rows, lq, dtype=dtype, device=device)
+    for query, span in zip(block, spans):
+        width = query.weights.shape[1]
+        tokens[span, :width] = query.tokens.view(-1, width, tokens.shape[2])
+        weights[span, :width] = query.weights
+    into_queries = torch.zeros_like(tokens)
+    q_grads, d_grads = grads
+    for (n, doc), cols in _column_spans(call, doc_rows):
+        into_queries += _tile_backward(doc, grad[:, cols], where[:, :, cols], tokens, weights, d_grads[n][doc.chunk])
+    for query, span in zip(block, spans):
+        width = query.weights.shape[1]
+        q_grads[query.chunk][query.start:query.stop, :width] += into_queries[span, :width]
+
+
+def _column_spans(call: MaxSimCall, doc_rows: int) -> Iterator[tuple[tuple[int, _DocTile], slice]]:
+    """Every document tile with its column (``MaxSimCall.document_tiles``), and its documents' positions among a
+    query's scores."""
+    start = 0
     for n, doc in call.document_tiles(doc_rows):
-        for query in q_tiles:
-            scores, where = _tile_scores(query, doc, argmax=call.keep)
-            if kept is not None:
-                kept.append((scores, where.to(_index_dtype(doc.tokens.shape[1]))))
-            logits = scores * call.scale
-            rows = slice(query.row, query.row + logits.shape[0])
-            new_peak = torch.maximum(peak[rows], logits.amax(1))
-            total[rows] = total[rows] * torch.exp(peak[rows] - new_peak) + torch.exp(logits - new_peak[:, None]).sum(1)
-            peak[rows] = new_peak
-            pairs = _positives(query, doc, call.offset) if n == 0 else None
-            if pairs is not None:
-                q_rows, d_rows = pairs
-                positive[query.row + q_rows.start:query.row + q_rows.stop] = logits[q_rows, d_rows].diagonal()
-    return (peak + torch.log(total) - positive).mean(), peak, total, kept
+        yield (n, doc), slice(start, start + doc.stop - doc.start)
+        start += doc.stop - doc.start
 
 
 def _index_dtype(width: int) -> torch.dtype:
@@ -222,65 +290,61 @@ def _index_dtype(width: int) -> torch.dtype:
     return torch.uint8 if width <= 256 else torch.int16 if width <= 2**15 else torch.int32
 
 
-def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int,
-               dtype: torch.dtype) -> int:
-    """The bytes that ``MaxSimCall.keep`` holds between the passes: a score and an argmax per query token for every
-    query and document (at most; trimmed tiles hold less)."""
+#: Bytes per (query token, document) of a document tile's backward (``_tile_backward``): the weight, the token
+#: index, its sort order and bag, the reordered weight, and ``embedding_bag``'s bag of each index.
+_BACKWARD_BYTES = 4 + 8 + 8 + 8 + 4 + 8
+
+
+def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int, dim: int,
+               dtype: torch.dtype, with_grad: bool) -> int:
+    """The bytes that ``maxsim_forward`` holds for a row block of ``n_queries`` queries: a score per document (which
+    becomes its gradient); ``with_grad`` also an argmax per query token and document, the block's query tokens and
+    their gradient in ``accumulate(dtype)``, and a document tile's backward temporaries (``_BACKWARD_BYTES`` per
+    query token and document of the tile, and the gathered rows)."""
+    acc = torch.empty(0, dtype=accumulate(dtype)).element_size()
+    if not with_grad:
+        return n_queries * n_documents * acc
     index = torch.empty(0, dtype=_index_dtype(document_tokens)).element_size()
-    return n_queries * n_documents * (query_tokens * index + torch.empty(0, dtype=accumulate(dtype)).element_size())
+    tile = query_tokens * (DOC_ROWS * _BACKWARD_BYTES + dim * acc)
+    return n_queries * (n_documents * (query_tokens * index + acc) + 2 * query_tokens * dim * acc + tile)
 
 
-def maxsim_backward(call: MaxSimCall, peak: Tensor, total: Tensor, grad_output: float,
-                    kept: list[tuple[Tensor, Tensor]] | None = None) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """The gradients of ``grad_output`` times the loss, for every query chunk and every document chunk (in
-    ``accumulate(dtype)``), from the softmax normaliser of ``maxsim_forward`` and, if it kept them, its tiles'
-    scores and argmax (else each tile's product is computed again)."""
-    doc_rows, q_tiles = call.tiles()
-    device = call.queries[0].device
-    dtype = peak.dtype
-    q_grads = [torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries]
-    d_grads = [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents]
-    unit = grad_output * call.scale / call.n_queries
-    tiles = iter(kept) if kept is not None else None
-    for n, doc in call.document_tiles(doc_rows):
-        _tile_backward(doc, q_tiles, d_grads[n][doc.chunk], q_grads, (peak, total), unit, call.scale,
-                       call.offset if n == 0 else None, tiles)
-    return q_grads, d_grads
+def maxsim_backward(call: MaxSimCall, grads: Gradients, grad_output: float) -> Gradients:
+    """The gradients of ``grad_output`` times the loss, from those of ``maxsim_forward`` (the loss's own)."""
+    if grad_output == 1.0:
+        return grads
+    q_grads, d_grads = grads
+    return [g * grad_output for g in q_grads], [[g * grad_output for g in column] for column in d_grads]
 
 
-def _tile_backward(doc: _DocTile, q_tiles: list[_QueryTile], doc_grad: Tensor, q_grads: list[Tensor],
-                   normaliser: tuple[Tensor, Tensor], unit: float, scale: float, offset: int | None,
-                   kept: Iterator[tuple[Tensor, Tensor]] | None) -> None:
-    """One document tile's share of the gradients: against every query tile, each score's gradient
-    ``unit * (softmax - label)`` sent along the argmax of each query token, to the query token (the document token's
-    vector, gathered) and to the document token (the query token's vector, scattered)."""
-    peak, total = normaliser
+def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, weights: Tensor,
+                   doc_grad: Tensor) -> Tensor:
+    """One document tile's share of the gradients of a row block of queries (``tokens`` ``(R, Lq, D)``, ``weights``
+    ``(R, Lq)``): each score's gradient (``grad``, ``(R, bd)``) sent along the kept argmax of each query token
+    (``where``, ``(R, Lq, bd)``), to the document token (the query token's vector, scattered into ``doc_grad``) and
+    to the query token (the document token's vector, gathered: returned, ``(R, Lq, D)``). An empty document's score
+    is a constant: it sends nothing."""
     bd, ld, dim = doc.tokens.shape
-    doc_tokens = doc.tokens.view(bd * ld, dim).to(peak.dtype).requires_grad_()
-    column_base = torch.arange(bd, device=doc_tokens.device) * ld
-    doc_acc = torch.zeros(bd * ld, dim, dtype=peak.dtype, device=doc_tokens.device)
-    for query in q_tiles:
-        scores, where = _tile_scores(query, doc, argmax=True) if kept is None else next(kept)
-        rows = slice(query.row, query.row + scores.shape[0])
-        grad = torch.exp(scores * scale - peak[rows, None]) * (unit / total[rows, None])
-        pairs = _positives(query, doc, offset) if offset is not None else None
-        if pairs is not None:
-            q_rows, d_rows = pairs
-            grad[q_rows, d_rows] -= torch.eye(q_rows.stop - q_rows.start, dtype=grad.dtype, device=grad.device) * unit
-        if doc.empty is not None:
-            grad = grad.masked_fill(doc.empty, 0.0)
-        bq, lq = query.weights.shape
-        weights = (grad.unsqueeze(1) * query.weights.unsqueeze(2)).reshape(bq * lq, bd)
-        index = (where.long() + column_base).reshape(bq * lq, bd)
-        with torch.enable_grad():
-            gathered = F.embedding_bag(index, doc_tokens, per_sample_weights=weights, mode="sum")
-            (into_doc,) = torch.autograd.grad(gathered, doc_tokens, query.tokens.to(peak.dtype))
-        q_grads[query.chunk][query.start:query.stop, :lq] += gathered.detach().view(bq, lq, dim)
-        doc_acc += into_doc
+    rows, lq = weights.shape
+    if doc.empty is not None:
+        grad = grad.masked_fill(doc.empty, 0.0)
+    per_token = (grad.unsqueeze(1) * weights.unsqueeze(2)).reshape(-1)
+    column_base = torch.arange(bd, device=grad.device) * ld
+    index = (where.long() + column_base).reshape(-1)  # the document token row of each (query token, document)
+    doc_tokens = doc.tokens.view(bd * ld, dim).to(grad.dtype)
+    gathered = F.embedding_bag(index.view(rows * lq, bd), doc_tokens, per_sample_weights=per_token.view(rows * lq, bd),
+                               mode="sum")
+    # The transpose: a bag per document token, of the query tokens whose maximum it is (sorted stably, so the sums
+    # run in a fixed order).
+    order = index.argsort(stable=True)
+    counts = torch.bincount(index, minlength=bd * ld)
+    into_doc = F.embedding_bag(order // bd, tokens.view(rows * lq, dim), counts.cumsum(0) - counts,
+                               per_sample_weights=per_token[order], mode="sum")
     target = doc_grad[doc.start:doc.stop]
     if doc.remap is None:
-        target[:, :ld] += doc_acc.view(bd, ld, dim)
+        target[:, :ld] += into_doc.view(bd, ld, dim)
     else:
         flat = target.view(bd * target.shape[1], dim)
         positions = doc.remap + torch.arange(bd, device=flat.device).unsqueeze(1) * target.shape[1]
-        flat.index_add_(0, positions.reshape(-1), doc_acc)
+        flat.index_add_(0, positions.reshape(-1), into_doc)
+    return gathered.view(rows, lq, dim)

@@ -15,7 +15,7 @@ from ..numerics import compute_dtype
 from ..ties import rank_ids
 from .options import GistOptions
 
-__all__ = ["check_embeddings", "check_text_ids", "column_name", "rows"]
+__all__ = ["check_embeddings", "check_finite", "check_text_ids", "column_name", "rows"]
 
 
 def column_name(index: int) -> str:
@@ -81,6 +81,23 @@ def _check_group(columns: object, arg: str, all_anchors: bool = False) -> list[l
 def rows(chunks: Sequence[Tensor]) -> int:
     """Rows of a column given as row chunks."""
     return sum(t.shape[0] for t in chunks)
+
+
+def check_finite(named: Sequence[tuple[str, Tensor]]) -> None:
+    """Raise a ValueError naming the first tensor of ``named`` (``(name, tensor)`` pairs) that holds a NaN or an
+    infinity, with one host sync and no copy of any tensor.
+
+    A NaN or an infinity makes its tensor's sum non-finite (one fast reduction each, in its compute dtype). A sum can
+    also overflow, so only a tensor whose sum is not finite gets the exact test. The sums meet in the widest of their
+    dtypes (float64 only when an input is float64)."""
+    with torch.no_grad():
+        wide = functools.reduce(torch.promote_types, (compute_dtype(t.dtype) for _, t in named))
+        sums = torch.stack([t.sum(dtype=compute_dtype(t.dtype)).to(wide) for _, t in named])
+    suspect = ~sums.isfinite()
+    if bool(suspect.any()):
+        for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
+            if not bool(t.isfinite().all()):
+                raise ValueError(f"{where} contains NaN or infinite values")
 
 
 def check_text_ids(text_ids: object, student: list[list[Tensor]], all_anchors: bool = False) -> list[Tensor]:
@@ -164,17 +181,4 @@ def _check_finite_and_shapes(student: list[list[Tensor]], guide: list[list[Tenso
         raise ValueError(
             f"matryoshka_dims {too_large} exceed the student embedding dimension D={dim} of embeddings[0]"
         )
-    # One host sync for all columns and chunks: a NaN or an infinity makes its chunk's sum non-finite (one
-    # fast reduction per chunk). A sum can also overflow, so only a chunk with a non-finite sum gets the
-    # exact test, which names it. Each side's chunks share a dtype, so each side's sums stack as they are, and
-    # the two sides meet in the wider of their sums' dtypes (float64 only when an input is float64).
-    with torch.no_grad():
-        n_student = sum(map(len, student))
-        sides = [side for side in (named[:n_student], named[n_student:]) if side]
-        wide = functools.reduce(torch.promote_types, (compute_dtype(side[0][1].dtype) for side in sides))
-        sums = [torch.stack([t.sum(dtype=compute_dtype(t.dtype)) for _, t in side]).to(wide) for side in sides]
-    suspect = ~torch.cat(sums).isfinite()
-    if bool(suspect.any()):
-        for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
-            if not bool(t.isfinite().all()):
-                raise ValueError(f"{where} contains NaN or infinite values")
+    check_finite(named)

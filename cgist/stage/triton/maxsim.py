@@ -1,11 +1,11 @@
 """Launchers for the MaxSim kernels (``cgist.kernels.maxsim``): the streaming MaxSim loss stage on Triton, tensors in,
 tensors out (docs/design.md#late-interaction).
 
-``maxsim_forward_triton`` and ``maxsim_backward_triton`` have the contract of ``cgist.stage.pytorch.maxsim``'s
-``maxsim_forward`` and ``maxsim_backward``: a ``MaxSimCall`` in; the mean loss and each query's softmax normaliser as
-``(peak, total)`` out of the forward; the gradients of every query chunk and every document chunk, in
-``accumulate(dtype)`` (fp32, fp64 for fp64 inputs) and the chunks' shapes, out of the backward. ``budget_bytes`` is
-not read: no kernel holds more than one chunk of token products.
+``maxsim_forward_triton`` takes a ``MaxSimCall`` (``cgist.stage.pytorch.maxsim``) and returns the mean loss and each
+query's softmax normaliser as ``(peak, total)``; ``maxsim_backward_triton`` takes them back and returns the gradients
+of every query chunk and every document chunk, in ``accumulate(dtype)`` (fp32, fp64 for fp64 inputs) and the chunks'
+shapes, as the PyTorch stage's ``maxsim_forward`` and ``maxsim_backward`` do. No kernel holds more than one tile of
+token products; ``budget_bytes`` bounds the backward's one buffer, the logits' gradients of a slab of queries.
 
 The chunks are packed first (``_pack``): the kernels read one contiguous tensor per side, so the query chunks are
 concatenated into ``(B, Lq, D)`` and the document chunks, column after column, into ``(M, Ld, D)``, each chunk's
@@ -15,10 +15,13 @@ chunks in place). The gradients come back as views of the packed gradients, one 
 * forward: ``maxsim_fwd_kernel`` over ``(query, block of BLOCK_M documents)`` writes each block's partial normaliser;
   they are combined here in a fixed order (``_combine``). ``maxsim_label_kernel`` computes the label logits with the
   same code.
-* backward: ``maxsim_dq_kernel`` (a program per query, over every document) and ``maxsim_dd_kernel`` (a program per
-  document, over every query) recompute the maxima, take their tokens, and gather or scatter the gradients.
+* backward, for each slab of queries (all of them when their ``(rows, M)`` logits' gradients fit ``budget_bytes``):
+  ``maxsim_grad_kernel`` writes the slab's logits' gradients, ``maxsim_dq_kernel`` (a program per query and token
+  block, over every document) gathers the query gradients, and ``maxsim_dd_kernel`` (a program per document, over the
+  slab's queries) adds the slab's document gradients. Each recomputes the maxima it needs.
 
-Everything is deterministic (no atomics) and reads no value on the host.
+Each kernel's tiles, warps and pipeline stages are ``launch_configs``'s (bench/aot_compile.py compiles them for every
+architecture: none spills). Everything is deterministic (no atomics) and reads no value on the host.
 """
 
 from __future__ import annotations
@@ -35,27 +38,118 @@ from cgist.kernels.maxsim import (
     maxsim_dd_kernel,
     maxsim_dq_kernel,
     maxsim_fwd_kernel,
+    maxsim_grad_kernel,
     maxsim_label_kernel,
 )
+from cgist.stage.devices import Arch
 
 from .launch import TL_DTYPES, _arch, _device_constant, _launch_device, input_precision
 
 if TYPE_CHECKING:
     from cgist.stage.pytorch.maxsim import MaxSimCall
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "maxsim_backward_triton", "maxsim_forward_triton"]
+__all__ = ["BLOCK_M", "EMPTY_DOCUMENT_SCORE", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "Launch", "launch_configs",
+           "maxsim_backward_triton", "maxsim_forward_triton", "shared_memory_estimate"]
 
 #: sentence-transformers' score of a document without any real token (``cgist.stage.pytorch.maxsim``'s).
 EMPTY_DOCUMENT_SCORE = -1e9
-#: Documents per forward program: enough that a program's loop amortises loading its query.
+#: Documents per forward (and logit-gradient) program: enough that a program's loop amortises its launch.
 BLOCK_M = 32
 #: The largest chunk of document tokens per product (the least is 16, ``tl.dot``'s smallest).
 MAX_BLOCK_T = 64
+#: The kernels, by name, in launch order.
+KERNELS = {k.__name__: k for k in (
+    maxsim_fwd_kernel, maxsim_label_kernel, maxsim_grad_kernel, maxsim_dq_kernel, maxsim_dd_kernel)}
+
+# Tiles per operand kind (``_kind``) and kernel: (BLOCK_Q query tokens, BLOCK_K features, warps, stages), with
+# BLOCK_T = MAX_BLOCK_T document tokens at most. Measured with bench/aot_compile.py (sm_70 to sm_120, 32 and 128 query
+# tokens, 128 features): every kernel holds one (32, 64) product tile and a slice of each side, so one config serves
+# every architecture of a kind. tf32x3 splits its operands in registers and takes 16 features a slice (the query
+# gradient at 32 spills 56 B at 255 registers on sm_80 to sm_120). Below sm_80 (FMA loops, no asynchronous copies)
+# one stage. The document-gradient kernel takes one stage everywhere: no load of its rows of ``dd`` is issued ahead
+# of the barrier that orders it after the previous update's writes.
+_ALL = ("maxsim_fwd_kernel", "maxsim_label_kernel", "maxsim_grad_kernel", "maxsim_dq_kernel", "maxsim_dd_kernel")
+_TILES: dict[str, dict[str, tuple[int, int, int, int]]] = {
+    kind: {name: (32, block_k, 4, 1 if name == "maxsim_dd_kernel" or kind.startswith("fma") else 2) for name in _ALL}
+    for kind, block_k in (("half", 32), ("tf32", 32), ("tf32x3", 16), ("fma-half", 16), ("fma", 16))
+}
+#: ``.maxnreg`` of every kernel: the register limit per thread, stated. Without it ptxas settles some of them on 96,
+#: 128 or 168 registers (more programs per SM) and spills 4 to 40 B (the bf16 forward at 128 query tokens on sm_90, the
+#: fp32 query gradient on sm_75); with it none spills, the largest taking 225 registers (Triton 3.9).
+MAX_REGISTERS = 255
+
+
+def _kind(dtype: torch.dtype, precision: str, arch: Arch | None) -> str:
+    """The operands as the tile tables part them: half (bf16, fp16), tf32 or tf32x3 on the tensor cores, "fma-half"
+    and "fma" (fp32, fp64) on FMA loops (below sm_80, and fp64)."""
+    tensor_cores = (arch is None or arch.mma) and dtype != torch.float64
+    half = dtype in (torch.bfloat16, torch.float16)
+    if not tensor_cores:
+        return "fma-half" if half else "fma"
+    return "half" if half else precision
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's launch: its constexprs (beyond the pointers and sizes), warps and pipeline stages."""
+
+    meta: dict
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = MAX_REGISTERS
+
+    @property
+    def tiles(self) -> str:
+        """As the compile tables write it (``LQ`` aside): ``Q32xT64xK32[xM32]-w4-s2[-r255]``."""
+        m = self.meta
+        tiles = f"Q{m['BLOCK_Q']}xT{m['BLOCK_T']}xK{m['BLOCK_K']}" + (f"xM{m['BLOCK_M']}" if "BLOCK_M" in m else "")
+        return f"{tiles}-w{self.num_warps}-s{self.num_stages}" + (f"-r{self.maxnreg}" if self.maxnreg else "")
+
+
+def shared_memory_estimate(launch: Launch, dtype: torch.dtype) -> int:
+    """An upper bound on the shared memory (bytes) of a kernel compiled with ``launch`` for ``dtype`` inputs: the
+    staged slices of the products, ``max(1, num_stages) * (BLOCK_Q + BLOCK_T) * BLOCK_K * e`` (``e`` the inputs'
+    element size; Triton keeps ``num_stages - 1`` buffers with mma.sync and FMA loops, ``num_stages`` with wgmma and
+    tcgen05), beside the document-gradient kernel's operands in ``ACC``, ``(BLOCK_Q + BLOCK_K) * BLOCK_Q * a``, and
+    1 KiB for barriers and alignment. bench/aot_compile.py checks it against every binary it builds."""
+    m = launch.meta
+    e = torch.empty(0, dtype=dtype).element_size()
+    a = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    products = max(1, launch.num_stages) * (m["BLOCK_Q"] + m["BLOCK_T"]) * m["BLOCK_K"] * e
+    return products + (m["BLOCK_Q"] + m["BLOCK_K"]) * m["BLOCK_Q"] * a + 1024
+
+
+def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim: int, *,
+                   block_tokens: int | None = None, block_query_tokens: int | None = None,
+                   block_features: int | None = None, block_docs: int = BLOCK_M) -> dict[str, Launch]:
+    """Each kernel's ``Launch`` for inputs of ``dtype`` on ``arch`` (None: the interpreter, taken as tensor cores),
+    ``lq`` query tokens, ``ld`` document tokens and ``dim`` features.
+
+    ``LQ`` and ``BLOCK_D`` are ``lq`` and ``dim`` padded to powers of two (at least 16, ``tl.dot``'s smallest);
+    ``BLOCK_T`` the widest document's tokens, at most ``MAX_BLOCK_T``. ``block_tokens`` (``BLOCK_T``),
+    ``block_query_tokens`` (``BLOCK_Q``), ``block_features`` (``BLOCK_K``) and ``block_docs`` (``BLOCK_M``) override
+    the tiles (powers of two of at least 16, but ``block_docs``): tests make them small."""
+    precision = input_precision(dtype, arch)
+    acc = torch.promote_types(dtype, torch.float32)
+    big_lq = max(16, triton.next_power_of_2(lq))
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_t = max(16, block_tokens or min(MAX_BLOCK_T, triton.next_power_of_2(ld)))
+    launches = {}
+    for name, (block_q, block_k, warps, stages) in _TILES[_kind(dtype, precision, arch)].items():
+        meta = dict(ACC=TL_DTYPES[acc], PRECISION=precision, LQ=big_lq,
+                    BLOCK_Q=min(big_lq, block_query_tokens or block_q), BLOCK_D=block_d,
+                    BLOCK_K=min(block_d, block_features or block_k), BLOCK_T=block_t)
+        if name in ("maxsim_fwd_kernel", "maxsim_grad_kernel"):
+            meta["BLOCK_M"] = block_docs
+        if name == "maxsim_dq_kernel":  # its grid spans the token blocks
+            del meta["LQ"]
+        launches[name] = Launch(meta, warps, stages)
+    return launches
 
 
 @dataclass
 class _Packed:
-    """A call's inputs as the kernels read them (``cgist.kernels.maxsim``: Layout), with the tile sizes."""
+    """A call's inputs as the kernels read them (``cgist.kernels.maxsim``: Layout), with the launches."""
 
     queries: Tensor  # (B, Lq, D), contiguous, the inputs' dtype
     weights: Tensor  # (B, Lq) acc: the mask, divided by the real token count under MeanMaxSim
@@ -64,15 +158,27 @@ class _Packed:
     doc_mask: Tensor  # (M, Ld) int8
     widths: Tensor  # (M,) int32: the last real token + 1, 0 for a document without one
     acc: torch.dtype
-    meta: dict  # the kernels' constexprs
+    launches: dict[str, Launch]
 
     @property
     def shape_args(self) -> dict:
         return dict(lq=self.queries.shape[1], ld=self.documents.shape[1], dim=self.queries.shape[2])
 
-    def pointers(self, scalars: Tensor) -> dict:
-        return dict(q_ptr=self.queries, w_ptr=self.weights, fill_ptr=self.fill, d_ptr=self.documents,
-                    dmask_ptr=self.doc_mask, width_ptr=self.widths, scalars_ptr=scalars)
+    def pointers(self, scalars: Tensor | None = None) -> dict:
+        pointers = dict(q_ptr=self.queries, w_ptr=self.weights, d_ptr=self.documents, dmask_ptr=self.doc_mask,
+                        width_ptr=self.widths)
+        return pointers if scalars is None else dict(pointers, fill_ptr=self.fill, scalars_ptr=scalars)
+
+    def launch(self, kernel, grid: tuple, **args) -> None:
+        """``kernel`` on ``grid`` with ``args`` and its ``Launch``."""
+        launch = self.launches[kernel.__name__]
+        kernel[grid](**args, **launch.meta, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                     maxnreg=launch.maxnreg)
+
+    def blocks(self, kernel) -> int:
+        """How many token blocks ``kernel``'s ``BLOCK_Q`` cuts the padded queries into."""
+        meta = self.launches[kernel.__name__].meta
+        return triton.cdiv(max(16, triton.next_power_of_2(self.queries.shape[1])), meta["BLOCK_Q"])
 
 
 def _padded(chunks: list[Tensor], width: int) -> Tensor:
@@ -80,8 +186,8 @@ def _padded(chunks: list[Tensor], width: int) -> Tensor:
     return torch.cat([F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]).contiguous()
 
 
-def _pack(call: MaxSimCall, block_tokens: int | None) -> _Packed:
-    """Concatenate and pad the chunks (module docstring); the weights, fills and widths; the tile sizes."""
+def _pack(call: MaxSimCall, tiles: dict) -> _Packed:
+    """Concatenate and pad the chunks (module docstring); the weights, fills and widths; the launches."""
     acc = torch.promote_types(call.queries[0].dtype, torch.float32)
     lq = max(q.shape[1] for q in call.queries)
     doc_chunks = [d for column in call.documents for d in column]
@@ -98,12 +204,8 @@ def _pack(call: MaxSimCall, block_tokens: int | None) -> _Packed:
     doc_mask = _padded(doc_masks, ld)
     positions = torch.arange(1, ld + 1, dtype=torch.int32, device=doc_mask.device)
     widths = torch.where(doc_mask, positions, 0).amax(1).to(torch.int32)
-    if block_tokens is None:
-        block_tokens = min(MAX_BLOCK_T, triton.next_power_of_2(ld))
-    meta = dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(queries.dtype, _arch(queries.device)),
-                LQ=max(16, triton.next_power_of_2(lq)), BLOCK_D=max(16, triton.next_power_of_2(queries.shape[2])),
-                BLOCK_T=max(16, block_tokens))
-    return _Packed(queries, weights.contiguous(), fill, documents, doc_mask.to(torch.int8), widths, acc, meta)
+    launches = launch_configs(queries.dtype, _arch(queries.device), lq, ld, queries.shape[2], **tiles)
+    return _Packed(queries, weights.contiguous(), fill, documents, doc_mask.to(torch.int8), widths, acc, launches)
 
 
 def _scalars(scale: float, unit: float, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -120,15 +222,18 @@ def _combine(peaks: Tensor, totals: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def maxsim_forward_triton(call: MaxSimCall, *, block_tokens: int | None = None,
-                          block_docs: int = BLOCK_M) -> tuple[Tensor, Tensor, Tensor]:
+def maxsim_forward_triton(call: MaxSimCall, *, block_tokens: int | None = None, block_docs: int = BLOCK_M,
+                          block_query_tokens: int | None = None,
+                          block_features: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The mean loss over the queries, and each query's softmax normaliser as its largest logit ``peak`` and the sum
-    of ``exp(logit - peak)`` (for ``maxsim_backward_triton``), as ``cgist.stage.pytorch.maxsim.maxsim_forward``.
+    of ``exp(logit - peak)`` (for ``maxsim_backward_triton``).
 
-    ``block_tokens`` (document tokens per product, a power of two of at least 16; None: the widest document's,
-    at most ``MAX_BLOCK_T``) and ``block_docs`` (documents per forward program) are the tiles: tests make them small.
+    ``block_tokens`` (document tokens per product), ``block_docs`` (documents per forward program),
+    ``block_query_tokens`` (query tokens per product) and ``block_features`` (features per ``tl.dot``) override the
+    tiles of ``launch_configs``: tests make them small.
     """
-    packed = _pack(call, block_tokens)
+    packed = _pack(call, dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
+                              block_features=block_features))
     batch, n_docs = packed.queries.shape[0], packed.documents.shape[0]
     device = packed.queries.device
     scalars = _scalars(call.scale, 0.0, packed.acc, device)
@@ -137,45 +242,52 @@ def maxsim_forward_triton(call: MaxSimCall, *, block_tokens: int | None = None,
     totals = torch.empty(batch, n_blocks, dtype=packed.acc, device=device)
     labels = torch.empty(batch, dtype=packed.acc, device=device)
     with _launch_device(device):
-        maxsim_fwd_kernel[(batch, n_blocks)](
-            **packed.pointers(scalars), peak_ptr=peaks, total_ptr=totals, n_docs=n_docs, **packed.shape_args,
-            BLOCK_M=block_docs, **packed.meta,
-        )
-        maxsim_label_kernel[(batch,)](
-            **packed.pointers(scalars), label_ptr=labels, offset=call.offset, **packed.shape_args, **packed.meta,
-        )
+        packed.launch(maxsim_fwd_kernel, (batch, n_blocks), **packed.pointers(scalars), peak_ptr=peaks,
+                      total_ptr=totals, n_docs=n_docs, **packed.shape_args)
+        packed.launch(maxsim_label_kernel, (batch,), **packed.pointers(scalars), label_ptr=labels,
+                      offset=call.offset, **packed.shape_args)
     peak, total = _combine(peaks, totals)
     return (peak + torch.log(total) - labels).mean(), peak, total
 
 
 @torch.no_grad()
 def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_output: float, *,
-                           block_tokens: int | None = None) -> tuple[list[Tensor], list[list[Tensor]]]:
+                           block_tokens: int | None = None, block_docs: int = BLOCK_M,
+                           block_query_tokens: int | None = None, block_features: int | None = None,
+                           block_queries: int | None = None) -> tuple[list[Tensor], list[list[Tensor]]]:
     """The gradients of ``grad_output`` times the loss, for every query chunk and every document chunk (in
-    ``accumulate(dtype)``, the chunks' shapes), from the softmax normaliser of ``maxsim_forward_triton``, as
-    ``cgist.stage.pytorch.maxsim.maxsim_backward``."""
-    packed = _pack(call, block_tokens)
+    ``accumulate(dtype)``, the chunks' shapes), from the softmax normaliser of ``maxsim_forward_triton``.
+
+    The queries go in slabs of ``block_queries`` (None: as many as the slab's ``(rows, M)`` logits' gradients fit
+    ``call.budget_bytes``, at least one); the other tiles as ``maxsim_forward_triton``'s."""
+    packed = _pack(call, dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
+                              block_features=block_features))
     batch, n_docs = packed.queries.shape[0], packed.documents.shape[0]
     device = packed.queries.device
     scalars = _scalars(call.scale, grad_output * call.scale / batch, packed.acc, device)
     peak, total = peak.to(packed.acc).contiguous(), total.to(packed.acc).contiguous()
     dq = torch.zeros(packed.queries.shape, dtype=packed.acc, device=device)  # padding rows stay 0
     dd = torch.zeros(packed.documents.shape, dtype=packed.acc, device=device)  # the kernel adds into it
+    if block_queries is None:
+        block_queries = call.budget_bytes // max(1, n_docs * packed.acc.itemsize)
+    rows = max(1, min(batch, block_queries))
+    grads = torch.empty(rows, n_docs, dtype=packed.acc, device=device)
     with _launch_device(device):
-        maxsim_dq_kernel[(batch,)](
-            **packed.pointers(scalars), peak_ptr=peak, total_ptr=total, dq_ptr=dq, n_docs=n_docs, offset=call.offset,
-            **packed.shape_args, **packed.meta,
-        )
-        maxsim_dd_kernel[(n_docs,)](
-            **packed.pointers(scalars), peak_ptr=peak, total_ptr=total, dd_ptr=dd, n_queries=batch,
-            offset=call.offset, **packed.shape_args, **packed.meta,
-        )
+        for start in range(0, batch, rows):
+            n = min(rows, batch - start)
+            packed.launch(maxsim_grad_kernel, (n, triton.cdiv(n_docs, block_docs)), **packed.pointers(scalars),
+                          peak_ptr=peak, total_ptr=total, g_ptr=grads, n_docs=n_docs, offset=call.offset,
+                          q_start=start, **packed.shape_args)
+            packed.launch(maxsim_dq_kernel, (n, packed.blocks(maxsim_dq_kernel)), **packed.pointers(), g_ptr=grads,
+                          dq_ptr=dq, n_docs=n_docs, q_start=start, **packed.shape_args)
+            packed.launch(maxsim_dd_kernel, (n_docs,), **packed.pointers(), g_ptr=grads, dd_ptr=dd, n_docs=n_docs,
+                          n_rows=n, q_start=start, **packed.shape_args)
     q_grads = [g[:, : q.shape[1]] for g, q in zip(dq.split([q.shape[0] for q in call.queries]), call.queries)]
     d_grads, row = [], 0
     for column in call.documents:
-        grads = []
+        grads_ = []
         for d in column:
-            grads.append(dd[row : row + d.shape[0], : d.shape[1]])
+            grads_.append(dd[row : row + d.shape[0], : d.shape[1]])
             row += d.shape[0]
-        d_grads.append(grads)
+        d_grads.append(grads_)
     return q_grads, d_grads
