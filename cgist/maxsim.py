@@ -5,8 +5,9 @@ The loss of sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss``: 
 document of every column is MaxSim (for each real query token, the largest dot product with a real document token,
 summed in float32), or MeanMaxSim (divided by the query's real token count); a document with no real token scores
 ``-1e9`` (divided likewise); the scores times ``scale`` go into a cross-entropy whose label is the first column's row
-``offset + i``; the loss is the mean over the queries. It is computed by the streaming stage
-(``cgist.stage.pytorch.maxsim``), which never holds the scores of more than one tile.
+``offset + i``; the loss is the mean over the queries. With a guide, GIST's mask leaves out the candidates that
+the guide scores above each query's threshold (docs/design.md#the-guide-for-late-interaction). It is computed by the
+streaming stage (``cgist.stage.pytorch.maxsim``), which never holds the scores of more than one row block of queries.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from torch.autograd.function import once_differentiable
 
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
-from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall
+from .stage.numerics import normalize
+from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, MaxSimGuide, accumulate
 from .stage.spec.checks import check_finite
+from .stage.spec.options import MARGIN_STRATEGIES
+from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
 
@@ -99,12 +103,113 @@ class MaxSimLossFunction(torch.autograd.Function):
         return (None, None, None, *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
 
 
+def _guide(guide: object, guide_masks: object, guide_length_normalize: object, margin: object,
+           margin_strategy: object, text_ids: object, mask_duplicates: object, heights: list[int], n_queries: int,
+           offset: int, budget: int, device: torch.device, dtype: torch.dtype) -> MaxSimGuide | None:
+    """``maxsim_loss``'s guide arguments, checked, as the stage's ``MaxSimGuide`` (None where nothing masks)."""
+    if not isinstance(mask_duplicates, bool):
+        raise TypeError(f"mask_duplicates must be a bool, got {type(mask_duplicates).__name__}")
+    ids = None
+    if text_ids is not None:
+        if isinstance(text_ids, (Tensor, str, bytes)) or not isinstance(text_ids, Sequence) \
+                or len(text_ids) != 1 + len(heights):
+            raise ValueError(f"text_ids must be a list of one id tensor per column (the queries, then the "
+                             f"{len(heights)} document columns)")
+        for n, (t, rows) in enumerate(zip(text_ids, [n_queries, *heights])):
+            if not isinstance(t, Tensor) or t.shape != (rows,) or t.is_floating_point() or t.is_complex():
+                raise ValueError(f"text_ids[{n}] must be an integer tensor of shape ({rows},), got "
+                                 f"{t.dtype if isinstance(t, Tensor) else type(t).__name__} of shape "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        ids = [t.to(device=device, dtype=torch.int64) for t in text_ids]
+    if mask_duplicates and ids is None:
+        raise ValueError("mask_duplicates needs text_ids: one id per text of each column, equal for equal texts")
+    if guide is None and not mask_duplicates:
+        return None
+    if margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    common = dict(margin=float(margin), relative=margin_strategy == "relative", mask_duplicates=mask_duplicates,
+                  query_ids=None if ids is None else ids[0],
+                  document_ids=None if ids is None else torch.cat(ids[1:]),
+                  counters=torch.zeros(3, dtype=torch.int64, device=device))
+    if guide is None or isinstance(guide, str):
+        if guide not in (None, "self"):
+            raise ValueError(f"guide must be 'self', the guide's columns or None, got {guide!r}")
+        return MaxSimGuide(guide or "none", sums=torch.zeros(2, dtype=accumulate(dtype), device=device), **common)
+    if isinstance(guide, Tensor) or not isinstance(guide, Sequence) or len(guide) != 1 + len(heights):
+        raise ValueError(f"guide must be 'self', None, or a list of the guide's columns: the queries', then the "
+                         f"{len(heights)} document columns' (each a tensor or a list of row chunks)")
+    columns = [_chunks(g, f"guide[{n}]") for n, g in enumerate(guide)]
+    ndim = columns[0][0].dim()
+    if ndim == 2:  # a single-vector guide: the cosine of its embeddings
+        if guide_masks is not None:
+            raise ValueError("guide_masks are for a multi-vector guide's (rows, tokens, dim) columns; this guide's "
+                             "columns are (rows, dim) embeddings")
+        whole = []
+        for n, (chunks, rows) in enumerate(zip(columns, [n_queries, *heights])):
+            if any(c.dim() != 2 or not c.is_floating_point() for c in chunks):
+                raise ValueError(f"guide[{n}] must be floating (rows, dim) embeddings like guide[0], got "
+                                 f"{[tuple(c.shape) for c in chunks]}")
+            column = torch.cat(chunks).detach().to(device)
+            if column.shape[0] != rows or column.shape[1] != columns[0][0].shape[1]:
+                raise ValueError(f"guide[{n}] must have shape ({rows}, {columns[0][0].shape[1]}), got "
+                                 f"{tuple(column.shape)}")
+            whole.append(column)
+        check_finite([(f"guide[{n}]", c) for n, c in enumerate(whole)])
+        wide = accumulate(whole[0].dtype)
+        vectors = [normalize(c, wide)[0] for c in whole]
+        return MaxSimGuide("vectors", vectors=(vectors[0], torch.cat(vectors[1:])),
+                           sums=torch.zeros(2, dtype=wide, device=device), **common)
+    if ndim != 3:
+        raise ValueError(f"guide[0] must be (rows, dim) embeddings or (rows, tokens, dim) token embeddings, got shape "
+                         f"{tuple(columns[0][0].shape)}")
+    if isinstance(guide_masks, Tensor) or not isinstance(guide_masks, Sequence) or len(guide_masks) != len(columns):
+        raise ValueError(f"a multi-vector guide needs guide_masks: one mask per guide column ({len(columns)}), each "
+                         "a tensor or a list of row chunks as the column")
+    if not isinstance(guide_length_normalize, bool):
+        raise TypeError(f"guide_length_normalize must be a bool, got {type(guide_length_normalize).__name__}")
+    chunks = [[c.detach() for c in column] for column in columns]
+    q_masks, rows, named = _check_side(chunks[0], _chunks(guide_masks[0], "guide_masks[0]"), "guide[0]",
+                                       "guide_masks[0]", None, None, device)
+    dim, guide_dtype = chunks[0][0].shape[2], chunks[0][0].dtype
+    d_masks = []
+    for n, column in enumerate(chunks[1:], 1):
+        checked, height, more = _check_side(column, _chunks(guide_masks[n], f"guide_masks[{n}]"), f"guide[{n}]",
+                                            f"guide_masks[{n}]", dim, guide_dtype, device)
+        if height != heights[n - 1]:
+            raise ValueError(f"guide[{n}] has {height} rows, but documents[{n - 1}] has {heights[n - 1]}")
+        d_masks.append(checked)
+        named += more
+    if rows != n_queries:
+        raise ValueError(f"guide[0] has {rows} rows, but the queries have {n_queries}")
+    check_finite(named)
+    tokens = MaxSimCall(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget)
+    return MaxSimGuide("tokens", tokens=tokens, sums=torch.zeros(2, dtype=accumulate(guide_dtype), device=device),
+                       **common)
+
+
+def _stats(guide: MaxSimGuide | None, n_queries: int, heights: list[int]) -> GistStats:
+    """What the guide masked in the call (``GistStats``: AP, the first column, its labels left out; AN, the
+    others)."""
+    first, others = heights[0], sum(heights[1:])
+    candidates = {"ap": n_queries * (first - 1), **({"an": n_queries * others} if others else {})}
+    if guide is None:
+        return GistStats({k: 0 for k in candidates}, candidates, 0, n_queries, None, None)
+    counts, sums = guide.counters.tolist(), guide.sums.tolist()
+    masked = {"ap": counts[0], **({"an": counts[1]} if others else {})}
+    means = (None, None) if guide.kind == "none" else (sums[0] / n_queries, sums[1] / n_queries)
+    return GistStats(masked, candidates, counts[2], n_queries, *means)
+
+
 def maxsim_loss(
     queries: Tensor | Sequence[Tensor], query_mask: Tensor | Sequence[Tensor],
     documents: Sequence[Tensor | Sequence[Tensor]], document_masks: Sequence[Tensor | Sequence[Tensor]], *,
-    scale: float = 1.0, length_normalize: bool = False, offset: int = 0, block_bytes: int | None = None,
-    backend: str = "auto",
-) -> Tensor:
+    scale: float = 1.0, length_normalize: bool = False, offset: int = 0, guide: object = None,
+    guide_masks: Sequence[Tensor | Sequence[Tensor]] | None = None, guide_length_normalize: bool = False,
+    margin: float = 0.0, margin_strategy: str = "absolute", text_ids: Sequence[Tensor] | None = None,
+    mask_duplicates: bool = False, block_bytes: int | None = None, backend: str = "auto", return_stats: bool = False,
+) -> Tensor | tuple[Tensor, GistStats]:
     """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
 
     Args:
@@ -116,13 +221,29 @@ def maxsim_loss(
         scale: multiplies the scores (sentence-transformers' ``scale``, ``1 / temperature``).
         length_normalize: MeanMaxSim: each score divided by its query's real token count.
         offset: the first column's row of the first query's positive.
+        guide: GIST's guide, which leaves a query's candidates out of its softmax (``MaxSimGuide``): ``"self"`` (the
+            student's own scores, detached), the guide's columns, queries' then each document column's, as
+            ``(rows, Dg)`` embeddings (a single-vector guide: their cosine) or ``(rows, tokens, Dg)`` token
+            embeddings with ``guide_masks`` (a multi-vector guide: their MaxSim, MeanMaxSim with
+            ``guide_length_normalize``); None: no mask.
+        guide_masks, guide_length_normalize: a multi-vector guide's masks (chunked as its columns) and scoring.
+        margin, margin_strategy: how far below theta_i (the guide's score of query ``i`` with its positive) the
+            threshold lies: ``theta_i - margin`` (``"absolute"``) or ``theta_i - |theta_i| * margin``
+            (``"relative"``); a candidate strictly above it is masked.
+        text_ids: an integer id per text of each column (queries, then the document columns), equal for equal
+            texts: a candidate with the text of query ``i``'s positive ties with theta_i, masked exactly when
+            ``theta_i > T_i``, whatever the rounding of its guide score.
+        mask_duplicates: mask every candidate whose text is the query's or its positive's (with ``text_ids``), with
+            or without a guide.
         block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
             and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
-            stage elsewhere), ``"torch"`` or ``"triton"`` (docs/design.md#late-interaction).
+            stage elsewhere and for a guided loss), ``"torch"`` or ``"triton"`` (docs/design.md#late-interaction).
+        return_stats: also return what the guide masked (``GistStats``).
 
     Returns:
-        The mean loss, differentiable with respect to ``queries`` and ``documents``.
+        The mean loss, differentiable with respect to ``queries`` and ``documents`` (the guide gets no gradient);
+        with ``return_stats``, also its ``GistStats``.
     """
     requested_backend(backend)
     q_chunks = _chunks(queries, "queries")
@@ -160,9 +281,12 @@ def maxsim_loss(
         block_bytes = min(2 * tile, default_block_bytes(device, 2 * tile))  # below the dense stage's least default
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
-    stage = select_maxsim_stage(backend, device, dtype)
+    checked_guide = _guide(guide, guide_masks, guide_length_normalize, margin, margin_strategy, text_ids,
+                           mask_duplicates, heights, n_queries, int(offset), int(block_bytes), device, dtype)
+    stage = select_maxsim_stage(backend, device, dtype, guided=checked_guide is not None)
     call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
-                      int(block_bytes))
+                      int(block_bytes), checked_guide)
     tensors = [*q_chunks, *(x for column in d_chunks for x in column)]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return MaxSimLossFunction.apply(call, stage, with_grad, *tensors)
+    loss = MaxSimLossFunction.apply(call, stage, with_grad, *tensors)
+    return (loss, _stats(checked_guide, n_queries, heights)) if return_stats else loss

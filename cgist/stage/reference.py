@@ -22,8 +22,8 @@ from .numerics import guide_mask, normalize, threshold
 from .spec.options import GistOptions
 from .ties import TieIndex, tie_ids
 
-__all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "maxsim_loss_reference", "maxsim_scores_reference",
-           "score_groups"]
+__all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "maxsim_gist_loss_reference", "maxsim_loss_reference",
+           "maxsim_scores_reference", "score_groups"]
 
 
 @dataclass
@@ -203,3 +203,55 @@ def maxsim_loss_reference(queries: Tensor, query_mask: Tensor, documents: Sequen
     scores = maxsim_scores_reference(queries, query_mask, stacked, masks, length_normalize=length_normalize)
     labels = (torch.arange(queries.shape[0], device=queries.device) + offset) * n
     return torch.nn.functional.cross_entropy(scores * scale, labels)
+
+
+def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: Sequence[Tensor],
+                               document_masks: Sequence[Tensor], guide: object, *,
+                               guide_masks: Sequence[Tensor] | None = None, guide_length_normalize: bool = False,
+                               scale: float = 1.0, length_normalize: bool = False, offset: int = 0,
+                               margin: float = 0.0, relative: bool = False, text_ids: Sequence[Tensor] | None = None,
+                               mask_duplicates: bool = False) -> tuple[Tensor, Tensor]:
+    """The guided multi-vector loss, dense (``cgist.maxsim_loss`` with a guide), and its mask.
+
+    The columns are concatenated (column ``n``'s row ``j`` after every row of the columns before it: the order of the
+    mask, ``(B, M)``); query ``i``'s label is the first column's row ``offset + i``. The guide's score of every
+    (query, document) pair: ``"self"`` the student's MaxSim, detached; ``(rows, Dg)`` columns their cosine;
+    ``(rows, tokens, Dg)`` columns with ``guide_masks`` their MaxSim (MeanMaxSim with ``guide_length_normalize``);
+    None none. theta_i is the guide's score of query ``i`` with its label, ``T_i = theta_i - margin`` (``relative``:
+    ``theta_i - |theta_i| * margin``). Masked: a candidate the guide scores strictly above ``T_i``; instead, one with
+    the text of query ``i``'s positive (``text_ids``) exactly when ``theta_i > T_i``; with ``mask_duplicates`` every
+    candidate whose text is the query's or its positive's. Never: the label. The loss is the cross-entropy of the
+    scaled scores, masked out of the softmax, differentiable by plain autograd. Columns of different token widths are
+    padded to the widest.
+    """
+    scores = maxsim_scores_reference(queries, query_mask, *_cat_padded(documents, document_masks),
+                                     length_normalize=length_normalize)
+    rows = torch.arange(queries.shape[0], device=queries.device)
+    labels = rows + offset
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    ids = None if text_ids is None else torch.cat(list(text_ids[1:]))
+    if guide is not None:
+        if isinstance(guide, str):
+            score = scores.detach()
+        elif guide[0].dim() == 2:
+            score = normalize(guide[0])[0] @ normalize(torch.cat(list(guide[1:])))[0].T
+        else:
+            score = maxsim_scores_reference(guide[0], guide_masks[0], *_cat_padded(guide[1:], guide_masks[1:]),
+                                            length_normalize=guide_length_normalize)
+        theta = score[rows, labels].unsqueeze(1)
+        limit = theta - theta.abs() * margin if relative else theta - margin
+        mask = score > limit
+        if ids is not None:
+            mask = torch.where(ids == ids[labels].unsqueeze(1), theta > limit, mask)
+    if mask_duplicates:
+        mask |= (ids == text_ids[0].unsqueeze(1)) | (ids == ids[labels].unsqueeze(1))
+    mask[rows, labels] = False
+    logits = scores.masked_fill(mask, float("-inf")) * scale
+    return torch.nn.functional.cross_entropy(logits, labels), mask
+
+
+def _cat_padded(columns: Sequence[Tensor], masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Columns of token embeddings and their masks, one after the other, padded to the widest column's tokens."""
+    width = max(c.shape[1] for c in columns)
+    return (torch.cat([torch.nn.functional.pad(c, (0, 0, 0, width - c.shape[1])) for c in columns]),
+            torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks]))

@@ -343,14 +343,18 @@ def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
     return float(torch.stack(diffs).nan_to_num(math.inf).max())
 
 
-def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtype) -> MaxSimStage:
+def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtype,
+                        guided: bool = False) -> MaxSimStage:
     """The MaxSim stage for ``backend`` on ``device``: ``"torch"`` the PyTorch stage; ``"triton"`` the kernels (CUDA,
     or CPU tensors under the Triton interpreter), never checked; ``"auto"`` the kernels where the dense stage's would
     run (``auto_route``) once their first-use check on this device and dtype passed (``check_maxsim_kernels``, within
-    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying
-    why."""
+    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying why. A ``guided`` call (GIST's mask)
+    runs the PyTorch stage: the kernels take no guide."""
     backend = requested_backend(backend)
-    if backend == "torch":
+    if guided and backend == "triton":
+        raise ValueError("backend='triton': the MaxSim kernels take no guide; a guided multi-vector loss runs the "
+                         "PyTorch MaxSim stage (backend='torch' or 'auto')")
+    if backend == "torch" or guided:
         return _pytorch_maxsim()
     if backend == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

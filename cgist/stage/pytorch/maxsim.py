@@ -25,9 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..numerics import guide_mask, threshold
+from ..ties import TieIndex
 from .workspace import _thread_buffer
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSimCall", "accumulate", "kept_bytes", "maxsim_backward", "maxsim_forward"]
+__all__ = ["EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "MaxSimGuide", "accumulate", "kept_bytes",
+           "maxsim_backward", "maxsim_forward"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -155,6 +158,110 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
 
 
+#: What a guide scores each query's candidates with: a single-vector guide's cosines (``"vectors"``), a multi-vector
+#: guide's MaxSim (``"tokens"``), the student's own scores, detached (``"self"``), or nothing (``"none"``: only
+#: ``mask_duplicates`` masks).
+GUIDE_KINDS = ("vectors", "tokens", "self", "none")
+
+
+@dataclass(frozen=True)
+class MaxSimGuide:
+    """GIST's guide over the multi-vector loss (docs/design.md#the-guide-for-late-interaction): query ``i``'s
+    candidate is masked when the guide scores it strictly above ``T_i``, the threshold below theta_i (the guide's
+    score of ``i`` with its positive) by ``margin`` (``relative``: by ``|theta_i| * margin``); a candidate that is the
+    text of ``i``'s positive (``document_ids``) ties with theta_i and is masked exactly when ``theta_i > T_i``; with
+    ``mask_duplicates`` every candidate whose text is the query's or its positive's is masked; the label never is.
+
+    ``vectors``: ``"vectors"``' normalised query and document embeddings, ``(B, Dg)`` and ``(M, Dg)`` in the order of
+    the scores (column after column); ``tokens``: ``"tokens"``' token embeddings as a call over the same rows (its
+    ``scale`` 1). ``counters`` (int64, 3) and ``sums`` (2) are filled by each forward: entries masked in the first
+    column (the label left out) and in the others, queries left with their label alone; the sums of theta_i and T_i.
+    """
+
+    kind: str
+    margin: float
+    relative: bool
+    vectors: tuple[Tensor, Tensor] | None = None
+    tokens: MaxSimCall | None = None
+    query_ids: Tensor | None = None  # (B,) a text id per query
+    document_ids: Tensor | None = None  # (M,) a text id per document, in the order of the scores
+    mask_duplicates: bool = False
+    counters: Tensor | None = None
+    sums: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDE_KINDS:
+            raise ValueError(f"kind must be one of {GUIDE_KINDS}, got {self.kind!r}")
+        if (self.kind == "vectors") != (self.vectors is not None) or (self.kind == "tokens") != (self.tokens is not None):
+            raise ValueError(f"a {self.kind!r} guide takes {'vectors' if self.kind == 'vectors' else 'tokens'} "
+                             "and nothing else")
+        if self.mask_duplicates and (self.query_ids is None or self.document_ids is None):
+            raise ValueError("mask_duplicates needs query_ids and document_ids")
+        ties = None if self.document_ids is None else TieIndex(self.document_ids)
+        object.__setattr__(self, "ties", ties)
+
+    def block_mask(self, call: MaxSimCall, first: int, scores: Tensor) -> Tensor:
+        """The mask of queries ``first:first + len(scores)`` (True: left out), from the guide's scores of the block
+        (``scores``, the student's, for ``"self"``); the counters and sums updated."""
+        rows = scores.shape[0]
+        local = torch.arange(rows, device=scores.device)
+        labels = call.offset + first + local
+        partner = None if self.document_ids is None else self.document_ids[labels]
+        if self.kind == "none":
+            mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        else:
+            if self.kind == "self":
+                guide = scores
+            elif self.kind == "vectors":
+                queries, documents = self.vectors
+                guide = queries[first:first + rows] @ documents.T
+            else:
+                guide = torch.empty_like(scores)
+                _block_scores(self.tokens, first, guide)
+            theta = guide[local, labels].unsqueeze(1)
+            limit = threshold(theta, self.margin, self.relative)
+            ties = ((torch.empty(0, dtype=torch.long, device=scores.device),) * 2 if self.ties is None
+                    else self.ties.pairs(partner, 0, guide.shape[1]))
+            mask = guide_mask(guide, limit, theta > limit, ties)
+            self.sums[0] += theta.sum().to(self.sums.dtype)
+            self.sums[1] += limit.sum().to(self.sums.dtype)
+        if self.mask_duplicates:
+            own = self.query_ids[first:first + rows].unsqueeze(1)
+            mask |= (self.document_ids == own) | (self.document_ids == partner.unsqueeze(1))
+        mask[local, labels] = False
+        first_column = sum(d.shape[0] for d in call.documents[0])
+        self.counters[0] += mask[:, :first_column].sum()
+        self.counters[1] += mask[:, first_column:].sum()
+        self.counters[2] += (mask.sum(1) == mask.shape[1] - 1).sum()
+        return mask
+
+
+def _block_scores(call: MaxSimCall, first: int, out: Tensor) -> None:
+    """The MaxSim scores of ``call``'s queries ``first:first + len(out)`` against all its documents, into ``out``
+    (as ``maxsim_forward``'s first sweep computes the student's, without the argmax)."""
+    stop = first + out.shape[0]
+    product = call.budget_bytes - call.budget_bytes // 2
+    doc_rows, query_rows = _tile_rows(call.queries, call.documents, product, product, 1)
+    tiles, row = [], 0
+    for c, (chunk, mask) in enumerate(zip(call.queries, call.query_masks)):
+        lo, hi = max(first, row), min(stop, row + chunk.shape[0])
+        tiles += [_query_tile(chunk, mask, c, start - row, min(start + query_rows, hi) - row, start,
+                              call.length_normalize) for start in range(lo, hi, query_rows)]
+        row += chunk.shape[0]
+    _sweep_scores(call, doc_rows, tiles, first, out, None)
+
+
+def _sweep_scores(call: MaxSimCall, doc_rows: int, tiles: list[_QueryTile], first: int, scores: Tensor,
+                  where: Tensor | None) -> None:
+    """Every tile of the query tiles ``tiles`` (rows from ``first``) against every document of ``call``: the
+    scores into ``scores`` and, given ``where``, the argmax (``_tile_scores``); each document tile prepared once."""
+    spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in tiles]
+    for (_, doc), cols in _column_spans(call, doc_rows):
+        for query, span in zip(tiles, spans):
+            _tile_scores(query, doc, scores[span, cols],
+                         None if where is None else where[span, :query.weights.shape[1], cols])
+
+
 @dataclass(frozen=True)
 class MaxSimCall:
     """One loss-stage call's inputs. ``queries``: row chunks ``(b, Lq, D)`` with masks ``(b, Lq)`` (bool);
@@ -162,7 +269,8 @@ class MaxSimCall:
     score column ``j * N + n``; query ``i``'s label is the first column's row ``offset + i``. Scores are multiplied by
     ``scale``; with ``length_normalize`` (MeanMaxSim) divided by the query's real token count first.
     ``budget_bytes`` bounds the stage's working memory: half for one tile's token products, half for what a row
-    block of queries keeps between its two sweeps (``keep_bytes``)."""
+    block of queries keeps between its two sweeps (``keep_bytes``). ``guide``: GIST's guide, which masks each query's
+    candidates (None: none is masked)."""
 
     queries: Sequence[Tensor]
     query_masks: Sequence[Tensor]
@@ -172,6 +280,7 @@ class MaxSimCall:
     length_normalize: bool
     offset: int
     budget_bytes: int
+    guide: MaxSimGuide | None = None
 
     @property
     def n_queries(self) -> int:
@@ -186,7 +295,7 @@ class MaxSimCall:
         lq = max(q.shape[1] for q in self.queries)
         ld = max(d.shape[1] for column in self.documents for d in column)
         per_query = kept_bytes(1, self.n_documents, lq, ld, self.queries[0].shape[2], self.queries[0].dtype,
-                               with_grad)
+                               with_grad, None if self.guide is None else self.guide.kind)
         product, keep = self.budget_bytes - self.budget_bytes // 2, self.budget_bytes // 2
         doc_rows, query_rows = _tile_rows(self.queries, self.documents, product, keep, per_query)
         return doc_rows, _query_tiles(self.queries, self.query_masks, query_rows, keep, per_query,
@@ -221,6 +330,9 @@ def maxsim_forward(call: MaxSimCall, with_grad: bool) -> tuple[Tensor, Gradients
     device, dtype = call.queries[0].device, accumulate(call.queries[0].dtype)
     losses = torch.empty(call.n_queries, dtype=dtype, device=device)
     grads = None
+    if call.guide is not None:
+        call.guide.counters.zero_()
+        call.guide.sums.zero_()
     if with_grad:
         grads = ([torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries],
                  [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents])
@@ -242,10 +354,9 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
     # argmax of each query token: all that is kept between the sweeps. A document tile is prepared in each.
     scores = torch.empty(rows, call.n_documents, dtype=dtype, device=device)
     where = torch.zeros(rows, lq, call.n_documents, dtype=index, device=device) if grads is not None else None
-    for (_, doc), cols in _column_spans(call, doc_rows):
-        for query, span in zip(block, spans):
-            _tile_scores(query, doc, scores[span, cols],
-                         None if where is None else where[span, :query.weights.shape[1], cols])
+    _sweep_scores(call, doc_rows, block, first, scores, where)
+    if call.guide is not None:  # a masked score leaves the softmax, and its gradient is zero
+        scores.masked_fill_(call.guide.block_mask(call, first, scores), float("-inf"))
     local = torch.arange(rows, device=device)
     labels = call.offset + first + local
     logits = scores.mul_(call.scale)
@@ -296,17 +407,19 @@ _BACKWARD_BYTES = 4 + 8 + 8 + 8 + 4 + 8
 
 
 def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int, dim: int,
-               dtype: torch.dtype, with_grad: bool) -> int:
+               dtype: torch.dtype, with_grad: bool, guide: str | None = None) -> int:
     """The bytes that ``maxsim_forward`` holds for a row block of ``n_queries`` queries: a score per document (which
-    becomes its gradient); ``with_grad`` also an argmax per query token and document, the block's query tokens and
-    their gradient in ``accumulate(dtype)``, and a document tile's backward temporaries (``_BACKWARD_BYTES`` per
-    query token and document of the tile, and the gathered rows)."""
+    becomes its gradient), and with a guide of kind ``guide`` its mask and (but for ``"self"``) its scores;
+    ``with_grad`` also an argmax per query token and document, the block's query tokens and their gradient in
+    ``accumulate(dtype)``, and a document tile's backward temporaries (``_BACKWARD_BYTES`` per query token and
+    document of the tile, and the gathered rows)."""
     acc = torch.empty(0, dtype=accumulate(dtype)).element_size()
+    guided = 0 if guide is None else n_queries * n_documents * (1 + (0 if guide == "self" else acc))
     if not with_grad:
-        return n_queries * n_documents * acc
+        return n_queries * n_documents * acc + guided
     index = torch.empty(0, dtype=_index_dtype(document_tokens)).element_size()
     tile = query_tokens * (DOC_ROWS * _BACKWARD_BYTES + dim * acc)
-    return n_queries * (n_documents * (query_tokens * index + acc) + 2 * query_tokens * dim * acc + tile)
+    return n_queries * (n_documents * (query_tokens * index + acc) + 2 * query_tokens * dim * acc + tile) + guided
 
 
 def maxsim_backward(call: MaxSimCall, grads: Gradients, grad_output: float) -> Gradients:
