@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         FusedCachedMultiVectorMultipleNegativesRankingLoss,
         FusedMultiVectorMultipleNegativesRankingLoss,
     )
+    from .losses.multi_vector_gist import FusedCachedMultiVectorGISTLoss, FusedMultiVectorGISTLoss
     from .losses.precompute import add_guide_embeddings
     from .losses.ranking import (
         FusedCachedMultipleNegativesRankingLoss,
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [
     "FusedCachedGISTLoss", "FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
-    "FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedGISTEmbedLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
+    "FusedCachedMultiVectorGISTLoss", "FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedGISTEmbedLoss",
+    "FusedMultiVectorGISTLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
     "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss",
     "GistOptions", "GistStats", "GuideStatsCallback",
     "add_guide_embeddings", "gist_loss", "maxsim_loss", "__version__",
@@ -56,7 +58,8 @@ _LAZY = {"FusedCachedGISTLoss": "losses.gist", "FusedGISTEmbedLoss": "losses.gis
          "FusedMultipleNegativesSymmetricRankingLoss": "losses.ranking", "GuideStatsCallback": "losses.callbacks",
          "add_guide_embeddings": "losses.precompute",
          "FusedCachedMultiVectorMultipleNegativesRankingLoss": "losses.multi_vector",
-         "FusedMultiVectorMultipleNegativesRankingLoss": "losses.multi_vector"}
+         "FusedMultiVectorMultipleNegativesRankingLoss": "losses.multi_vector",
+         "FusedCachedMultiVectorGISTLoss": "losses.multi_vector_gist", "FusedMultiVectorGISTLoss": "losses.multi_vector_gist"}
 
 
 def __getattr__(name: str):

@@ -172,3 +172,13 @@ def run_loss(loss, model: SentenceTransformer, columns: list[list[str]], seed: i
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return value.detach(), grads
+
+
+#: A small retrieval batch for the multi-vector drop-ins: queries, their documents and one hard negative each.
+QUERIES = ["what is the capital of france", "who painted the mona lisa", "how do plants make food",
+           "boiling point of water at sea level", "fastest land animal"]
+DOCUMENTS = ["Paris is the capital and largest city of France.", "Leonardo da Vinci painted the Mona Lisa.",
+             "Plants make food by photosynthesis, using light, water and carbon dioxide.",
+             "At sea level water boils at 100 degrees Celsius.", "The cheetah is the fastest land animal."]
+NEGATIVES = ["Berlin is the capital of Germany.", "Van Gogh painted The Starry Night.", "Animals eat plants.",
+             "Water freezes at zero degrees.", "The sloth is very slow."]

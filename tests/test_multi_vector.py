@@ -31,6 +31,7 @@ from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, m
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
+from helpers_models import DOCUMENTS, NEGATIVES, QUERIES  # noqa: E402
 
 
 @functools.cache
@@ -220,13 +221,6 @@ def test_fuzz_the_cached_drop_in_against_sentence_transformers(seed, batch, nega
         torch.testing.assert_close(a, b, rtol=2e-5, atol=atol)
 
 
-QUERIES = ["what is the capital of france", "who painted the mona lisa", "how do plants make food",
-           "boiling point of water at sea level", "fastest land animal"]
-DOCUMENTS = ["Paris is the capital and largest city of France.", "Leonardo da Vinci painted the Mona Lisa.",
-             "Plants make food by photosynthesis, using light, water and carbon dioxide.",
-             "At sea level water boils at 100 degrees Celsius.", "The cheetah is the fastest land animal."]
-NEGATIVES = ["Berlin is the capital of Germany.", "Van Gogh painted The Starry Night.", "Animals eat plants.",
-             "Water freezes at zero degrees.", "The sloth is very slow."]
 
 
 def _features(model, columns):

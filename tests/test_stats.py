@@ -277,7 +277,7 @@ def test_callback_logs_guide_keys_ahead_of_reporting(student32, tiny_guide32, tm
 
 
 def test_callback_needs_a_fused_loss():
-    with pytest.raises(TypeError, match="loss must be a FusedCachedGISTLoss or a FusedGISTEmbedLoss, got str"):
+    with pytest.raises(TypeError, match="loss must be a guided drop-in .*, got str"):
         cgist.GuideStatsCallback("loss")
 
 
@@ -285,7 +285,7 @@ def test_warns_once_when_most_anchors_keep_only_their_positive(student32, tiny_g
     model, guide = student32, tiny_guide32
     loss = cgist.FusedCachedGISTLoss(model, guide, mini_batch_size=4, margin=5.0)  # masks every candidate
     features = [model.preprocess(texts) for texts in (_dataset(8)["anchor"], _dataset(8)["positive"])]
-    with caplog.at_level(logging.WARNING, logger="cgist.losses.gist"):
+    with caplog.at_level(logging.WARNING, logger="cgist.losses.guided"):
         for _ in range(2):
             loss(features, None).backward()
     warnings = [r for r in caplog.records if "have every candidate but their positive masked" in r.getMessage()]

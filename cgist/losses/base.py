@@ -60,7 +60,7 @@ class StepInputs:
     embeddings (``guide="labels"``) and the texts' ids (``text_fingerprints``). ``FusedDropIn.reading`` holds them for
     the duration of the step."""
 
-    guide: list[Tensor] | None = None
+    guide: object = None
     text_ids: list[Tensor] | None = None
 
 
@@ -194,6 +194,9 @@ class FusedDropIn:
     deprecation: str | None = None
     #: The family: the annotations of sentence-transformers' parameters that it takes more of (the GIST guide).
     argument_annotations: dict[str, str] = {}
+    #: The family: constructor parameters that sentence-transformers' class does not have (a guided family's guide and
+    #: margin), kept by ``_keep_arguments`` (``_parameters`` says where they go in the signature).
+    added_parameters: tuple[inspect.Parameter, ...] = ()
     #: The family: the model class its ``model`` argument must be.
     model_class: type = SentenceTransformer
     #: The family: whether it computes ``MatryoshkaLoss``'s dimensions in one loss stage (``FusedMatryoshka``); if
@@ -219,7 +222,8 @@ class FusedDropIn:
         if replaces is None:
             return
         cls.replaces = replaces
-        clash = sorted(set(_parameter_names(replaces)) & {option.name for option in cls.own_options()})
+        clash = sorted(set(_parameter_names(replaces, cls.added_parameters))
+                       & {option.name for option in cls.own_options()})
         if clash:
             raise TypeError(f"{replaces.__name__} takes {clash} itself, which are also options of cgist's table "
                             "(cgist.losses.options): this sentence-transformers release is not supported by this cgist")
@@ -239,7 +243,7 @@ class FusedDropIn:
         family's arguments kept as attributes, and every attribute checked as it is again at each call."""
         own = {option.name: kwargs.pop(option.name, option.default) for option in self.own_options()}
         try:
-            bound = _parameters(self.replaces).bind(self, *args, **kwargs)
+            bound = _parameters(self.replaces, self.added_parameters).bind(self, *args, **kwargs)
         except TypeError as error:
             raise TypeError(f"{type(self).__name__}(): {error}") from None
         bound.apply_defaults()
@@ -283,7 +287,7 @@ class FusedDropIn:
         """The attribute values the options are built from (``attribute_key``): sentence-transformers' constructor
         parameters, the family's and the step's attributes, cgist's own options, and the family's settings of
         objects held as attributes (``_family_key``)."""
-        names = dict.fromkeys([*_parameter_names(self.replaces), *self.family_attributes, *self.embedding_attributes,
+        names = dict.fromkeys([*_parameter_names(self.replaces, self.added_parameters), *self.family_attributes, *self.embedding_attributes,
                                *(option.name for option in self.own_options())])
         return (*attribute_key(self, names), *self._family_key())
 
@@ -441,14 +445,22 @@ _NO_INPUTS = StepInputs()
 
 
 @functools.cache
-def _parameters(replaces: type) -> inspect.Signature:
-    """The signature of ``replaces``'s constructor (``self`` first)."""
-    return inspect.signature(replaces.__init__)
+def _parameters(replaces: type, added: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
+    """The signature of ``replaces``'s constructor (``self`` first), with a family's ``added`` parameters: those that
+    may be positional right after ``model``, the keyword-only ones after sentence-transformers' own."""
+    signature = inspect.signature(replaces.__init__)
+    theirs = list(signature.parameters.values())
+    after_model = [p.name for p in theirs].index("model") + 1
+    keyword = [p for p in added if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    positional = [p for p in added if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    tail = [p for p in theirs[after_model:] if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    var_keyword = [p for p in theirs if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return signature.replace(parameters=[*theirs[:after_model], *positional, *tail, *keyword, *var_keyword])
 
 
-def _parameter_names(replaces: type) -> tuple[str, ...]:
-    """The names of ``replaces``'s constructor parameters, ``self`` left out."""
-    return tuple(_parameters(replaces).parameters)[1:]
+def _parameter_names(replaces: type, added: tuple[inspect.Parameter, ...] = ()) -> tuple[str, ...]:
+    """The names of the constructor parameters (``_parameters``), ``self`` left out."""
+    return tuple(_parameters(replaces, added).parameters)[1:]
 
 
 def _constructor(cls: type[FusedDropIn]) -> object:
@@ -461,7 +473,7 @@ def _constructor(cls: type[FusedDropIn]) -> object:
     own = [inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
                              annotation=option.annotation or inspect.Parameter.empty)
            for option in cls.own_options()]
-    signature = _parameters(cls.replaces)
+    signature = _parameters(cls.replaces, cls.added_parameters)
     theirs = [p.replace(annotation=cls.argument_annotations.get(p.name, p.annotation))
               for p in signature.parameters.values()]
     __init__.__signature__ = signature.replace(parameters=[*theirs, *own])

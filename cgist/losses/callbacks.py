@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ..stage.stats import BLOCKS, GistStats
-from .gist import GistFamily
+from .guided import GuidedFamily
 
 __all__ = ["GuideStatsCallback", "stats_logs"]
 
@@ -28,7 +28,7 @@ class GuideStatsCallback(TrainerCallback):
     """Adds the loss stage's guide statistics to the trainer's logs at every logging step.
 
     The entries are ``guide/masked_ap``, ``guide/masked_aa``, ``guide/masked_pp``, ``guide/masked_an`` (the share of
-    each block's entries the guide masked), ``guide/positive_only`` (the share of anchors left with only their
+    each block's entries the guide masked; a multi-vector loss has the first two only), ``guide/positive_only`` (the share of anchors left with only their
     positive) and ``guide/theta_mean``, over the training steps since the previous log. With
     ``gather_across_devices`` they are summed over ranks first. They reach every reporting integration
     (TensorBoard, W&B, ...) like the loss: at the start of training the callback moves itself ahead of them.
@@ -41,9 +41,10 @@ class GuideStatsCallback(TrainerCallback):
                                                  callbacks=[cgist.GuideStatsCallback(loss)])
     """
 
-    def __init__(self, loss: GistFamily) -> None:
-        if not isinstance(loss, GistFamily):
-            raise TypeError(f"loss must be a FusedCachedGISTLoss or a FusedGISTEmbedLoss, got {type(loss).__name__}")
+    def __init__(self, loss: GuidedFamily) -> None:
+        if not isinstance(loss, GuidedFamily):
+            raise TypeError("loss must be a guided drop-in (FusedCachedGISTLoss, FusedGISTEmbedLoss, "
+                            f"FusedCachedMultiVectorGISTLoss or FusedMultiVectorGISTLoss), got {type(loss).__name__}")
         self.loss = loss
         #: The statistics of every logged training step so far, as one.
         self.total: GistStats | None = None

@@ -5,77 +5,25 @@ hyperparameters checked, the settings it leaves to sentence-transformers' own lo
 
 from __future__ import annotations
 
-import logging
 import math
 import types
 from collections.abc import Mapping
 
 import torch
-from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss, GISTEmbedLoss
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
 
 from ..compat import release_rules
-from ..stage.spec.guide import LABELS, MODEL, NONE, SELF, GuideSource
+from ..stage.spec.guide import NONE, SELF
 from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real
 from ..stage.stats import GistStats
-from .base import FusedDropIn, StepInputs, attribute_key, text_fingerprints
+from .base import StepInputs, attribute_key, text_fingerprints
+from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedGISTLoss", "FusedGISTEmbedLoss", "GistFamily"]
-
-logger = logging.getLogger(__name__)
-
-
-def guide_source(guide: object) -> GuideSource:
-    """The source of a ``guide`` argument of ``FusedCachedGISTLoss`` (``cgist.stage.spec.guide``); anything else is an error."""
-    if guide is None:
-        return NONE
-    if isinstance(guide, SentenceTransformer):
-        return MODEL
-    if isinstance(guide, str) and guide in ("labels", "self"):
-        return LABELS if guide == "labels" else SELF
-    message = "guide must be a SentenceTransformer, 'labels', 'self' or None, got "
-    if isinstance(guide, str):
-        raise ValueError(message + repr(guide))
-    raise TypeError(message + type(guide).__name__)
-
-
-def label_guide(labels: object, n_columns: int, batch: int) -> list[Tensor]:
-    """The guide's columns from a batch's label tensor ``(batch, n_columns, Dg)``, checked."""
-    hint = ("guide='labels' takes the guide embeddings from the label column: a (batch, n_columns, Dg) tensor in "
-            "the order of the text columns (cgist.add_guide_embeddings(dataset, guide) adds it)")
-    if labels is None:
-        raise ValueError(f"{hint}; this batch has no labels")
-    if not isinstance(labels, Tensor) or not labels.is_floating_point():
-        what = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
-        raise TypeError(f"{hint}; got labels of {what}")
-    if labels.dim() != 3:
-        raise ValueError(f"{hint}; got labels of shape {tuple(labels.shape)}")
-    if labels.shape[0] != batch or labels.shape[1] != n_columns:
-        raise ValueError(f"{hint}; got shape {tuple(labels.shape)}, but the batch has {batch} rows and {n_columns} "
-                         f"text columns")
-    if labels.shape[2] == 0:
-        raise ValueError(f"{hint}; got an empty embedding dimension")
-    if not bool(torch.isfinite(labels).all()):
-        raise ValueError("the label column's guide embeddings contain NaN or infinite values")
-    return [labels[:, c] for c in range(n_columns)]
-
-
-def batch_rows(feature: dict[str, Tensor]) -> int:
-    """The texts in one column's features: the rows of its token ids (or of its first tensor), or the packed
-    sequences of ``cu_seq_lens_q``."""
-    if "cu_seq_lens_q" in feature:
-        return len(feature["cu_seq_lens_q"]) - 1
-    tensor = feature.get("input_ids")
-    if not isinstance(tensor, Tensor):
-        tensor = next((v for v in feature.values() if isinstance(v, Tensor) and v.dim()), None)
-    if tensor is None:
-        raise ValueError("guide='labels' checks the label tensor against the batch's rows, but these features hold "
-                         "no tensor")
-    return tensor.shape[0]
 
 
 def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
@@ -112,7 +60,7 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
     return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
 
 
-class GistFamily(FusedDropIn):
+class GistFamily(GuidedFamily):
     """The GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``): the guide's source, the options from
     sentence-transformers' GIST attributes and cgist's own, the guide's columns and the texts' ids read off a batch,
     the guide's statistics and the citations."""
@@ -120,23 +68,6 @@ class GistFamily(FusedDropIn):
     family = "gist"
     family_attributes = ("temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives")
     argument_annotations = {"guide": "SentenceTransformer | Literal['labels', 'self'] | None"}
-    _warned_positive_only = False
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
-            del self._modules["guide"]  # a guide model (or the student, see _for_sentence_transformers) gives way
-        super().__setattr__(name, value)
-
-    @property
-    def guide_source(self) -> GuideSource:
-        """Where ``guide`` takes the guide from (``cgist.stage.spec.guide``); a loss built without one (by
-        ``__new__``) takes the guide's embeddings from ``reps_guided``, as sentence-transformers does."""
-        return guide_source(getattr(self, "guide")) if hasattr(self, "guide") else MODEL
-
-    @property
-    def guide_mode(self) -> str:
-        """The name of the guide's source: ``"model"``, ``"labels"``, ``"self"`` or ``"none"``."""
-        return self.guide_source.name
 
     def _check_arguments(self, arguments: Mapping[str, object]) -> None:
         guide_source(arguments["guide"])
@@ -213,32 +144,6 @@ class GistFamily(FusedDropIn):
     def _unfused_reps_guided(self, reps_guided: object, guide: object) -> object:
         # sentence-transformers' own computation takes the label column's guide as mini-batches of the guide's.
         return [[column] for column in guide] if self.guide_source.reads_labels else reps_guided
-
-    def _after_fused(self, reps: list[list[Tensor]], stats: GistStats, options: GistOptions) -> None:
-        if torch.is_grad_enabled() and any(t.requires_grad for column in reps for t in column):  # a training step
-            self.__dict__.setdefault("_training_stats", []).append(stats)
-            self._check_positive_only(stats, options)
-
-    def _check_positive_only(self, stats: GistStats, options: GistOptions) -> None:
-        """Warn once when more than half of a step's anchors are left with only their positive."""
-        if self._warned_positive_only or stats.positive_only_fraction <= 0.5:
-            return
-        self._warned_positive_only = True
-        logger.warning(
-            "%.0f%% of this step's anchors have every candidate but their positive masked by the guide "
-            "(margin=%s, margin_strategy=%r): their loss carries no contrast. The margin masks too much for this "
-            "guide; lower it (this warning is shown once).",
-            100 * stats.positive_only_fraction, options.margin, options.margin_strategy,
-        )
-
-    def pop_training_stats(self) -> list[GistStats]:
-        """The statistics of the training calls since the last call of this method (for logging)."""
-        stats, self._training_stats = self.__dict__.get("_training_stats", []), []
-        return stats
-
-    def _config_extras(self) -> dict[str, object]:
-        # ``guide`` is sentence-transformers' key (the model, "labels", "self" or None); the mode where it is no model.
-        return {} if self.guide_source.runs_model else {"guide_mode": self.guide_mode}
 
     @property
     def citation(self) -> str:
@@ -409,11 +314,7 @@ class FusedGISTEmbedLoss(GistFamily, PlainStep, GISTEmbedLoss):
         if self.must_retokenize:
             copies = []
             for feature in sentence_features:
-                input_ids = feature["input_ids"]
-                if "cu_seq_lens_q" in feature:  # packed: one row of every text's tokens, cut at the boundaries
-                    flat, bounds = input_ids[0].tolist(), feature["cu_seq_lens_q"].tolist()
-                    input_ids = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-                texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+                texts = decoded_texts(self.tokenizer, feature)
                 copies.append(batch_to_device(self.guide.preprocess(texts), self.guide.device))
         return embed_columns(self.guide, copies)
 

@@ -22,6 +22,7 @@ from sentence_transformers.multi_vector_encoder.losses import (
 from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, mean_colbert_scores
 from sentence_transformers.util import (
+    all_gather,
     all_gather_padded,
     cat_padded_token_embeddings,
     get_rank,
@@ -70,11 +71,17 @@ def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
 
 @dataclass(frozen=True)
 class MaxSimOptions:
-    """The multi-vector loss stage's options: ``scale``, MeanMaxSim or not, and the tile budget."""
+    """The multi-vector loss stage's options: ``scale``, MeanMaxSim or not, the tile budget, and the guided family's
+    (``cgist.losses.multi_vector_gist``): the margin, its strategy, the duplicates' mask and the guide's own
+    MeanMaxSim (for a multi-vector guide)."""
 
     scale: float
     length_normalize: bool
     block_bytes: int | None = None
+    margin: float = 0.0
+    margin_strategy: str = "absolute"
+    mask_duplicates: bool = False
+    guide_length_normalize: bool = False
 
 
 def _check_scale(scale: object) -> None:
@@ -124,6 +131,10 @@ class MultiVectorFamily(FusedDropIn):
                           "mean_colbert_scores, or the model's maxsim / meanmaxsim)")
         return MaxSimOptions(scale=float(self.scale), length_normalize=length_normalize, **self.own_fields()), None
 
+    def _guide_arguments(self, reps: list[list[Tensor]], options: MaxSimOptions) -> dict[str, object] | None:
+        """The family: ``maxsim_loss``'s guide arguments for a step (None: an unguided family)."""
+        return None
+
     def loss_stage(self, reps: list[list[Tensor]], masks_chunks: object, *, with_backward: bool,
                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
         """The loss over a step's token embeddings ``reps`` and masks ``masks_chunks`` (each column's mini-batches):
@@ -139,6 +150,7 @@ class MultiVectorFamily(FusedDropIn):
                             "one list of mini-batch masks per column (masks_chunks)")
         queries, *documents = (list(r) for r in reps)
         query_masks, *document_masks = (list(m) for m in masks_chunks)
+        guide = self._guide_arguments(reps, options)
         offset = 0
         if self.gather_across_devices:
             batch = sum(q.shape[0] for q in queries)
@@ -147,10 +159,14 @@ class MultiVectorFamily(FusedDropIn):
                         for c, m in zip(documents, document_masks)]
             documents, document_masks = [[e] for e, _ in gathered], [[m] for _, m in gathered]
             offset = get_rank() * batch
-        loss = maxsim_loss(queries, query_masks, documents, document_masks, scale=options.scale,
-                           length_normalize=options.length_normalize, offset=offset, block_bytes=options.block_bytes,
-                           backend=self.backend)
-        self.record_path(FUSED)
+            guide = None if guide is None else _gathered_guide(guide)
+        loss, stats = maxsim_loss(queries, query_masks, documents, document_masks, scale=options.scale,
+                                  length_normalize=options.length_normalize, offset=offset,
+                                  block_bytes=options.block_bytes, backend=self.backend, return_stats=True,
+                                  **(guide or {}))
+        self.record_path(FUSED, None if guide is None else stats)
+        if guide is not None:
+            self._after_fused(reps, stats, options)
         if with_backward:
             loss.backward()
             loss = loss.detach()
@@ -204,16 +220,19 @@ class FusedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, MultiVecto
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         """sentence-transformers' embedding of the batch, then the fused loss stage; its own ``forward`` where the
         fused stage does not run."""
-        if self.resolve() is None:
+        options = self.resolve()
+        if options is None:
             self.record_path(UNFUSED)
             return super().forward(sentence_features, labels)
         features = [dict(feature) for feature in sentence_features]
+        inputs = self._step_inputs(features, labels, options)  # before the student writes into the features
         query = features[0]
         outputs = self.model(query, task=query.get("task", "query"))
         documents, masks = embed_columns_padded(self.model, features[1:], self.mini_batch_size,
                                                 task_default="document")
-        return self.calculate_loss([[outputs["token_embeddings"]], *([d] for d in documents)],
-                                   [[outputs["attention_mask"].bool()], *([m] for m in masks)])
+        with self.reading(inputs):
+            return self.calculate_loss([[outputs["token_embeddings"]], *([d] for d in documents)],
+                                       [[outputs["attention_mask"].bool()], *([m] for m in masks)])
 
     def _unfused_loss(self, reps: list[list[Tensor]], masks_chunks: object, with_backward: bool) -> Tensor:
         """sentence-transformers' scoring and cross-entropy over given token embeddings (its ``forward`` after the
@@ -237,6 +256,29 @@ class FusedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, MultiVecto
             loss.backward()
             loss = loss.detach()
         return loss
+
+
+def _gathered_guide(guide: dict[str, object]) -> dict[str, object]:
+    """``maxsim_loss``'s guide arguments with the document columns' guide and text ids gathered from every rank, as
+    the documents are (the queries' stay local); a multi-vector guide's token axis padded to the ranks' longest."""
+    out = dict(guide)
+    columns = guide.get("guide")
+    if isinstance(columns, list):
+        if guide.get("guide_masks") is None:
+            out["guide"] = [columns[0], *(all_gather(torch.cat(_listed(c))) for c in columns[1:])]
+        else:
+            gathered = [all_gather_padded(*cat_padded_token_embeddings(_listed(c), _listed(m)))
+                        for c, m in zip(columns[1:], guide["guide_masks"][1:])]
+            out["guide"] = [columns[0], *(e for e, _ in gathered)]
+            out["guide_masks"] = [guide["guide_masks"][0], *(m for _, m in gathered)]
+    if guide.get("text_ids") is not None:
+        out["text_ids"] = [guide["text_ids"][0], *(all_gather(t) for t in guide["text_ids"][1:])]
+    return out
+
+
+def _listed(value: Tensor | list[Tensor]) -> list[Tensor]:
+    """A tensor or a list of row chunks, as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _model_scores(model: MultiVectorEncoder, queries: Tensor, documents: Tensor, **masks: Tensor) -> Tensor:

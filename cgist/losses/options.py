@@ -16,9 +16,9 @@ from ..stage.dispatch.route import requested_backend
 
 __all__ = ["EVERY_FAMILY", "OPTIONS", "Option", "markdown_table", "options_of"]
 
-#: The option families: ``"gist"`` (the guided drop-ins), ``"ranking"`` (the ranking drop-ins) and ``"multi_vector"``
-#: (the late-interaction drop-ins).
-EVERY_FAMILY = ("gist", "ranking", "multi_vector")
+#: The option families: ``"gist"`` (the guided drop-ins), ``"ranking"`` (the ranking drop-ins), ``"multi_vector"``
+#: (the late-interaction drop-ins) and ``"multi_vector_gist"`` (the guided late-interaction drop-ins).
+EVERY_FAMILY = ("gist", "ranking", "multi_vector", "multi_vector_gist")
 
 
 def _bool_or_none(name: str, value: object) -> None:
@@ -56,8 +56,9 @@ OPTIONS = (
            "sentence-transformers' rule with a guide's own embeddings, on with `\"self\"` and None",
            example=False, families=("gist",), check=_bool_or_none, annotation="bool | None"),
     Option("mask_duplicates", None, "exclude every candidate whose text is the anchor's or its positive's, whatever "
-           "the scores; None: off with a guide's own embeddings, on with `\"self\"` and None", example=False,
-           families=("gist",), check=_bool_or_none, annotation="bool | None"),
+           "the scores; None: off with a guide's own embeddings, on with `\"self\"`, and with None on for GIST, off "
+           "for multi-vector GIST (which is then sentence-transformers' multi-vector ranking loss)", example=False,
+           families=("gist", "multi_vector_gist"), check=_bool_or_none, annotation="bool | None"),
     Option("directions", ("query_to_doc",), "sentence-transformers' `MultipleNegativesRankingLoss` directions, each "
            "block masked by the guide", example=("query_to_doc", "doc_to_query"), families=("gist",),
            annotation="tuple[str, ...]"),
@@ -79,6 +80,7 @@ def options_of(family: str) -> Iterator[Option]:
 
 def markdown_table() -> str:
     """The table as docs/losses.md shows it: name, default, the drop-ins that take it, what it does."""
-    names = {"gist": "GIST", "ranking": "ranking", "multi_vector": "multi-vector"}
+    names = {"gist": "GIST", "ranking": "ranking", "multi_vector": "multi-vector",
+             "multi_vector_gist": "multi-vector GIST"}
     rows = [f"| `{o.name}` | `{o.default!r}` | {', '.join(names[f] for f in o.families)} | {o.doc} |" for o in OPTIONS]
     return "\n".join(["| option | default | drop-ins | what it does |", "|---|---|---|---|", *rows])

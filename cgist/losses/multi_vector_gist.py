@@ -1,0 +1,236 @@
+"""The guided multi-vector family: GIST's guide over MaxSim scores, ``FusedCachedMultiVectorGISTLoss`` and
+``FusedMultiVectorGISTLoss``, each one class over the drop-in protocol (``cgist.losses.base``): sentence-transformers'
+multi-vector ranking classes, which it subclasses, with GIST's ``guide``, ``margin_strategy`` and ``margin``
+(docs/design.md#the-guide-for-late-interaction). sentence-transformers has no guided multi-vector loss: with
+``guide=None`` these are its multi-vector ranking losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from collections.abc import Mapping
+
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+from torch import Tensor
+
+from ..stage.spec.guide import NONE, SELF
+from ..stage.spec.options import MARGIN_STRATEGIES
+from .base import StepInputs, text_fingerprints
+from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION
+from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
+from .steps import CachedStep
+from .multi_vector import (
+    FusedCachedMultiVectorMultipleNegativesRankingLoss,
+    FusedMultiVectorMultipleNegativesRankingLoss,
+    MaxSimOptions,
+    MultiVectorFamily,
+    maxsim_normalization,
+)
+
+__all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
+
+_GUIDE_ARGUMENTS = ("guide", "margin_strategy", "margin")
+
+
+def check_margin(margin_strategy: object, margin: object) -> None:
+    """GIST's ``margin_strategy`` (sentence-transformers' message) and a finite ``margin``: a NaN margin would mask
+    nothing and an infinite one everything or nothing."""
+    if margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be 'absolute' or 'relative'. Got {margin_strategy!r}.")
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+        raise TypeError(f"margin must be a real number, got {type(margin).__name__}")
+    if not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+
+
+def _padded(tokens: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token embeddings of varying lengths (each ``(L_i, D)``) as one ``(n, max L_i, D)`` tensor and its mask."""
+    lengths = torch.tensor([t.shape[0] for t in tokens], device=device)
+    padded = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in tokens], batch_first=True)
+    return padded, torch.arange(padded.shape[1], device=device) < lengths.unsqueeze(1)
+
+
+class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
+    """The guided multi-vector family: the multi-vector ranking family's loss stage with GIST's guide mask.
+
+    Query ``i``'s candidate is left out of its softmax when the guide scores it strictly above ``theta_i - margin``
+    (``"absolute"``) or ``theta_i - |theta_i| * margin`` (``"relative"``), theta_i being the guide's score of ``i``
+    with its positive, which is never left out. The guide's score: a SentenceTransformer's cosine of its embeddings
+    of the texts (decoded from the student's tokens), a MultiVectorEncoder's own MaxSim or MeanMaxSim of its token
+    embeddings, the label column's embeddings' cosine (``"labels"``), or the student's own MaxSim, detached
+    (``"self"``); None masks nothing.
+    """
+
+    family = "multi_vector_gist"
+    family_attributes = ("scale", "similarity_fct", *_GUIDE_ARGUMENTS)
+    guide_models = (SentenceTransformer, MultiVectorEncoder)
+    added_parameters = (
+        inspect.Parameter("guide", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          annotation="SentenceTransformer | MultiVectorEncoder | Literal['labels', 'self'] | None"),
+        inspect.Parameter("margin_strategy", inspect.Parameter.KEYWORD_ONLY, default="absolute",
+                          annotation="Literal['absolute', 'relative']"),
+        inspect.Parameter("margin", inspect.Parameter.KEYWORD_ONLY, default=0.0, annotation="float"),
+    )
+
+    def _check_arguments(self, arguments: Mapping[str, object]) -> None:
+        super()._check_arguments(arguments)
+        guide_source(arguments["guide"], self.guide_models)
+        check_margin(arguments["margin_strategy"], arguments["margin"])
+
+    def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
+        return {name: value for name, value in arguments.items() if name not in _GUIDE_ARGUMENTS}
+
+    def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
+        for name in _GUIDE_ARGUMENTS:
+            setattr(self, name, arguments[name])
+        self._training_stats = []
+
+    def _family_key(self) -> tuple:
+        guide = getattr(self, "guide", None)
+        scorer = getattr(guide, "_similarity", None)
+        return (*super()._family_key(), self.guide_source, getattr(guide, "similarity_fn_name", None), type(scorer),
+                getattr(scorer, "length_normalize", None))
+
+    def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
+        check_margin(self.margin_strategy, self.margin)
+        source = self.guide_source
+        mask_duplicates = source is SELF if self.mask_duplicates is None else self.mask_duplicates
+        options, reason = super()._family_options()
+        if options is None:
+            if source is not NONE or mask_duplicates:
+                asked = "a guide" if source is not NONE else "mask_duplicates=True"
+                raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers has no "
+                                 f"multi-vector loss with {asked} to compute it instead")
+            return None, reason
+        guide_length_normalize = False
+        if isinstance(getattr(self, "guide", None), MultiVectorEncoder):
+            guide_length_normalize = maxsim_normalization(None, self.guide)
+            if guide_length_normalize is None:
+                raise ValueError(f"guide: a MultiVectorEncoder guide scores with MaxSim or MeanMaxSim (its "
+                                 f"similarity_fn_name 'maxsim' or 'meanmaxsim'), got "
+                                 f"{getattr(self.guide, 'similarity_fn_name', None)!r}")
+        return dataclasses.replace(options, margin=float(self.margin), margin_strategy=self.margin_strategy,
+                                   mask_duplicates=mask_duplicates,
+                                   guide_length_normalize=guide_length_normalize), None
+
+    def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
+                     options: MaxSimOptions | None) -> StepInputs:
+        """The texts' ids, and the guide's columns: the label column's (``"labels"``) or the guide model's
+        embeddings of the batch (read before the student embeds it)."""
+        if options is None:
+            return StepInputs()
+        source = self.guide_source
+        guide = None
+        if source.reads_labels:
+            guide = {"guide": label_guide(labels, len(features), batch_rows(features[0]))}
+        elif source.runs_model:
+            guide = self._guide_model_columns(features)
+        return StepInputs(guide=guide, text_ids=text_fingerprints(features, needed=options.mask_duplicates))
+
+    def _guide_model_columns(self, features: list[dict[str, Tensor]]) -> dict[str, object]:
+        """The guide model's embeddings of each column's texts, without gradients: a SentenceTransformer's
+        ``(rows, Dg)`` embeddings, or a MultiVectorEncoder's token embeddings (the queries' as queries, the documents'
+        as documents) padded, with their masks. The texts are decoded from the student's token ids (its prompts and
+        special tokens left out) and tokenised by the guide."""
+        if not all("input_ids" in feature for feature in features):
+            raise ValueError("a guide model reads the batch's texts, decoded from the student's token ids, but these "
+                             "features have no 'input_ids'; precompute the guide's embeddings (guide='labels')")
+        guide, device = self.guide, features[0]["input_ids"].device
+        batch_size = getattr(self, "mini_batch_size", None) or 32
+        texts = [decoded_texts(self.model.tokenizer, feature) for feature in features]
+        with torch.no_grad():
+            if not isinstance(guide, MultiVectorEncoder):
+                return {"guide": [guide.encode(t, batch_size=batch_size, convert_to_tensor=True,
+                                               show_progress_bar=False).to(device) for t in texts]}
+            columns = [(guide.encode_query if n == 0 else guide.encode_document)(
+                t, batch_size=batch_size, show_progress_bar=False) for n, t in enumerate(texts)]
+        padded = [_padded([torch.as_tensor(x) for x in column], device) for column in columns]
+        return {"guide": [e for e, _ in padded], "guide_masks": [m for _, m in padded]}
+
+    def _guide_arguments(self, reps: list[list[Tensor]], options: MaxSimOptions) -> dict[str, object]:
+        """``maxsim_loss``'s guide arguments: what this step's ``forward`` read (``_step_inputs``), or the student's
+        own scores (``"self"``)."""
+        source, inputs = self.guide_source, self.step_inputs
+        if options.mask_duplicates and inputs.text_ids is None:
+            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
+                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
+        arguments = {"margin": options.margin, "margin_strategy": options.margin_strategy,
+                     "mask_duplicates": options.mask_duplicates, "text_ids": inputs.text_ids,
+                     "guide_length_normalize": options.guide_length_normalize}
+        if source is SELF:
+            return {**arguments, "guide": "self"}
+        if source is NONE:
+            return arguments
+        if inputs.guide is None:
+            raise ValueError(f"guide={'labels' if source.reads_labels else 'a model'}: the guide's embeddings are read "
+                             "off the batch (its labels or its texts): call the loss on a batch (calculate_loss alone "
+                             "does not see it)")
+        return {**arguments, **inputs.guide}
+
+    def _config_extras(self) -> dict[str, object]:
+        guide = {"guide": self.guide} if self.guide_source.runs_model else {"guide_mode": self.guide_mode}
+        return {**guide, "margin_strategy": self.margin_strategy, "margin": self.margin}
+
+    @property
+    def citation(self) -> str:
+        """GISTEmbed, and GradCache for the cached loss."""
+        return _GISTEMBED_CITATION + (_GRADCACHE_CITATION if isinstance(self, CachedStep) else "")
+
+
+class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, FusedCachedMultiVectorMultipleNegativesRankingLoss):
+    """A GIST loss over MaxSim scores, with GradCache: ``CachedMultiVectorMultipleNegativesRankingLoss`` with GIST's
+    guide masking each query's in-batch candidates.
+
+    The arguments are those of sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` (``scale``,
+    ``similarity_fct``, ``mini_batch_size``, ``mini_batch_num_tokens``, ``score_mini_batch_size``,
+    ``gather_across_devices``, ``show_progress_bar``), with GIST's:
+
+    Args:
+        model: the MultiVectorEncoder being trained.
+        guide: what decides which in-batch candidates are left out as likely false negatives:
+
+            - a frozen SentenceTransformer: the cosine of its embeddings of the batch's texts (one pass without
+              gradients, the texts decoded from the student's tokens);
+            - a frozen MultiVectorEncoder: its MaxSim (or MeanMaxSim, as its ``similarity_fn_name`` says) of its token
+              embeddings of the texts, the queries embedded as queries;
+            - ``"labels"``: precomputed single-vector guide embeddings, the batch's label column, shaped
+              ``(batch, n_columns, Dg)`` in the order of the text columns (``cgist.add_guide_embeddings``);
+            - ``"self"``: the student's own MaxSim scores, detached; nothing extra runs;
+            - None: nothing is masked: the loss is ``CachedMultiVectorMultipleNegativesRankingLoss``'s.
+        margin_strategy: ``"absolute"`` or ``"relative"``, how ``margin`` lowers the threshold.
+        margin: how far below theta_i (the guide's score of query ``i`` with its positive) the threshold lies; a
+            candidate the guide scores strictly above it is masked, the positive never.
+
+    cgist's own options, keyword-only, add ``mask_duplicates`` (every candidate whose token ids are the query's or
+    its positive's; on by default with ``"self"``) and the loss stage's backend and budget. The loss stage is the
+    multi-vector drop-ins' streaming MaxSim stage (``cgist.maxsim_loss``), with the guide's mask made for one row
+    block of queries at a time; it runs on the PyTorch stage (the MaxSim kernels take no guide). After each training
+    call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked (``"ap"``: the positives' column,
+    ``"an"``: the negatives'); ``cgist.GuideStatsCallback(loss)`` logs it.
+
+    References:
+        - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
+          https://arxiv.org/abs/2402.16829
+        - Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup (GradCache),
+          https://arxiv.org/abs/2101.06983
+    """
+
+
+class FusedMultiVectorGISTLoss(MultiVectorGistFamily, FusedMultiVectorMultipleNegativesRankingLoss):
+    """A GIST loss over MaxSim scores: ``MultiVectorMultipleNegativesRankingLoss`` with GIST's guide masking each
+    query's in-batch candidates.
+
+    The arguments are those of sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss`` with GIST's
+    ``guide``, ``margin_strategy`` and ``margin``, as for ``FusedCachedMultiVectorGISTLoss``; the student embeds the
+    batch once and autograd takes the loss stage's gradients back into it. With ``guide=None`` the loss is
+    ``MultiVectorMultipleNegativesRankingLoss``'s.
+
+    References:
+        - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,
+          https://arxiv.org/abs/2402.16829
+    """

