@@ -41,6 +41,7 @@ DESIGN_SECTIONS = {
     "The drop-in protocol": "the-drop-in-protocol",
     "Dispatch": "dispatch",
     "Late interaction": "late-interaction",
+    "The guide for late interaction": "the-guide-for-late-interaction",
 }
 
 #: The two commands a newcomer runs, exactly as the README's set-up section gives them.
