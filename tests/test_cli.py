@@ -68,7 +68,7 @@ def test_parser_defaults():
     assert (args.model, args.guide, args.data) == (None, None, None)
     assert (args.batch_size, args.mini_batch_size, args.max_seq_length) == (32, 16, 64)
     assert args.lr == 1e-4 and args.max_pairs is None
-    assert (args.temperature, args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
+    assert (config.temperature(args), args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
     assert args.contrast_anchors and args.contrast_positives
     assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
     assert config.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS

@@ -17,7 +17,9 @@ __all__ = [
     "DEFAULT_SAVE_STEPS",
     "DEFAULT_STDLIB_SAVE_STEPS",
     "DEFAULT_STDLIB_STEPS",
+    "DEFAULT_TEMPERATURE",
     "GUIDE_MODES",
+    "MULTI_VECTOR_TEMPERATURE",
     "RESUME_AUTO",
     "add_parser",
 ]
@@ -32,6 +34,10 @@ DEFAULT_STDLIB_SAVE_STEPS = DEFAULT_STDLIB_STEPS // 2
 #: Where the guide's masks come from: the guide model on every batch, its embeddings computed once and cached,
 #: the student's own embeddings, or nowhere.
 GUIDE_MODES = tuple(source.cli for source in SOURCES)
+#: --temperature of the single-vector loss (cosines) and of the multi-vector one (MaxSim, a sum over the query's
+#: tokens: sentence-transformers' multi-vector losses default to scale 1).
+DEFAULT_TEMPERATURE = 0.01
+MULTI_VECTOR_TEMPERATURE = 1.0
 #: ``--resume auto``: continue from the newest checkpoint if there is one, else start a new run. A bare ``--resume``
 #: is True (a checkpoint must exist), and no --resume is False.
 RESUME_AUTO = "auto"
@@ -99,7 +105,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "through SentenceTransformerTrainer, "
             "score the held-out split with an InformationRetrievalEvaluator before and after, and save the model "
             "with its model card. Without arguments it runs offline: all-MiniLM-L6-v2 guides a fresh copy of "
-            "itself on docstring-summary -> source-code pairs from the installed Python standard library."
+            "itself on docstring-summary -> source-code pairs from the installed Python standard library. With "
+            "--multi-vector the student is a late-interaction (ColBERT-style) MultiVectorEncoder trained with "
+            "cgist.FusedCachedMultiVectorGISTLoss and scored with MaxSim."
         ),
         formatter_class=_HelpFormatter,
     )
@@ -120,6 +128,12 @@ def _add_model_group(train: argparse.ArgumentParser) -> None:
     models.add_argument("--guide-cache", metavar="DIR",
                         help="where --guide-mode precomputed keeps the guide embeddings (default: "
                         "$XDG_CACHE_HOME/cgist, else ~/.cache/cgist)")
+    models.add_argument("--multi-vector", action="store_true",
+                        help="train a multi-vector (late-interaction, MaxSim) model: the student is --model (default: "
+                        "the bundled all-MiniLM-L6-v2) as a sentence-transformers MultiVectorEncoder (a "
+                        "SentenceTransformer is converted: its token embeddings, a new 128-dimension projection, "
+                        "normalisation), the loss FusedCachedMultiVectorGISTLoss (FusedMultiVectorGISTLoss with "
+                        "--no-cache), guided by the single-vector --guide")
     models.add_argument("--max-seq-length", type=_positive_int(1), default=64,
                         help="student's max tokens per text (longer source code is truncated)")
     models.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
@@ -157,12 +171,16 @@ def _add_training_group(train: argparse.ArgumentParser) -> None:
 
 def _add_loss_group(train: argparse.ArgumentParser) -> None:
     loss = train.add_argument_group("loss (FusedCachedGISTLoss, or FusedGISTEmbedLoss with --no-cache)")
-    loss.add_argument("--temperature", type=_number, default=0.01, help="divides the cosine similarities")
+    loss.add_argument("--temperature", type=_number,
+                      help=f"divides the similarities (default: {DEFAULT_TEMPERATURE}; {MULTI_VECTOR_TEMPERATURE} "
+                      "with --multi-vector, whose MaxSim scores are sums over the query's tokens)")
     loss.add_argument("--margin", type=_number, default=0.0,
                       help="false-negative filter: mask in-batch candidates the guide scores above the positive minus "
                       "the margin")
     loss.add_argument("--margin-strategy", default="absolute",
                       help="'absolute' (threshold = positive - margin) or 'relative' (positive - |positive| * margin)")
+    # The options below shape the single-vector loss only; the multi-vector loss is each query's softmax over the
+    # batch's documents.
     loss.add_argument("--no-contrast-anchors", dest="contrast_anchors", action="store_false",
                       help="leave out the anchor-anchor similarities")
     loss.add_argument("--no-contrast-positives", dest="contrast_positives", action="store_false",

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 from ..compat import MissingExtraError, import_extra
 from ..stage.spec.guide import GuideSource, by_cli
 from ..stage.spec.options import GistOptions
-from .arguments import DEFAULT_SAVE_STEPS, DEFAULT_STDLIB_SAVE_STEPS, DEFAULT_STDLIB_STEPS, RESUME_AUTO
+from .arguments import (
+    DEFAULT_SAVE_STEPS,
+    DEFAULT_STDLIB_SAVE_STEPS,
+    DEFAULT_STDLIB_STEPS,
+    DEFAULT_TEMPERATURE,
+    MULTI_VECTOR_TEMPERATURE,
+    RESUME_AUTO,
+)
 from .common import UsageError, resolve_device
 from .guide_cache import default_cache_dir
 from .output import CHECKPOINTS_DIR, fingerprint, holds_only_leftovers, latest_checkpoint, read_record
@@ -46,12 +53,23 @@ __all__ = [
     "resume_checkpoint",
     "resume_command",
     "save_steps",
+    "temperature",
     "training_options",
 ]
 
 #: The value an option had before checkpoints recorded it, for resuming their runs.
 RECORDED_DEFAULTS = {"--guide-mode": "model", "--directions": ["query_to_doc"], "--partition-mode": "joint",
-                     "--hardness-mode": None, "--hardness-strength": 0.0, "--no-cache": False}
+                     "--hardness-mode": None, "--hardness-strength": 0.0, "--no-cache": False, "--multi-vector": False}
+#: The options that shape the single-vector loss alone, with their defaults: --multi-vector's loss is each query's
+#: softmax over the batch's documents.
+SINGLE_VECTOR_OPTIONS = {
+    "--directions": ("directions", ["query_to_doc"]),
+    "--partition-mode": ("partition_mode", "joint"),
+    "--hardness-mode": ("hardness_mode", None),
+    "--hardness-strength": ("hardness_strength", 0.0),
+    "--no-contrast-anchors": ("contrast_anchors", True),
+    "--no-contrast-positives": ("contrast_positives", True),
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,7 @@ class RunConfig:
     guide_id: str | None  #: ``guide`` as the guide cache names it: an absolute directory, or a Hub id
     guide_source: GuideSource
     guide_cache: Path | None  #: where --guide-mode precomputed keeps the guide's embeddings; None in other modes
+    multi_vector: bool  #: --multi-vector: the student is a MultiVectorEncoder, the loss the multi-vector GIST loss
     max_seq_length: int
     device: torch.device
     # The data.
@@ -77,7 +96,7 @@ class RunConfig:
     # The schedule.
     batch_size: int
     mini_batch_size: int
-    gradient_cache: bool  #: GradCache (FusedCachedGISTLoss); False with --no-cache, or when one mini-batch holds a batch
+    gradient_cache: bool  #: GradCache (the cached loss); False with --no-cache, or when one mini-batch holds a batch
     epochs: float
     max_steps: int  #: -1: none
     lr: float
@@ -85,7 +104,7 @@ class RunConfig:
     save_steps: int
     save_total_limit: int
     # The loss.
-    loss_options: Mapping[str, object]  #: keyword arguments of GistOptions, and so of FusedCachedGISTLoss
+    loss_options: Mapping[str, object]  #: the loss's keyword arguments (loss_options)
     backend: str
     # The output directory and resuming.
     output: Path
@@ -123,7 +142,8 @@ class RunConfig:
         cache = Path(args.guide_cache).expanduser() if args.guide_cache else default_cache_dir()
         return cls(
             student=args.model or guide_path, guide=guide, guide_id=model_id(guide), guide_source=source,
-            guide_cache=cache if source.reads_labels else None, max_seq_length=args.max_seq_length, device=device,
+            guide_cache=cache if source.reads_labels else None, multi_vector=args.multi_vector,
+            max_seq_length=args.max_seq_length, device=device,
             pairs=pairs, eval_fraction=args.eval_fraction, seed=args.seed,
             batch_size=args.batch_size, mini_batch_size=args.mini_batch_size,
             gradient_cache=not (args.no_cache or args.mini_batch_size >= args.batch_size), epochs=args.epochs or 1.0,
@@ -160,15 +180,29 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--guide-cache is used only with --guide-mode precomputed, not {args.guide_mode}")
         if Path(args.guide_cache).expanduser().exists() and not Path(args.guide_cache).expanduser().is_dir():
             raise UsageError(f"--guide-cache {args.guide_cache} exists and is not a directory")
+    if args.multi_vector:
+        _check_multi_vector(args)
     for flag, direction, block in (("contrast_anchors", "query_to_query", "anchor-anchor"),
                                    ("contrast_positives", "doc_to_doc", "positive-positive")):
         if getattr(args, flag) and direction in args.directions:
             raise UsageError(f"--directions {direction} holds the {block} block, which the loss also adds by "
                              f"default; add --no-{flag.replace('_', '-')}")
     try:
-        GistOptions(**loss_options(args))
+        GistOptions(**_gist_options(args))
     except (TypeError, ValueError) as err:
         raise UsageError(f"bad loss option: {err}") from None
+
+
+def _check_multi_vector(args: argparse.Namespace) -> None:
+    """--multi-vector's loss has one softmax per query over the batch's documents, and its guided stage runs on
+    PyTorch: the single-vector loss's options and the kernels' backend with a guide are errors."""
+    for flag, (name, default) in SINGLE_VECTOR_OPTIONS.items():
+        if getattr(args, name) != default:
+            raise UsageError(f"{flag} shapes the single-vector loss; --multi-vector trains the multi-vector GIST "
+                             "loss, one softmax per query over the batch's documents: leave it out")
+    if args.backend == "triton" and by_cli(args.guide_mode).cli != "none":
+        raise UsageError("--backend triton: the MaxSim kernels take no guide, and the guided multi-vector loss runs "
+                         "the PyTorch MaxSim stage; pass --backend auto or torch (or --guide-mode none)")
 
 
 def resume_checkpoint(args: argparse.Namespace) -> Path | None:
@@ -242,10 +276,27 @@ def data_fingerprint(args: argparse.Namespace, dataset: Dataset) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(dataset.to_list(), sort_keys=True).encode()).hexdigest()
 
 
+def temperature(args: argparse.Namespace) -> float:
+    """--temperature, else the default of the single-vector loss or (--multi-vector) of the multi-vector one."""
+    if args.temperature is not None:
+        return args.temperature
+    return MULTI_VECTOR_TEMPERATURE if args.multi_vector else DEFAULT_TEMPERATURE
+
+
 def loss_options(args: argparse.Namespace) -> dict[str, object]:
+    """The loss's keyword arguments: ``GistOptions``' (FusedCachedGISTLoss's), or with --multi-vector the multi-vector
+    GIST loss's ``scale`` (1 / temperature), ``margin`` and ``margin_strategy``."""
+    options = _gist_options(args)
+    if not args.multi_vector:
+        return options
+    return {"scale": 1 / options["temperature"], "margin": options["margin"],
+            "margin_strategy": options["margin_strategy"]}
+
+
+def _gist_options(args: argparse.Namespace) -> dict[str, object]:
     """The GIST loss options given on the command line, as keyword arguments of ``GistOptions``."""
     return {
-        "temperature": args.temperature,
+        "temperature": temperature(args),
         "margin": args.margin,
         "margin_strategy": args.margin_strategy,
         "contrast_anchors": args.contrast_anchors,
@@ -287,6 +338,7 @@ def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
         "--model": model_id(args.model),
         "--guide": model_id(args.guide),
         "--guide-mode": args.guide_mode,
+        "--multi-vector": args.multi_vector,
         "--max-seq-length": args.max_seq_length,
         "--max-pairs": args.max_pairs,
         "--eval-fraction": args.eval_fraction,
@@ -299,7 +351,7 @@ def training_options(args: argparse.Namespace, data: str) -> dict[str, object]:
         "--max-steps": max_steps(args) if max_steps(args) > 0 else None,
         "--lr": args.lr,
         "--warmup-ratio": args.warmup_ratio,
-        **{f"--{name.replace('_', '-')}": value for name, value in loss_options(args).items()
+        **{f"--{name.replace('_', '-')}": value for name, value in _gist_options(args).items()
            if not name.startswith("contrast_")},
         "--no-contrast-anchors": not args.contrast_anchors,
         "--no-contrast-positives": not args.contrast_positives,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..losses.gist import GistFamily
+    from ..losses.guided import GuidedFamily
 
 __all__ = ["METRICS", "StageTimer", "cpu_seconds", "format_guide", "format_guide_mode", "format_loss", "format_summary",
            "peak_memory"]
@@ -24,7 +24,7 @@ class StageTimer:
     Pass ``timer.callback`` to the trainer; ``steps``, ``step_s`` and ``loss_s`` accumulate over the run.
     """
 
-    def __init__(self, loss: GistFamily, device: torch.device) -> None:
+    def __init__(self, loss: GuidedFamily, device: torch.device) -> None:
         import torch
         from transformers import TrainerCallback
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainingArguments
 
     from ..losses.callbacks import GuideStatsCallback
-    from ..losses.gist import GistFamily
+    from ..losses.guided import GuidedFamily
     from .trainer import CheckpointTrainer, NonFiniteLoss, StopRequest
 
 __all__ = ["SUMMARY_NAME", "Stopped", "guide_embeddings", "load_model", "resume_hint", "run_train", "train"]
@@ -52,17 +52,21 @@ __all__ = ["SUMMARY_NAME", "Stopped", "guide_embeddings", "load_model", "resume_
 SUMMARY_NAME = "cgist_train.json"
 
 
-def load_model(option: str, path: str, device: torch.device, max_seq_length: int | None = None) -> SentenceTransformer:
-    """A SentenceTransformer from a directory or Hub id; UsageError naming the option if it cannot be loaded."""
+def load_model(option: str, path: str, device: torch.device, max_seq_length: int | None = None,
+               multi_vector: bool = False) -> SentenceTransformer:
+    """A SentenceTransformer (``multi_vector``: a MultiVectorEncoder, converted by sentence-transformers from a
+    SentenceTransformer) from a directory or Hub id; UsageError naming the option if it cannot be loaded."""
     from sentence_transformers import SentenceTransformer
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
 
     if not Path(path).exists() and (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1):
         raise UsageError(f"{option}: {path} does not exist")
+    model_class = MultiVectorEncoder if multi_vector else SentenceTransformer
     try:
-        model = SentenceTransformer(path, device=str(device))
+        model = model_class(path, device=str(device))
     except Exception as err:  # the loaders raise OSError, ValueError, KeyError, ... for a bad model
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"{option}: cannot load a SentenceTransformer from {path!r} ({reason})") from None
+        raise UsageError(f"{option}: cannot load a {model_class.__name__} from {path!r} ({reason})") from None
     if max_seq_length is not None:
         model.max_seq_length = max_seq_length
     return model
@@ -147,11 +151,14 @@ def _non_finite_message(err: NonFiniteLoss, config: RunConfig, dtype: torch.dtyp
 
 
 def _trainer_arguments(config: RunConfig) -> SentenceTransformerTrainingArguments:
-    """The Trainer's arguments: the schedule, a checkpoint every --save-steps, a log every step."""
+    """The Trainer's arguments (a MultiVectorEncoder's with --multi-vector): the schedule, a checkpoint every
+    --save-steps, a log every step."""
     from sentence_transformers import SentenceTransformerTrainingArguments
     from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoderTrainingArguments
 
-    return SentenceTransformerTrainingArguments(
+    arguments = MultiVectorEncoderTrainingArguments if config.multi_vector else SentenceTransformerTrainingArguments
+    return arguments(
         output_dir=str(config.checkpoints),
         num_train_epochs=config.epochs,
         max_steps=config.max_steps,
@@ -222,8 +229,8 @@ class _Models:
 
     train_set: Dataset
     eval_set: Dataset
-    model: SentenceTransformer
-    loss: GistFamily  # FusedCachedGISTLoss, or FusedGISTEmbedLoss without GradCache
+    model: SentenceTransformer  # a MultiVectorEncoder with --multi-vector
+    loss: GuidedFamily  # FusedCachedGISTLoss or FusedGISTEmbedLoss; with --multi-vector their multi-vector forms
     precomputed: dict | None  # what guide_embeddings did, for --guide-mode precomputed
 
 
@@ -231,8 +238,8 @@ def _load_models(config: RunConfig) -> _Models:
     """The split, the guide (a model, its cached embeddings, the student itself or none), the student and the loss."""
     import torch
 
-    from ..losses.gist import FusedCachedGISTLoss
-    from ..losses.gist import FusedGISTEmbedLoss
+    from ..losses.gist import FusedCachedGISTLoss, FusedGISTEmbedLoss
+    from ..losses.multi_vector_gist import FusedCachedMultiVectorGISTLoss, FusedMultiVectorGISTLoss
     from .data import DataError, split_pairs
 
     try:
@@ -246,28 +253,32 @@ def _load_models(config: RunConfig) -> _Models:
         guide = load_model("--guide", config.guide, config.device)
         guide.eval().requires_grad_(False)
     torch.manual_seed(config.seed)
-    model = load_model("--model", config.student, config.device, config.max_seq_length)
+    model = load_model("--model", config.student, config.device, config.max_seq_length, config.multi_vector)
     precomputed = None
     if source.reads_labels:
         train_set, precomputed = guide_embeddings(config, model, train_set)
     # RunConfig.from_args has checked the loss options and the backend.
+    cached, plain = ((FusedCachedMultiVectorGISTLoss, FusedMultiVectorGISTLoss) if config.multi_vector
+                     else (FusedCachedGISTLoss, FusedGISTEmbedLoss))
     if config.gradient_cache:
-        loss = FusedCachedGISTLoss(
-            model, guide, mini_batch_size=config.mini_batch_size, backend=config.backend, **config.loss_options
-        )
+        loss = cached(model, guide, mini_batch_size=config.mini_batch_size, backend=config.backend,
+                      **config.loss_options)
     else:  # the whole batch in one forward pass: GradCache's second pass would only cost time
-        loss = FusedGISTEmbedLoss(model, guide, backend=config.backend, **config.loss_options)
+        loss = plain(model, guide, backend=config.backend, **config.loss_options)
     return _Models(train_set, eval_set, model, loss, precomputed)
 
 
 def _score_before(config: RunConfig, models: _Models) -> tuple[Callable[[], dict[str, float]], dict[str, float]]:
-    """The held-out scorer and the scores before training (on a resume, those its checkpoint recorded)."""
+    """The held-out scorer (MaxSim's with --multi-vector) and the scores before training (on a resume, those its
+    checkpoint recorded)."""
+    from sentence_transformers.multi_vector_encoder.evaluation import MultiVectorInformationRetrievalEvaluator
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
     from .data import retrieval_task
 
     queries, corpus, relevant = retrieval_task(models.eval_set)
-    evaluator = InformationRetrievalEvaluator(
+    evaluator_class = MultiVectorInformationRetrievalEvaluator if config.multi_vector else InformationRetrievalEvaluator
+    evaluator = evaluator_class(
         queries, corpus, relevant, name="held-out", mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1],
         precision_recall_at_k=[1], map_at_k=[10], batch_size=config.mini_batch_size * 4, write_csv=False,
     )
@@ -298,7 +309,7 @@ class _Training:
 def _build_trainer(config: RunConfig, models: _Models, before: dict[str, float]) -> _Training:
     """The checkpoint directory made ready (emptied unless resuming) and the trainer with its callbacks."""
     from ..losses.callbacks import GuideStatsCallback
-    from .trainer import CheckpointTrainer, NonFiniteGuard, StopRequest
+    from .trainer import CheckpointTrainer, MultiVectorCheckpointTrainer, NonFiniteGuard, StopRequest
 
     created = not config.output.exists()
     if config.resume_from is None:
@@ -309,7 +320,8 @@ def _build_trainer(config: RunConfig, models: _Models, before: dict[str, float])
     guard = NonFiniteGuard(models.loss, models.model)  # wraps the timed loss, so the checks stay out of its time
     stop = StopRequest()
     guide_stats = GuideStatsCallback(models.loss)
-    trainer = CheckpointTrainer(
+    trainer_class = MultiVectorCheckpointTrainer if config.multi_vector else CheckpointTrainer
+    trainer = trainer_class(
         model=models.model, args=_trainer_arguments(config), train_dataset=models.train_set, loss=models.loss,
         callbacks=[timer.callback, guard, stop.callback, guide_stats],
         record={"options": dict(config.options), "before": before}, keep=config.save_total_limit,
@@ -335,7 +347,8 @@ def _fit(config: RunConfig, models: _Models, training: _Training) -> _Fitted:
     try:
         with training.stop:
             if resume_from is not None and is_final(resume_from):
-                models.model.load_state_dict(load_model("--resume", str(resume_from), config.device).state_dict())
+                final = load_model("--resume", str(resume_from), config.device, None, config.multi_vector)
+                models.model.load_state_dict(final.state_dict())
                 steps, metrics = checkpoint_step(resume_from), {}
             else:
                 result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -383,6 +396,7 @@ def _summary(config: RunConfig, models: _Models, training: _Training, fitted: _F
         "eval_pairs": len(models.eval_set),
         "batch_size": config.batch_size,
         "loss": type(models.loss).__name__,
+        "multi_vector": config.multi_vector,
         "mini_batch_size": config.mini_batch_size if config.gradient_cache else None,
         "guide_mode": config.guide_source.cli,
         "guide_embeddings": models.precomputed,

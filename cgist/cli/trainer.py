@@ -16,17 +16,19 @@ from types import FrameType
 from typing import Any
 
 import torch
-from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+from sentence_transformers import SentenceTransformerTrainer
+from sentence_transformers.multi_vector_encoder import MultiVectorEncoderTrainer
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..losses.gist import GistFamily
+from ..losses.guided import GuidedFamily
 from .output import commit_checkpoint, new_staging, write_record
 
-__all__ = ["CheckpointTrainer", "NonFiniteGuard", "NonFiniteLoss", "StopNow", "StopRequest"]
+__all__ = ["CheckpointTrainer", "MultiVectorCheckpointTrainer", "NonFiniteGuard", "NonFiniteLoss", "StopNow",
+           "StopRequest"]
 
 
-class CheckpointTrainer(SentenceTransformerTrainer):
-    """``SentenceTransformerTrainer`` whose checkpoints appear whole or not at all.
+class _AtomicCheckpoints:
+    """A sentence-transformers trainer whose checkpoints appear whole or not at all.
 
     Each checkpoint is written by the Trainer (model, optimizer, scheduler, RNG states, trainer state) into a
     staging directory, gets ``record`` beside those files, and is renamed into ``args.output_dir``; then all
@@ -57,6 +59,15 @@ class CheckpointTrainer(SentenceTransformerTrainer):
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # left only if the save failed
             self.checkpoint_s += time.perf_counter() - start
+
+
+class CheckpointTrainer(_AtomicCheckpoints, SentenceTransformerTrainer):
+    """``SentenceTransformerTrainer`` with atomic checkpoints (``_AtomicCheckpoints``)."""
+
+
+class MultiVectorCheckpointTrainer(_AtomicCheckpoints, MultiVectorEncoderTrainer):
+    """``MultiVectorEncoderTrainer`` (a MultiVectorEncoder's queries and documents embedded as such) with atomic
+    checkpoints (``_AtomicCheckpoints``)."""
 
 
 class _SaveAtEpochEnd(TrainerCallback):
@@ -135,13 +146,13 @@ class NonFiniteGuard(TrainerCallback):
     """Raises :class:`NonFiniteLoss` when the loss stage meets or makes a NaN or infinity.
 
     Checked in every training step, before the optimizer step: the embeddings that enter
-    ``loss.calculate_loss``, the loss it returns, the mean guide scores of ``loss.last_stats`` (the
+    ``loss.calculate_loss`` (a multi-vector loss's second argument is its masks, not guide embeddings), the loss it returns, the mean guide scores of ``loss.last_stats`` (the
     ``cgist.GistStats`` of that call, when the loss keeps one) and the student's gradients after clipping. So no
     update is ever made from a non-finite value, and no checkpoint holds one. Pass the guard to the trainer as a
     callback.
     """
 
-    def __init__(self, loss: GistFamily, model: SentenceTransformer) -> None:
+    def __init__(self, loss: GuidedFamily, model: torch.nn.Module) -> None:
         self.step = 1
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         calculate_loss = loss.calculate_loss
@@ -149,7 +160,7 @@ class NonFiniteGuard(TrainerCallback):
         def checked_calculate_loss(reps: list[list[torch.Tensor]], reps_guided: list[list[torch.Tensor]],
                                    *args: Any, **kwargs: Any) -> torch.Tensor:
             for what, columns in (("a student embedding", reps), ("a guide embedding", reps_guided)):
-                value = _first_bad([t for column in columns for t in column])
+                value = _first_bad([t for column in columns for t in column if t.is_floating_point()])
                 if value is not None:
                     raise NonFiniteLoss(self.step, what, value)
             result = calculate_loss(reps, reps_guided, *args, **kwargs)
