@@ -249,7 +249,7 @@ BAD_ARGUMENTS = [
     pytest.param(dict(guide="all-MiniLM-L6-v2"), TypeError, r"guide must be a SentenceTransformer, got str",
                  id="guide-str"),
     pytest.param(dict(model=torch.nn.Linear(2, 2)), TypeError,
-                 r"model must be a SentenceTransformer or None, got Linear", id="model-module"),
+                 r"model must be a SentenceTransformer, a MultiVectorEncoder or None, got Linear", id="model-module"),
     pytest.param(dict(batch_size=0), ValueError, r"batch_size must be at least 1, got 0", id="batch-0"),
     pytest.param(dict(batch_size=2.0), TypeError, r"batch_size must be an int, got float", id="batch-float"),
     pytest.param(dict(batch_size=True), TypeError, r"batch_size must be an int, got bool", id="batch-bool"),

@@ -357,6 +357,49 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached):
     assert grads
 
 
+def test_precomputed_labels_are_the_live_guides_embeddings():
+    """``add_guide_embeddings(dataset, guide, model=student)`` for a MultiVectorEncoder student: the guide reads the
+    texts the student's tokens spell, as the live guide does, so the losses and the masks are the live guide's."""
+    from datasets import Dataset
+
+    model, guide = _student(), _single_vector_guide()
+    dataset = Dataset.from_dict(dict(zip(("query", "document", "negative"), COLUMNS)))
+    labelled = cgist.add_guide_embeddings(dataset, guide, model=model, show_progress_bar=False)
+    live = cgist.FusedCachedMultiVectorGISTLoss(model, guide, mini_batch_size=2, margin=0.05)
+    precomputed = cgist.FusedCachedMultiVectorGISTLoss(model, "labels", mini_batch_size=2, margin=0.05)
+    expected, _, _ = _step(live)
+    got, _, _ = _step(precomputed, torch.tensor(labelled["label"]))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert precomputed.last_stats.masked == live.last_stats.masked and live.last_stats.masked["an"] >= 1
+    torch.testing.assert_close(precomputed.last_stats.theta_mean, live.last_stats.theta_mean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_a_matryoshka_wrapper_runs_the_guide_once_a_batch(cached, monkeypatch):
+    """``MultiVectorMatryoshkaLoss`` (6.3) calls the loss once per dimension on the same batch: the guide model runs
+    once (a pass per column), and the losses are those of a guide run again for every dimension."""
+    losses = pytest.importorskip("sentence_transformers.multi_vector_encoder.losses")
+    if not hasattr(losses, "MultiVectorMatryoshkaLoss"):
+        pytest.skip("sentence-transformers before 6.3 has no multi-vector Matryoshka loss")
+    model, guide = _student(), _single_vector_guide()
+    model.eval()
+    runs = []
+    encode = guide.encode
+    monkeypatch.setattr(guide, "encode", lambda *args, **kwargs: runs.append(1) or encode(*args, **kwargs))
+    cls = cgist.FusedCachedMultiVectorGISTLoss if cached else cgist.FusedMultiVectorGISTLoss
+
+    class EveryCall(cls):  # the guide run on every call, as without the kept columns
+        _guide_model_columns = cls._run_guide
+
+    values = []
+    for inner in (cls, EveryCall):
+        loss = inner(model, guide, margin=0.05, **(dict(mini_batch_size=2) if cached else {}))
+        runs.clear()
+        values.append(losses.MultiVectorMatryoshkaLoss(model, loss, [128, 64, 32])(_features(model), None))
+        assert len(runs) == len(COLUMNS) * (1 if inner is cls or cached else 3)
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)
+
+
 def test_the_constructor_takes_the_guide_after_the_model():
     import inspect
 

@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset, Value, concatenate_datasets
 from datasets.table import InMemoryTable
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.multi_vector_encoder import MultiVectorEncoder
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -92,7 +93,7 @@ def add_guide_embeddings(
     dataset: Dataset,
     guide: SentenceTransformer,
     *,
-    model: SentenceTransformer | None = None,
+    model: SentenceTransformer | MultiVectorEncoder | None = None,
     columns: Sequence[str] | None = None,
     batch_size: int = 64,
     dtype: torch.dtype = torch.float32,
@@ -112,13 +113,16 @@ def add_guide_embeddings(
     in training, so the labels are the live guide's embeddings up to rounding: the guide runs on the student's
     tokenisation (``model.preprocess``, truncated at ``model.max_seq_length``), or, when the vocabularies differ or
     ``guide.max_seq_length < model.max_seq_length``, on the student's tokens decoded without special tokens and
-    tokenised again by ``guide.preprocess``. Without ``model``, the guide tokenises the texts itself. Prompts and a
+    tokenised again by ``guide.preprocess``; a MultiVectorEncoder student's tokens are always decoded, as the guided
+    multi-vector losses have the guide read them (``FusedCachedMultiVectorGISTLoss(model, "labels")``). Without
+    ``model``, the guide tokenises the texts itself. Prompts and a
     Router's task mapping, which the trainer may add to the student's inputs, are not applied.
 
     Args:
         dataset: a ``datasets.Dataset`` of text columns, without a label column.
         guide: the guide model.
-        model: the student the labels are for; None to let the guide tokenise the texts itself.
+        model: the student the labels are for (a SentenceTransformer or a MultiVectorEncoder); None to let the
+            guide tokenise the texts itself.
         columns: the text columns in the order the loss sees them. None: every column, in the dataset's order,
             which is how sentence-transformers' trainer feeds them; every one must then hold strings.
         batch_size: rows embedded at once.
@@ -154,8 +158,9 @@ def _check_arguments(dataset: object, guide: object, model: object, columns: obj
                         f"{type(dataset).__name__}")
     if not isinstance(guide, SentenceTransformer):
         raise TypeError(f"guide must be a SentenceTransformer, got {type(guide).__name__}")
-    if model is not None and not isinstance(model, SentenceTransformer):
-        raise TypeError(f"model must be a SentenceTransformer or None, got {type(model).__name__}")
+    if model is not None and not isinstance(model, (SentenceTransformer, MultiVectorEncoder)):
+        raise TypeError(f"model must be a SentenceTransformer, a MultiVectorEncoder or None, got "
+                        f"{type(model).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
         raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
     if batch_size < 1:
@@ -182,7 +187,7 @@ def _guide_embeddings(dataset: Dataset, guide: SentenceTransformer, model: Sente
                       columns: list[str], batch_size: int, dtype: torch.dtype, show_progress_bar: bool) -> np.ndarray:
     """The guide's embeddings of ``columns``, ``(rows, len(columns), Dg)`` in ``dtype``'s NumPy type, checked finite;
     the guide runs in eval mode under ``torch.no_grad``, its mode restored after."""
-    retokenize = model is not None and must_retokenize(model, guide)
+    retokenize = model is not None and (isinstance(model, MultiVectorEncoder) or must_retokenize(model, guide))
     rows, texts_only = len(dataset), dataset.select_columns(columns)
     out: np.ndarray | None = None
     was_training = guide.training
