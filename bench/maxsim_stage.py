@@ -25,6 +25,13 @@ The loss is the multi-vector ranking loss with sentence-transformers' defaults (
                     arange(B) * N)``) and ``.backward()``, each column one leaf;
 * ``cgist-plain``   ``cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, backend="torch")``
                     ``.calculate_loss(reps, masks).backward()``, each column a list of one leaf;
+* ``cgist-guided-vectors``, ``cgist-guided-tokens``, ``cgist-guided-self`` (``--guides``): the cached drop-in's
+                    guided form, ``cgist.FusedCachedMultiVectorGISTLoss``, the same call with GIST's guide and
+                    ``margin=0.05`` (the guide's cost over ``cgist-cached``): a single-vector guide's embeddings
+                    (random unit vectors of ``GUIDE_DIM``, as all-MiniLM-L6-v2's, given as the label column gives
+                    them: whatever produced them, the stage's work is the same), a multi-vector guide's token
+                    embeddings (random unit vectors of the student's shapes), or the student's own scores (with
+                    ``mask_duplicates``, its default there: distinct text ids);
 * ``gemm``          the limit: only the token products that any implementation computes once in its forward, for
                     each document column and each tile of 32 documents x 64 queries ``torch.mm(q_tile.reshape(-1, D),
                     d_tile.reshape(-1, D).T, out=buf)`` into one preallocated buffer (so that page faults do not
@@ -56,8 +63,8 @@ Lq = 32, Ld = 80, 128 and 512, D = 128, no hard negative (one document column).
 
 Writes ``maxsim_stage_cpu[_quick|_kernel_shapes].csv`` (columns provider, B, Lq, Ld, D, negatives, median_s,
 peak_mb, loss, note), ``.md`` (a table per shape group: each provider's time, its multiple of ``gemm``'s time, its
-extra peak memory, and for each cgist provider its memory as a share of the sentence-transformers provider it
-replaces and its speed-up over it; warnings where the losses differ by more than 1e-4 relative; the command that
+extra peak memory, and for each cgist provider its memory as a share of its base (the sentence-transformers
+provider it replaces; for a guided one the unguided drop-in) and its speed-up over it; warnings where the losses differ by more than 1e-4 relative; the command that
 produced it) and ``.png`` (time and peak memory against B, log-log; bars for ``--kernel-shapes``; skipped with a
 note when matplotlib is missing) under ``--out`` (default bench/results/).
 """
@@ -85,12 +92,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROVIDERS = ("st-cached", "cgist-cached", "st-plain", "cgist-plain", "gemm")
+#: The guided providers (``--guides``), by guide kind.
+GUIDED = {"cgist-guided-vectors": "vectors", "cgist-guided-tokens": "tokens", "cgist-guided-self": "self"}
+PROVIDERS = ("st-cached", "cgist-cached", *GUIDED, "st-plain", "cgist-plain", "gemm")
 LIMIT = "gemm"
-#: Each cgist provider and the sentence-transformers provider it replaces.
-REPLACES = {"cgist-cached": "st-cached", "cgist-plain": "st-plain"}
+#: Each cgist provider and the provider it is compared with: the sentence-transformers one it replaces, or for a
+#: guided one the unguided drop-in.
+REPLACES = {"cgist-cached": "st-cached", "cgist-plain": "st-plain", **dict.fromkeys(GUIDED, "cgist-cached")}
 #: Providers fed GradCache's mini-batches (the others get each column as one leaf).
-CACHED = ("st-cached", "cgist-cached")
+CACHED = ("st-cached", "cgist-cached", *GUIDED)
+#: The single-vector guide's embedding dimension (all-MiniLM-L6-v2's) and the guided providers' margin.
+GUIDE_DIM, GUIDE_MARGIN = 384, 0.05
 #: sentence-transformers' default ``scale`` of the multi-vector losses (MaxSim scores are sums over query tokens).
 SCALE = 1.0
 #: The bare GEMMs' tiles (queries x documents) and the most bytes their one buffer may take.
@@ -227,6 +239,36 @@ def gemm_call(point: Point, columns) -> tuple[Callable[[], None], float, str]:
     return call, buffer.numel() * buffer.element_size() / common.MB, note
 
 
+def guided_call(point: Point, settings: Settings, model, reps, mask_chunks) -> Callable[[], object]:
+    """The guided cached drop-in's loss stage with the guide of ``point.provider`` (module docstring)."""
+    import torch
+
+    import cgist
+    from cgist.losses.base import StepInputs
+
+    kind = GUIDED[point.provider]
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    text_ids = [torch.arange(c * point.B, (c + 1) * point.B) for c in range(point.columns + 1)]
+    if kind == "vectors":
+        vectors = [torch.nn.functional.normalize(torch.randn(point.B, GUIDE_DIM, generator=gen), dim=-1)
+                   for _ in range(point.columns + 1)]
+        guide, inputs = "labels", StepInputs(guide={"guide": vectors}, text_ids=text_ids)
+    elif kind == "tokens":
+        tokens, masks = make_inputs(point, replace(settings, seed=settings.seed + 1))
+        guide = model  # a MultiVectorEncoder: its token embeddings are given, so it never runs
+        inputs = StepInputs(guide={"guide": tokens, "guide_masks": masks}, text_ids=text_ids)
+    else:
+        guide, inputs = "self", StepInputs(text_ids=text_ids)
+    loss = cgist.FusedCachedMultiVectorGISTLoss(model, guide, mini_batch_size=settings.mini_batch_size,
+                                                margin=GUIDE_MARGIN, backend="torch")
+
+    def run():
+        with loss.reading(inputs):
+            return loss.calculate_loss(reps, mask_chunks, with_backward=True)
+
+    return run
+
+
 def make_call(point: Point, settings: Settings, columns, masks) -> tuple[Callable[[], object], float, str]:
     """``(call, fixed MB, note)``: one loss-stage step of the provider (returning its loss, None for ``gemm``), the
     memory it holds before the call that its peak leaves out (``gemm``'s buffer), and what its row's note records."""
@@ -251,6 +293,8 @@ def make_call(point: Point, settings: Settings, columns, masks) -> tuple[Callabl
             loss = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(
                 model, mini_batch_size=settings.mini_batch_size, backend="torch")
             run = functools.partial(loss.calculate_loss, reps, mask_chunks, with_backward=True)
+        elif point.provider in GUIDED:
+            run = guided_call(point, settings, model, reps, mask_chunks)
         elif point.provider == "st-plain":
             run = functools.partial(st_plain_loss, model, reps, mask_chunks)
         elif point.provider == "cgist-plain":
@@ -390,6 +434,8 @@ def loss_warnings(rows: Sequence[dict[str, object]]) -> list[str]:
         if ref is None:
             continue
         for provider, row in found.items():
+            if provider in GUIDED:  # the guide's mask changes the loss
+                continue
             diff = abs(row["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
             if diff > LOSS_RTOL:
                 lines.append(f"WARNING: at B={b}, Lq={lq}, Ld={ld}, D={d}, negatives={k} the loss of {provider} "
@@ -435,7 +481,7 @@ def markdown(rows: Sequence[dict[str, object]], settings: Settings, threads: int
     for (lq, ld, d, k), group in groups.items():
         lines += [f"### Lq = {lq}, Ld = {ld}, D = {d}, {k} hard negative{'s' * (k != 1)} ({k + 1} document "
                   f"column{'s' * (k != 0)})", "",
-                  "| B | provider | time s | x gemm | extra peak MB | memory vs st | speed-up vs st | loss | note |",
+                  "| B | provider | time s | x gemm | extra peak MB | memory vs base | speed-up vs base | loss | note |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         at = {(r["B"], r["provider"]): r for r in group}
         for row in sorted(group, key=lambda r: (r["B"], order[r["provider"]])):
@@ -454,7 +500,9 @@ def markdown(rows: Sequence[dict[str, object]], settings: Settings, threads: int
             lines.append(f"| {row['B']} | {row['provider']} | {' | '.join(cells)} | {row['note']} |")
         lines.append("")
     warnings = loss_warnings(rows)
-    lines += warnings or [f"Every provider's loss agrees with sentence-transformers' within {LOSS_RTOL:g} relative."]
+    if warnings or any(row["provider"] in REPLACES.values() and row["provider"].startswith("st-") for row in rows):
+        lines += warnings or [f"Every unguided provider's loss agrees with sentence-transformers' within "
+                              f"{LOSS_RTOL:g} relative."]
     lines += ["", f"Produced by `{command}`"]
     return "\n".join(lines) + "\n"
 
@@ -553,8 +601,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--negatives", type=int, default=1, help="hard-negative columns (default 1)")
     parser.add_argument("--min-fill", type=float, default=1.0,
                         help="each row's real length is uniform in [ceil(F * L), L] (1: no padding)")
-    parser.add_argument("--providers", type=lambda s: [p for p in s.split(",") if p], default=list(PROVIDERS),
-                        help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    parser.add_argument("--providers", type=lambda s: [p for p in s.split(",") if p],
+                        help=f"comma-separated subset of {','.join(PROVIDERS)} (default: all but the guided ones)")
+    parser.add_argument("--guides", action="store_true",
+                        help="the guide's cost: cgist-cached and each guided provider, with gemm (writes "
+                             "maxsim_stage_cpu_guides.*)")
     parser.add_argument("--mini-batch-size", type=int, default=32,
                         help="GradCache mini-batch rows of the cached providers (default 32)")
     parser.add_argument("--repeats", type=int, help="timed calls per point after the first (default 2; --quick 1)")
@@ -577,6 +628,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.sizes, args.ld = args.sizes or [32, 64], args.ld or [180]
         args.repeats = args.repeats or 1
     args.sizes, args.ld, args.repeats = args.sizes or [256, 1024], args.ld or [180], args.repeats or 2
+    if args.providers is None:
+        args.providers = ["cgist-cached", *GUIDED, LIMIT] if args.guides else [p for p in PROVIDERS if p not in GUIDED]
     unknown = sorted(set(args.providers) - set(PROVIDERS))
     if unknown or not args.providers:
         parser.error(f"--providers: unknown {unknown}; expected a non-empty subset of {list(PROVIDERS)}")
@@ -605,7 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(repeats=args.repeats, threads=args.threads, seed=args.seed,
                         mini_batch_size=args.mini_batch_size, min_fill=args.min_fill, long_call_s=args.long_call)
     rows = sweep(args, build_points(args), settings)
-    stem = "maxsim_stage_cpu" + ("_quick" if args.quick else "") + ("_kernel_shapes" if args.kernel_shapes else "")
+    stem = ("maxsim_stage_cpu" + ("_quick" if args.quick else "") + ("_kernel_shapes" if args.kernel_shapes else "")
+            + ("_guides" if args.guides else ""))
     command = shlex.join(["python", "bench/maxsim_stage.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)
