@@ -109,18 +109,7 @@ def _guide(guide: object, guide_masks: object, guide_length_normalize: object, m
     """``maxsim_loss``'s guide arguments, checked, as the stage's ``MaxSimGuide`` (None where nothing masks)."""
     if not isinstance(mask_duplicates, bool):
         raise TypeError(f"mask_duplicates must be a bool, got {type(mask_duplicates).__name__}")
-    ids = None
-    if text_ids is not None:
-        if isinstance(text_ids, (Tensor, str, bytes)) or not isinstance(text_ids, Sequence) \
-                or len(text_ids) != 1 + len(heights):
-            raise ValueError(f"text_ids must be a list of one id tensor per column (the queries, then the "
-                             f"{len(heights)} document columns)")
-        for n, (t, rows) in enumerate(zip(text_ids, [n_queries, *heights])):
-            if not isinstance(t, Tensor) or t.shape != (rows,) or t.is_floating_point() or t.is_complex():
-                raise ValueError(f"text_ids[{n}] must be an integer tensor of shape ({rows},), got "
-                                 f"{t.dtype if isinstance(t, Tensor) else type(t).__name__} of shape "
-                                 f"{tuple(getattr(t, 'shape', ()))}")
-        ids = [t.to(device=device, dtype=torch.int64) for t in text_ids]
+    ids = _text_ids(text_ids, [n_queries, *heights], device)
     if mask_duplicates and ids is None:
         raise ValueError("mask_duplicates needs text_ids: one id per text of each column, equal for equal texts")
     if guide is None and not mask_duplicates:
@@ -141,29 +130,57 @@ def _guide(guide: object, guide_masks: object, guide_length_normalize: object, m
         raise ValueError(f"guide must be 'self', None, or a list of the guide's columns: the queries', then the "
                          f"{len(heights)} document columns' (each a tensor or a list of row chunks)")
     columns = [_chunks(g, f"guide[{n}]") for n, g in enumerate(guide)]
-    ndim = columns[0][0].dim()
-    if ndim == 2:  # a single-vector guide: the cosine of its embeddings
+    if columns[0][0].dim() == 2:  # a single-vector guide: the cosine of its embeddings
         if guide_masks is not None:
             raise ValueError("guide_masks are for a multi-vector guide's (rows, tokens, dim) columns; this guide's "
                              "columns are (rows, dim) embeddings")
-        whole = []
-        for n, (chunks, rows) in enumerate(zip(columns, [n_queries, *heights])):
-            if any(c.dim() != 2 or not c.is_floating_point() for c in chunks):
-                raise ValueError(f"guide[{n}] must be floating (rows, dim) embeddings like guide[0], got "
-                                 f"{[tuple(c.shape) for c in chunks]}")
-            column = torch.cat(chunks).detach().to(device)
-            if column.shape[0] != rows or column.shape[1] != columns[0][0].shape[1]:
-                raise ValueError(f"guide[{n}] must have shape ({rows}, {columns[0][0].shape[1]}), got "
-                                 f"{tuple(column.shape)}")
-            whole.append(column)
-        check_finite([(f"guide[{n}]", c) for n, c in enumerate(whole)])
-        wide = accumulate(whole[0].dtype)
-        vectors = [normalize(c, wide)[0] for c in whole]
+        vectors = _vector_guide(columns, [n_queries, *heights], device)
         return MaxSimGuide("vectors", vectors=(vectors[0], torch.cat(vectors[1:])),
-                           sums=torch.zeros(2, dtype=wide, device=device), **common)
-    if ndim != 3:
+                           sums=torch.zeros(2, dtype=vectors[0].dtype, device=device), **common)
+    if columns[0][0].dim() != 3:
         raise ValueError(f"guide[0] must be (rows, dim) embeddings or (rows, tokens, dim) token embeddings, got shape "
                          f"{tuple(columns[0][0].shape)}")
+    tokens = _token_guide(columns, guide_masks, guide_length_normalize, heights, n_queries, offset, budget, device)
+    return MaxSimGuide("tokens", tokens=tokens,
+                       sums=torch.zeros(2, dtype=accumulate(tokens.queries[0].dtype), device=device), **common)
+
+
+def _text_ids(text_ids: object, rows: list[int], device: torch.device) -> list[Tensor] | None:
+    """``text_ids``, checked (an integer id tensor per column of ``rows`` rows), as int64 on ``device``."""
+    if text_ids is None:
+        return None
+    if isinstance(text_ids, (Tensor, str, bytes)) or not isinstance(text_ids, Sequence) or len(text_ids) != len(rows):
+        raise ValueError(f"text_ids must be a list of one id tensor per column (the queries, then the "
+                         f"{len(rows) - 1} document columns)")
+    for n, (t, height) in enumerate(zip(text_ids, rows)):
+        if not isinstance(t, Tensor) or t.shape != (height,) or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"text_ids[{n}] must be an integer tensor of shape ({height},), got "
+                             f"{t.dtype if isinstance(t, Tensor) else type(t).__name__} of shape "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    return [t.to(device=device, dtype=torch.int64) for t in text_ids]
+
+
+def _vector_guide(columns: list[list[Tensor]], rows: list[int], device: torch.device) -> list[Tensor]:
+    """A single-vector guide's columns, checked (floating ``(rows, Dg)``, finite), whole and normalised in
+    ``accumulate(dtype)``."""
+    whole = []
+    for n, (chunks, height) in enumerate(zip(columns, rows)):
+        if any(c.dim() != 2 or not c.is_floating_point() for c in chunks):
+            raise ValueError(f"guide[{n}] must be floating (rows, dim) embeddings like guide[0], got "
+                             f"{[tuple(c.shape) for c in chunks]}")
+        column = torch.cat(chunks).detach().to(device)
+        if column.shape[0] != height or column.shape[1] != columns[0][0].shape[1]:
+            raise ValueError(f"guide[{n}] must have shape ({height}, {columns[0][0].shape[1]}), got "
+                             f"{tuple(column.shape)}")
+        whole.append(column)
+    check_finite([(f"guide[{n}]", c) for n, c in enumerate(whole)])
+    return [normalize(c, accumulate(whole[0].dtype))[0] for c in whole]
+
+
+def _token_guide(columns: list[list[Tensor]], guide_masks: object, guide_length_normalize: object, heights: list[int],
+                 n_queries: int, offset: int, budget: int, device: torch.device) -> MaxSimCall:
+    """A multi-vector guide's columns and masks, checked as the student's are, as a call over the same rows (its
+    ``scale`` 1)."""
     if isinstance(guide_masks, Tensor) or not isinstance(guide_masks, Sequence) or len(guide_masks) != len(columns):
         raise ValueError(f"a multi-vector guide needs guide_masks: one mask per guide column ({len(columns)}), each "
                          "a tensor or a list of row chunks as the column")
@@ -184,9 +201,7 @@ def _guide(guide: object, guide_masks: object, guide_length_normalize: object, m
     if rows != n_queries:
         raise ValueError(f"guide[0] has {rows} rows, but the queries have {n_queries}")
     check_finite(named)
-    tokens = MaxSimCall(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget)
-    return MaxSimGuide("tokens", tokens=tokens, sums=torch.zeros(2, dtype=accumulate(guide_dtype), device=device),
-                       **common)
+    return MaxSimCall(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget)
 
 
 def _stats(guide: MaxSimGuide | None, n_queries: int, heights: list[int]) -> GistStats:

@@ -4,7 +4,8 @@ Each ``world`` fixture starts this file as a script once per rank. Every rank dr
 token embeddings and holds its own rows, with a token width of its own (each rank pads its columns to its own
 longest, so the gather pads them to the longest rank's, as sentence-transformers does). Each rank runs
 sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss``, ``FusedCachedMultiVectorMultipleNegatives
-RankingLoss`` and the plain drop-in's loss stage on its rows, and saves their losses and gradients.
+RankingLoss`` and the plain drop-in's loss stage on its rows, and the guided cached drop-in
+(``FusedCachedMultiVectorGISTLoss``) with each guide kind, and saves their losses, gradients and mask counts.
 
 Rank r's loss is the dense oracle of its queries against every rank's documents with ``offset = r * B``; the
 all-gather's backward sums every rank's gradients into the rows' owner (test_distributed.py explains this
@@ -52,6 +53,47 @@ def _batch(world: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], 
     return queries, query_mask, documents, masks
 
 
+#: The guided losses: each guide kind, as the loss's ``guide`` argument names it.
+GUIDED = {"vectors": "labels", "tokens": "model", "self": "self"}
+GUIDE_LQ, GUIDE_DIM, MARGIN = 3, 5, 0.1
+
+
+def _guide_batch(world: int) -> dict[str, object]:
+    """The full batch's guide (float64): single-vector embeddings of every column; token embeddings with masks, each
+    rank's documents of a width of their own; and text ids, a negative on the last rank being the first query's
+    positive (a tie, and a duplicate for ``"self"``), found on another rank than its query's."""
+    gen = torch.Generator().manual_seed(100 + world)
+    rows = world * LOCAL
+    vectors = [torch.randn(rows, GUIDE_DIM, generator=gen, dtype=torch.float64) for _ in range(1 + COLUMNS)]
+    widths = [GUIDE_LQ, *([max(_widths(world)) - 3] * COLUMNS)]
+    tokens = [torch.randn(rows, w, GUIDE_DIM, generator=gen, dtype=torch.float64) for w in widths]
+    masks = [torch.arange(w) < torch.randint(1, w + 1, (rows, 1), generator=gen) for w in widths]
+    for c in range(1, 1 + COLUMNS):  # rank r's guide tokens stop at a width of its own
+        for rank in range(world):
+            masks[c][rank * LOCAL:(rank + 1) * LOCAL, 4 + rank:] = False
+    ids = [torch.arange(rows) + 1000 * c for c in range(1 + COLUMNS)]
+    ids[-1][rows - 1] = ids[1][0]
+    # Its guide scores it far below the first query's threshold, so only the tie rule masks it: the opposite vector;
+    # every token the opposite of the sum of the query's real ones.
+    vectors[-1][rows - 1] = -vectors[0][0]
+    tokens[-1][rows - 1] = -10 * (tokens[0][0] * masks[0][0].unsqueeze(1)).sum(0)
+    return {"vectors": vectors, "tokens": tokens, "masks": masks, "ids": ids}
+
+
+def _local_guide(world: int, rank: int, kind: str) -> dict[str, object]:
+    """Rank ``rank``'s rows of the guide, as the loss's forward would have read them."""
+    full = _guide_batch(world)
+    rows = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    ids = [i[rows] for i in full["ids"]]
+    if kind == "vectors":
+        return {"guide": [v[rows] for v in full["vectors"]], "text_ids": ids}
+    if kind == "tokens":
+        width = [GUIDE_LQ, *([4 + rank] * COLUMNS)]
+        return {"guide": [t[rows, :w] for t, w in zip(full["tokens"], width)],
+                "guide_masks": [m[rows, :w] for m, w in zip(full["masks"], width)], "text_ids": ids}
+    return {"text_ids": ids}
+
+
 def _local(world: int, rank: int):
     queries, query_mask, documents, masks = _batch(world)
     rows, width = slice(rank * LOCAL, (rank + 1) * LOCAL), _widths(world)[rank]
@@ -88,6 +130,16 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     value = plain.calculate_loss(leaves, [[query_mask], *([m] for m in masks)])
     value.backward()
     results["plain"] = {"loss": value.detach(), "grads": [column[0].grad for column in leaves]}
+    from cgist.losses.base import StepInputs
+
+    for kind, guide in GUIDED.items():
+        local = _local_guide(world, rank, kind)
+        loss = cgist.FusedCachedMultiVectorGISTLoss(model, model if guide == "model" else guide, margin=MARGIN,
+                                                    block_bytes=400, **kwargs)
+        columns = {k: v for k, v in local.items() if k != "text_ids"}
+        with loss.reading(StepInputs(guide=columns or None, text_ids=local["text_ids"])):
+            results[kind] = _step(loss, reps, chunked_masks)
+        results[kind]["masked"] = dict(loss.last_stats.masked)
     torch.save(results, out / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -135,6 +187,45 @@ def test_gathered_losses_are_the_oracle_with_each_ranks_offset(world):
         rows, width = slice(rank * LOCAL, (rank + 1) * LOCAL), _widths(size)[rank]
         for c in range(COLUMNS):
             torch.testing.assert_close(result["cgist"]["grads"][1 + c], summed[c][rows, :width], rtol=1e-10,
+                                       atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", list(GUIDED))
+def test_gathered_guided_losses_are_the_oracle_with_each_ranks_offset(world, kind):
+    """The guide's document columns (and their text ids) are gathered as the documents are, a multi-vector guide's
+    token axis padded to the ranks' longest: each rank's loss and mask are the oracle's with every rank's documents,
+    and the gradients summed over the ranks are each row's owner's."""
+    from cgist.stage.reference import maxsim_gist_loss_reference
+
+    size, ranks = world
+    queries, query_mask, documents, masks = _batch(size)
+    full = _guide_batch(size)
+    leaves = [documents[c].clone().requires_grad_() for c in range(COLUMNS)]
+    summed = [torch.zeros_like(d) for d in documents]
+    for rank, result in enumerate(ranks):
+        rows = slice(rank * LOCAL, (rank + 1) * LOCAL)
+        guide = {"vectors": [full["vectors"][0][rows], *full["vectors"][1:]],
+                 "tokens": [full["tokens"][0][rows], *full["tokens"][1:]], "self": "self"}[kind]
+        guide_masks = [full["masks"][0][rows], *full["masks"][1:]] if kind == "tokens" else None
+        expected, mask = maxsim_gist_loss_reference(
+            queries[rows], query_mask[rows], leaves, masks, guide, guide_masks=guide_masks, scale=2.0,
+            offset=rank * LOCAL, margin=MARGIN, text_ids=[full["ids"][0][rows], *full["ids"][1:]],
+            mask_duplicates=kind == "self")
+        torch.testing.assert_close(result[kind]["loss"], expected, rtol=1e-10, atol=1e-10)
+        first = size * LOCAL
+        if rank == 0 and kind != "self":  # the tie masks the first query's candidate, which its score would not
+            untied = maxsim_gist_loss_reference(
+                queries[rows], query_mask[rows], leaves, masks, guide, guide_masks=guide_masks, scale=2.0,
+                offset=0, margin=MARGIN)[1]
+            assert mask[0, 2 * first - 1] and not untied[0, 2 * first - 1]
+        assert result[kind]["masked"] == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
+        for total, grad in zip(summed, torch.autograd.grad(expected, leaves)):
+            total += grad
+    assert sum(result[kind]["masked"]["an"] for result in ranks) >= 1  # the tie across ranks, at least
+    for rank, result in enumerate(ranks):
+        rows, width = slice(rank * LOCAL, (rank + 1) * LOCAL), _widths(size)[rank]
+        for c in range(COLUMNS):
+            torch.testing.assert_close(result[kind]["grads"][1 + c], summed[c][rows, :width], rtol=1e-10,
                                        atol=1e-12)
 
 

@@ -136,8 +136,9 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         """The guide model's embeddings of each column's texts, without gradients: a SentenceTransformer's
         ``(rows, Dg)`` embeddings, or a MultiVectorEncoder's token embeddings (the queries' as queries, the documents'
         as documents) padded, with their masks. The texts are decoded from the student's token ids (its prompts and
-        special tokens left out) and tokenised by the guide. The columns of the last batch are kept: a wrapper that
-        calls the loss once per dimension on the same batch (``MultiVectorMatryoshkaLoss``) runs the guide once."""
+        special tokens left out) and tokenised by the guide. The columns of the last batch are kept (until the next
+        batch's are made): a wrapper that calls the loss once per dimension on the same batch
+        (``MultiVectorMatryoshkaLoss``) runs the guide once."""
         if not all("input_ids" in feature for feature in features):
             raise ValueError("a guide model reads the batch's texts, decoded from the student's token ids, but these "
                              "features have no 'input_ids'; precompute the guide's embeddings (guide='labels')")
@@ -146,6 +147,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         if kept is not None and kept[0] is self.guide and len(kept[1]) == len(ids) and all(
                 a.shape == b.shape and torch.equal(a, b) for a, b in zip(kept[1], ids)):
             return kept[2]
+        self._last_guide_columns = None  # freed before the next batch's are made
         columns = self._run_guide(features)
         self._last_guide_columns = (self.guide, [i.clone() for i in ids], columns)
         return columns
