@@ -31,6 +31,7 @@ from sentence_transformers.util import dot_score
 
 import cgist
 import cgist.losses.base
+from cgist.compat import release_rules
 from cgist import FusedGISTEmbedLoss, FusedMultipleNegativesRankingLoss, FusedMultipleNegativesSymmetricRankingLoss
 from cgist.losses.matryoshka import FusedMatryoshka
 from cgist.stage.reference import gist_loss_reference
@@ -47,10 +48,16 @@ MODELS = tolerance("models", "fp64")
 def _texts(negatives: int, seed: int = 0) -> list[list[str]]:
     """Columns [anchor, positive, *negatives] of BATCH sentences of uneven length, with what real data has: anchor 3
     is its own positive, anchor 6 repeats anchor 2, positive 8 repeats positive 1, and the last negative of row 4 is
-    positive 0."""
+    positive 0.
+
+    Anchor 3 is its own positive only under a release that excludes the self-pairs (6.3 on): before, GISTEmbedLoss
+    masks AA[3, 3] and PP[3, 3] when the guide scores them above theta_3, which for that row compares the cosine of
+    two embeddings of one text made in separate forward passes, so its answer is the rounding of those passes
+    (docs/design.md#ties), which differs between builds of the libraries."""
     rng = random.Random(seed)
     columns = [[" ".join(rng.choices(WORDS, k=rng.randint(2, 9))) for _ in range(BATCH)] for _ in range(2 + negatives)]
-    columns[0][3] = columns[1][3]
+    if release_rules().self_pairs_excluded:
+        columns[0][3] = columns[1][3]
     columns[0][6] = columns[0][2]
     columns[1][8] = columns[1][1]
     if negatives:
