@@ -70,7 +70,7 @@ def test_parser_defaults():
     assert args.lr == 1e-4 and args.max_pairs is None
     assert (config.temperature(args), args.margin, args.margin_strategy) == (0.01, 0.0, "absolute")
     assert args.contrast_anchors and args.contrast_positives
-    assert args.output_dir == arguments.DEFAULT_OUTPUT_DIR
+    assert config.output_dir(args) == Path(arguments.DEFAULT_OUTPUT_DIR)
     assert config.max_steps(args) == arguments.DEFAULT_STDLIB_STEPS
     assert (args.save_steps, args.save_total_limit, args.resume, args.overwrite) == (None, 2, False, False)
     assert (args.guide_mode, args.guide_cache) == ("model", None)

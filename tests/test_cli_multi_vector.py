@@ -27,6 +27,9 @@ def test_the_temperature_and_the_loss_options_follow_the_model_kind():
     single, multi = parse(["train"]), parse(["train", "--multi-vector", "--margin", "0.1"])
     assert (single.temperature, multi.temperature, single.multi_vector, multi.multi_vector) == (None, None, False, True)
     assert config.temperature(single) == arguments.DEFAULT_TEMPERATURE
+    assert config.output_dir(single) == Path(arguments.DEFAULT_OUTPUT_DIR)
+    assert config.output_dir(multi) == Path(arguments.DEFAULT_MULTI_VECTOR_OUTPUT_DIR)
+    assert config.output_dir(parse(["train", "--multi-vector", "--output-dir", "x"])) == Path("x")
     assert config.temperature(multi) == arguments.MULTI_VECTOR_TEMPERATURE
     assert config.loss_options(multi) == {"scale": 1 / arguments.MULTI_VECTOR_TEMPERATURE, "margin": 0.1,
                                           "margin_strategy": "absolute"}

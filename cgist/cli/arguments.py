@@ -13,6 +13,7 @@ from ..stage.spec.guide import SOURCES
 from .output import CHECKPOINTS_DIR
 
 __all__ = [
+    "DEFAULT_MULTI_VECTOR_OUTPUT_DIR",
     "DEFAULT_OUTPUT_DIR",
     "DEFAULT_SAVE_STEPS",
     "DEFAULT_STDLIB_SAVE_STEPS",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 DEFAULT_OUTPUT_DIR = "runs/cgist-train"
+DEFAULT_MULTI_VECTOR_OUTPUT_DIR = "runs/cgist-train-multi-vector"
 # With the built-in data and neither --epochs nor --max-steps, training stops here, so that the default run
 # (16 steps of 32 pairs, 64 tokens) takes about a minute on 2 CPU cores (60.8 s measured, 49.3 s training).
 DEFAULT_STDLIB_STEPS = 16
@@ -201,8 +203,9 @@ def _add_loss_group(train: argparse.ArgumentParser) -> None:
 
 def _add_output_group(train: argparse.ArgumentParser) -> None:
     output = train.add_argument_group("output and checkpoints")
-    output.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                        help=f"where the trained model is saved, and its checkpoints under {CHECKPOINTS_DIR}/")
+    output.add_argument("--output-dir",
+                        help=f"where the trained model is saved, and its checkpoints under {CHECKPOINTS_DIR}/ "
+                        f"(default: {DEFAULT_OUTPUT_DIR}; {DEFAULT_MULTI_VECTOR_OUTPUT_DIR} with --multi-vector)")
     output.add_argument("--overwrite", action="store_true",
                         help="start afresh in an --output-dir that already has files: its checkpoints are deleted when "
                         "training starts, the rest when the new model is saved")

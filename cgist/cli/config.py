@@ -24,6 +24,8 @@ from ..compat import MissingExtraError, import_extra
 from ..stage.spec.guide import GuideSource, by_cli
 from ..stage.spec.options import GistOptions
 from .arguments import (
+    DEFAULT_MULTI_VECTOR_OUTPUT_DIR,
+    DEFAULT_OUTPUT_DIR,
     DEFAULT_SAVE_STEPS,
     DEFAULT_STDLIB_SAVE_STEPS,
     DEFAULT_STDLIB_STEPS,
@@ -50,6 +52,7 @@ __all__ = [
     "loss_options",
     "max_steps",
     "model_id",
+    "output_dir",
     "resume_checkpoint",
     "resume_command",
     "save_steps",
@@ -150,7 +153,7 @@ class RunConfig:
             max_steps=max_steps(args), lr=args.lr, warmup_ratio=args.warmup_ratio, save_steps=save_steps(args),
             save_total_limit=args.save_total_limit,
             loss_options=MappingProxyType(loss_options(args)), backend=args.backend,
-            output=Path(args.output_dir).resolve(), options=MappingProxyType(options), resume_from=resume_from,
+            output=output_dir(args).resolve(), options=MappingProxyType(options), resume_from=resume_from,
             scores_before=scores_before, resume_command=resume_command(argv),
             given=MappingProxyType({k: v for k, v in vars(args).items() if k != "command"}),
         )
@@ -213,7 +216,7 @@ def resume_checkpoint(args: argparse.Namespace) -> Path | None:
     run where the directory is missing, empty or holds only what a run leaves before its first checkpoint; without
     either, a directory with files needs --overwrite.
     """
-    output = Path(args.output_dir)
+    output = output_dir(args)
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output-dir {output} exists and is not a directory")
     checkpoint = latest_checkpoint(output.resolve() / CHECKPOINTS_DIR)
@@ -234,6 +237,13 @@ def resume_checkpoint(args: argparse.Namespace) -> Path | None:
         unfinished = " (with checkpoints: pass --resume to continue that run)" if checkpoint else ""
         raise UsageError(f"--output-dir {output} already has files{unfinished}; pass --overwrite to replace them")
     return None
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """--output-dir, else the default of the single-vector run or (--multi-vector) of the multi-vector one."""
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    return Path(DEFAULT_MULTI_VECTOR_OUTPUT_DIR if args.multi_vector else DEFAULT_OUTPUT_DIR)
 
 
 def bundled_model_path(args: argparse.Namespace) -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .common import UsageError
-from .config import RunConfig, resume_command
+from .config import RunConfig, output_dir, resume_command
 from .output import (
     CHECKPOINTS_DIR,
     checkpoint_step,
@@ -188,7 +188,7 @@ def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         config = RunConfig.from_args(args, argv)
     except KeyboardInterrupt:  # before the run starts (the data may take a while to load): nothing was written
-        return _interrupted(Path(args.output_dir).resolve() / CHECKPOINTS_DIR, resume_command(argv))
+        return _interrupted(output_dir(args).resolve() / CHECKPOINTS_DIR, resume_command(argv))
     try:
         summary = train(config)
     except Stopped as stop:  # on a line of its own: training may have left a progress bar mid-line
