@@ -159,8 +159,9 @@ def test_the_oracle_is_sentence_transformers_maxsim(length_normalize):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_half_and_single_precision_inputs_accumulate_in_float32(dtype):
-    queries, query_mask, documents, document_masks = _inputs(4, 6, 2, 5, 9, 8, dtype=dtype)
+@pytest.mark.parametrize("ld", [9, 300])  # 300: past bf16's exact integers, the argmax is torch.max's
+def test_half_and_single_precision_inputs_accumulate_in_float32(dtype, ld):
+    queries, query_mask, documents, document_masks = _inputs(4, 6, 2, 5, ld, 8, dtype=dtype)
     leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
     got = cgist.maxsim_loss(queries, query_mask, documents, document_masks, block_bytes=300)
     assert got.dtype == torch.float32
@@ -172,6 +173,32 @@ def test_half_and_single_precision_inputs_accumulate_in_float32(dtype):
     for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(expected, wide)):
         assert a.dtype == dtype
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["countdown", "torch-max"])
+def test_a_tied_maximum_sends_its_gradient_to_the_first_token_as_sentence_transformers_does(monkeypatch, exact):
+    """A document token repeated at a later position ties with itself wherever it is a maximum: sentence-transformers'
+    ``max`` sends the gradient to the first position alone (the oracle, by ``amax``, would split it)."""
+    if not exact:  # the argmax of a dtype that cannot hold the positions (_tile_scores)
+        monkeypatch.setattr(cgist.stage.pytorch.maxsim, "_exact_integers", lambda dtype: 0)
+    queries, _, documents, _ = _inputs(5, 6, 2, 4, 6, 5, dtype=torch.float32)
+    query_mask = torch.ones(6, 4, dtype=torch.bool)
+    document_masks = [torch.ones(6, 6, dtype=torch.bool) for _ in documents]
+    for d in documents:
+        d[:, 4] = d[:, 1]
+    reps = [_split(queries, 3), *(_split(d, 3) for d in documents)]
+    masks = [_split(query_mask, 3), *(_split(m, 3) for m in document_masks)]
+    theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=colbert_scores, mini_batch_size=3)
+    ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=colbert_scores,
+                                                                   mini_batch_size=3, block_bytes=200)
+    expected, expected_grads = _run_cached(theirs, reps, masks)
+    got, grads = _run_cached(ours, reps, masks)
+    torch.testing.assert_close(got, expected)
+    document_grads = torch.cat(grads[2:])
+    assert (document_grads[:, 1] != 0).any(), "no query token's maximum is at the repeated token"
+    assert (document_grads[:, 4] == 0).all()
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
 
 
 # -- the drop-ins against sentence-transformers ---------------------------------------------------------------------

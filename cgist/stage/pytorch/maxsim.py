@@ -2,13 +2,13 @@
 queries, without the token-similarity tensor (docs/design.md#late-interaction).
 
 A tile is ``bq`` queries against ``bd`` documents: one matrix product of their token vectors
-``(bq * Lq, D) @ (D, bd * Ld)`` into a buffer bounded by the budget, the maximum over each document's tokens, and the
+``(bd * Ld, D) @ (D, bq * Lq)`` into a buffer bounded by the budget, the maximum over each document's tokens, and the
 sum over the query's tokens, weighted by its mask, in float32 (float64 for float64 inputs). The queries go in row
 blocks, each swept twice over every document (``maxsim_forward``): the first sweep keeps the block's scores and each
 tile's argmax, which make the block's softmax exact; the second sends each score's gradient along the argmax. The
-gradient of a score reaches one document token per query token, so both gradients are gathers (``embedding_bag`` and
-its weight gradient) instead of products as large as the forward's, and no product is computed twice. The gradients
-are made in the forward (``maxsim_backward`` scales them by the loss's incoming gradient), as a loss stage's
+gradient of a score reaches one document token per query token, so the gradients are a gather (``embedding_bag``)
+and a scatter (``index_add_``) instead of products as large as the forward's, and no product is computed twice. The
+gradients are made in the forward (``maxsim_backward`` scales them by the loss's incoming gradient), as a loss stage's
 backward follows its forward at once.
 
 Documents are read as their row chunks (GradCache's mini-batches), never concatenated. A document tile is trimmed to
@@ -142,20 +142,37 @@ def _tile_rows(queries: Sequence[Tensor], documents: Sequence[Sequence[Tensor]],
 def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor | None) -> None:
     """The tile's MaxSim scores into ``scores`` ``(bq, bd)`` (``accumulate(dtype)``), sentence-transformers' score
     where a document is empty; and, given ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum
-    is at, as positions of ``doc.tokens``."""
+    is at (the first, on a tie), as positions of ``doc.tokens``.
+
+    The product is laid out document token by query token, so that the maximum over a document's tokens runs down
+    its rows, elementwise over contiguous rows, which vectorises (a maximum along a row does not). The argmax is not
+    ``torch.max``'s, which does not vectorise either: once the maxima are known the product is no longer
+    needed, and becomes ``Ld - t`` where token ``t`` attains its query token's maximum, 0 elsewhere; the largest of
+    these, per query token, is the first position of its maximum (exact in a dtype that holds the integers up to
+    ``Ld``, else ``torch.max``)."""
     bq, lq = query.weights.shape
     bd, ld = doc.tokens.shape[:2]
-    product = _thread_buffer(bq * lq * bd * ld, query.tokens.dtype, query.tokens.device)
-    product = product.view(bq * lq, bd * ld)
-    torch.mm(query.tokens, doc.tokens.view(bd * ld, -1).T, out=product)
-    per_token = product.view(bq, lq, bd, ld)
-    if where is not None:
-        maxima, at = per_token.max(-1)
-        where.copy_(at)
+    product = _thread_buffer(bd * ld * bq * lq, query.tokens.dtype, query.tokens.device)
+    product = product.view(bd * ld, bq * lq)
+    torch.mm(doc.tokens.view(bd * ld, -1), query.tokens.T, out=product)
+    per_token = product.view(bd, ld, bq * lq)
+    if where is None:
+        maxima = per_token.amax(1)
+    elif ld <= _exact_integers(per_token.dtype):
+        maxima = per_token.amax(1)
+        countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
+        first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
+        where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
     else:
-        maxima = per_token.amax(-1)
-    tile = torch.einsum("qtd,qt->qd", maxima.to(query.weights.dtype), query.weights)
+        maxima, at = per_token.max(1)
+        where.copy_(at.view(bd, bq, lq).permute(1, 2, 0))
+    tile = torch.einsum("dqt,qt->qd", maxima.view(bd, bq, lq).to(query.weights.dtype), query.weights)
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
+
+
+def _exact_integers(dtype: torch.dtype) -> int:
+    """The largest n such that ``dtype`` holds every integer up to n exactly."""
+    return round(2 / torch.finfo(dtype).eps)
 
 
 #: What a guide scores each query's candidates with: a single-vector guide's cosines (``"vectors"``), a multi-vector
@@ -381,7 +398,8 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
     into_queries = torch.zeros_like(tokens)
     q_grads, d_grads = grads
     for (n, doc), cols in _column_spans(call, doc_rows):
-        into_queries += _tile_backward(doc, grad[:, cols], where[:, :, cols], tokens, weights, d_grads[n][doc.chunk])
+        into_queries += _tile_backward(doc, grad[:, cols], where[:, :, cols], tokens, weights, d_grads[n][doc.chunk],
+                                       call.budget_bytes - call.budget_bytes // 2)
     for query, span in zip(block, spans):
         width = query.weights.shape[1]
         q_grads[query.chunk][query.start:query.stop, :width] += into_queries[span, :width]
@@ -401,9 +419,9 @@ def _index_dtype(width: int) -> torch.dtype:
     return torch.uint8 if width <= 256 else torch.int16 if width <= 2**15 else torch.int32
 
 
-#: Bytes per (query token, document) of a document tile's backward (``_tile_backward``): the weight, the token
-#: index, its sort order and bag, the reordered weight, and ``embedding_bag``'s bag of each index.
-_BACKWARD_BYTES = 4 + 8 + 8 + 8 + 4 + 8
+#: Bytes per (query token, document) of a document tile's backward (``_tile_backward``): the weight, the argmax as
+#: int64, the token row it reads, the gradient row it adds into, and ``embedding_bag``'s bag of each index.
+_BACKWARD_BYTES = 4 + 8 + 8 + 8 + 8
 
 
 def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int, dim: int,
@@ -430,34 +448,42 @@ def maxsim_backward(call: MaxSimCall, grads: Gradients, grad_output: float) -> G
     return [g * grad_output for g in q_grads], [[g * grad_output for g in column] for column in d_grads]
 
 
-def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, weights: Tensor,
-                   doc_grad: Tensor) -> Tensor:
+def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, weights: Tensor, doc_grad: Tensor,
+                   scratch_bytes: int) -> Tensor:
     """One document tile's share of the gradients of a row block of queries (``tokens`` ``(R, Lq, D)``, ``weights``
     ``(R, Lq)``): each score's gradient (``grad``, ``(R, bd)``) sent along the kept argmax of each query token
-    (``where``, ``(R, Lq, bd)``), to the document token (the query token's vector, scattered into ``doc_grad``) and
-    to the query token (the document token's vector, gathered: returned, ``(R, Lq, D)``). An empty document's score
-    is a constant: it sends nothing."""
+    (``where``, ``(R, Lq, bd)``), to the query token (the document token's vector, gathered: returned,
+    ``(R, Lq, D)``) and to the document token (the query token's vector, added into its row of ``doc_grad``; a
+    masked position's row is its document's first real token's). An empty document's score is a constant: it sends
+    nothing.
+
+    The documents' side is a scatter: ``index_add_``, whose additions run in index order on a CPU, so the sums do
+    not depend on the threads (grouping them into bags for ``embedding_bag`` needs a sort, which costs more), over the
+    query tokens in chunks whose weighted copies fit ``scratch_bytes`` (the product's buffer, idle in this sweep)."""
     bd, ld, dim = doc.tokens.shape
     rows, lq = weights.shape
     if doc.empty is not None:
         grad = grad.masked_fill(doc.empty, 0.0)
-    per_token = (grad.unsqueeze(1) * weights.unsqueeze(2)).reshape(-1)
-    column_base = torch.arange(bd, device=grad.device) * ld
-    index = (where.long() + column_base).reshape(-1)  # the document token row of each (query token, document)
+    per_token = grad.unsqueeze(1) * weights.unsqueeze(2)  # (R, Lq, bd)
+    documents = torch.arange(bd, device=grad.device)
+    index = where.long() + documents * ld  # the row of doc.tokens of each (query token, document)
     doc_tokens = doc.tokens.view(bd * ld, dim).to(grad.dtype)
-    gathered = F.embedding_bag(index.view(rows * lq, bd), doc_tokens, per_sample_weights=per_token.view(rows * lq, bd),
-                               mode="sum")
-    # The transpose: a bag per document token, of the query tokens whose maximum it is (sorted stably, so the sums
-    # run in a fixed order).
-    order = index.argsort(stable=True)
-    counts = torch.bincount(index, minlength=bd * ld)
-    into_doc = F.embedding_bag(order // bd, tokens.view(rows * lq, dim), counts.cumsum(0) - counts,
-                               per_sample_weights=per_token[order], mode="sum")
+    gathered = F.embedding_bag(index.view(rows * lq, bd), doc_tokens,
+                               per_sample_weights=per_token.view(rows * lq, bd), mode="sum")
     target = doc_grad[doc.start:doc.stop]
+    full = target.shape[1]
     if doc.remap is None:
-        target[:, :ld] += into_doc.view(bd, ld, dim)
+        into = index if full == ld else where.long() + documents * full
     else:
-        flat = target.view(bd * target.shape[1], dim)
-        positions = doc.remap + torch.arange(bd, device=flat.device).unsqueeze(1) * target.shape[1]
-        flat.index_add_(0, positions.reshape(-1), into_doc)
+        into = (doc.remap + documents.unsqueeze(1) * full).view(-1)[index]
+    flat, into = target.view(bd * full, dim), into.view(rows * lq, bd)
+    query_tokens, per_token = tokens.view(rows * lq, 1, dim), per_token.view(rows * lq, bd, 1)
+    step = max(1, scratch_bytes // (bd * dim * grad.element_size()))
+    need = min(step, rows * lq) * bd * dim * grad.element_size()
+    scratch = _thread_buffer(need // doc.tokens.element_size(), doc.tokens.dtype, grad.device).view(grad.dtype)
+    for start in range(0, rows * lq, step):
+        stop = min(start + step, rows * lq)
+        weighted = scratch[:(stop - start) * bd * dim].view(stop - start, bd, dim)
+        torch.mul(query_tokens[start:stop], per_token[start:stop], out=weighted)
+        flat.index_add_(0, into[start:stop].reshape(-1), weighted.view(-1, dim))
     return gathered.view(rows, lq, dim)
