@@ -25,7 +25,7 @@ from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_
 from .stage.numerics import normalize
 from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, MaxSimGuide, accumulate
 from .stage.spec.checks import check_finite
-from .stage.spec.options import MARGIN_STRATEGIES
+from .stage.spec.options import check_margin
 from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
@@ -114,10 +114,7 @@ def _guide(guide: object, guide_masks: object, guide_length_normalize: object, m
         raise ValueError("mask_duplicates needs text_ids: one id per text of each column, equal for equal texts")
     if guide is None and not mask_duplicates:
         return None
-    if margin_strategy not in MARGIN_STRATEGIES:
-        raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {margin_strategy!r}")
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not math.isfinite(margin):
-        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    check_margin(margin, margin_strategy)
     common = dict(margin=float(margin), relative=margin_strategy == "relative", mask_duplicates=mask_duplicates,
                   query_ids=None if ids is None else ids[0],
                   document_ids=None if ids is None else torch.cat(ids[1:]),

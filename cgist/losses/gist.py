@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..compat import release_rules
 from ..stage.spec.guide import NONE, SELF
-from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real
+from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real, check_margin
 from ..stage.stats import GistStats
 from .base import StepInputs, attribute_key, text_fingerprints
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
@@ -26,18 +26,22 @@ from .steps import CachedStep, PlainStep
 __all__ = ["FusedCachedGISTLoss", "FusedGISTEmbedLoss", "GistFamily"]
 
 
-def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
-    """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
-    sentence-transformers' loss NaN (its masked similarities are -inf before the division), and a NaN margin
-    silently masks nothing, so both are errors; ``margin_strategy`` keeps sentence-transformers' message."""
+def check_guide_scalars(margin: object, margin_strategy: object) -> None:
+    """A guided drop-in's margin and strategy (``check_margin``), an unknown strategy with sentence-transformers'
+    message, as its constructor raises it."""
     if margin_strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be 'absolute' or 'relative'. Got {margin_strategy!r}.")
+    check_margin(margin, margin_strategy)
+
+
+def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
+    """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
+    sentence-transformers' loss NaN (its masked similarities are -inf before the division), so it is an error, as
+    a margin that is not finite (``check_guide_scalars``)."""
     _check_real("temperature", temperature)
-    _check_real("margin", margin)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}: the loss would be NaN")
-    if math.isnan(margin):
-        raise ValueError(f"margin must be a number, got {margin!r}: every guide comparison with it is false")
+    check_guide_scalars(margin, margin_strategy)
 
 
 def _unfused_cosine(similarity_fct: object) -> str | None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import numbers
 from collections.abc import Mapping
 
 import torch
@@ -19,9 +17,8 @@ from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor
 
 from ..stage.spec.guide import NONE, SELF
-from ..stage.spec.options import MARGIN_STRATEGIES
 from .base import StepInputs, text_fingerprints
-from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION
+from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
 from .steps import CachedStep
 from .multi_vector import (
@@ -35,17 +32,6 @@ from .multi_vector import (
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
 
 _GUIDE_ARGUMENTS = ("guide", "margin_strategy", "margin")
-
-
-def check_margin(margin_strategy: object, margin: object) -> None:
-    """GIST's ``margin_strategy`` (sentence-transformers' message) and a finite ``margin``: a NaN margin would mask
-    nothing and an infinite one everything or nothing."""
-    if margin_strategy not in MARGIN_STRATEGIES:
-        raise ValueError(f"margin_strategy must be 'absolute' or 'relative'. Got {margin_strategy!r}.")
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
-        raise TypeError(f"margin must be a real number, got {type(margin).__name__}")
-    if not math.isfinite(margin):
-        raise ValueError(f"margin must be a finite number, got {margin!r}")
 
 
 def _padded(tokens: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -80,7 +66,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
     def _check_arguments(self, arguments: Mapping[str, object]) -> None:
         super()._check_arguments(arguments)
         guide_source(arguments["guide"], self.guide_models)
-        check_margin(arguments["margin_strategy"], arguments["margin"])
+        check_guide_scalars(arguments["margin"], arguments["margin_strategy"])
 
     def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
         return {name: value for name, value in arguments.items() if name not in _GUIDE_ARGUMENTS}
@@ -97,7 +83,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
                 getattr(scorer, "length_normalize", None))
 
     def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
-        check_margin(self.margin_strategy, self.margin)
+        check_guide_scalars(self.margin, self.margin_strategy)
         source = self.guide_source
         mask_duplicates = source is SELF if self.mask_duplicates is None else self.mask_duplicates
         options, reason = super()._family_options()

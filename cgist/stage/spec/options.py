@@ -53,6 +53,16 @@ def _check_real(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
+def check_margin(margin: object, margin_strategy: object) -> None:
+    """GIST's margin, as every guided loss checks it: a real, finite number (a NaN margin would mask nothing and an
+    infinite one everything or nothing), with a ``margin_strategy`` of ``MARGIN_STRATEGIES``."""
+    _check_real("margin", margin)
+    if not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    if not isinstance(margin_strategy, str) or margin_strategy not in MARGIN_STRATEGIES:
+        raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {margin_strategy!r}")
+
+
 @dataclass(frozen=True)
 class GistOptions:
     """The loss options of ``CachedGISTEmbedLoss`` and the offset of this rank's labels.
@@ -125,11 +135,7 @@ class GistOptions:
         _check_real("temperature", self.temperature)
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
-        _check_real("margin", self.margin)
-        if not math.isfinite(self.margin):
-            raise ValueError(f"margin must be a finite number, got {self.margin!r}")
-        if not isinstance(self.margin_strategy, str) or self.margin_strategy not in MARGIN_STRATEGIES:
-            raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {self.margin_strategy!r}")
+        check_margin(self.margin, self.margin_strategy)
         for name in ("contrast_anchors", "contrast_positives", "mask_self", "mask_duplicates", "all_anchors"):
             value = getattr(self, name)
             if not isinstance(value, bool):
