@@ -6,6 +6,7 @@ cgist's fused drop-ins, forward + backward, with the bare token GEMMs as the lim
     python bench/maxsim_stage.py --quick            # B in {32, 64}, Ld 180, one timed call: about a minute
     python bench/maxsim_stage.py --sizes 256,1024,4096 --ld 180,300
     python bench/maxsim_stage.py --kernel-shapes    # the shapes other public MaxSim kernels publish (below)
+    python bench/maxsim_stage.py --kernel-shapes b  # only their group (b): a few minutes
 
 Every provider gets the same inputs (a fixed ``--seed``): the query tokens ``(B, Lq, D)`` and ``negatives + 1``
 document columns ``(B, Ld, D)`` (the positive, then the hard negatives), random token vectors of unit norm (normalised
@@ -59,9 +60,10 @@ sweep) or one group of ``--kernel-shapes``.
 ``--kernel-shapes`` measures, instead of the sweep, the shapes that other public MaxSim kernels publish their
 numbers at (what those shapes cost on this machine, the same providers): (a) Lq = 128, mini-batch 32, B = 256,
 Ld = 2048 and 8192, D = 128, ``--negatives`` hard negatives (default 1); (b) B = 32 and 64 queries and documents,
-Lq = 32, Ld = 80, 128 and 512, D = 128, no hard negative (one document column).
+Lq = 32, Ld = 80, 128 and 512, D = 128, no hard negative (one document column). ``--kernel-shapes a`` or ``b``
+measures one group (group (a) with sentence-transformers' providers takes hours on two cores).
 
-Writes ``maxsim_stage_cpu[_quick|_kernel_shapes].csv`` (columns provider, B, Lq, Ld, D, negatives, median_s,
+Writes ``maxsim_stage_cpu[_quick|_kernel_shapes[_a|_b]].csv`` (columns provider, B, Lq, Ld, D, negatives, median_s,
 peak_mb, loss, note), ``.md`` (a table per shape group: each provider's time, its multiple of ``gemm``'s time, its
 extra peak memory, and for each cgist provider its memory as a share of its base (the sentence-transformers
 provider it replaces; for a guided one the unguided drop-in) and its speed-up over it; warnings where the losses differ by more than 1e-4 relative; the command that
@@ -118,6 +120,7 @@ KERNEL_SHAPES = (
     *(("b", b, 32, ld, 0) for ld in (80, 128, 512) for b in (32, 64)),
 )
 KERNEL_DIM = 128
+KERNEL_GROUPS = tuple(dict.fromkeys(series for series, *_ in KERNEL_SHAPES))
 
 
 @dataclass(frozen=True)
@@ -575,7 +578,7 @@ def build_points(args: argparse.Namespace) -> list[Point]:
     each point extrapolates from the last."""
     if args.kernel_shapes:
         shapes = [(series, b, lq, ld, KERNEL_DIM, args.negatives if k is None else k)
-                  for series, b, lq, ld, k in KERNEL_SHAPES]
+                  for series, b, lq, ld, k in KERNEL_SHAPES if args.kernel_shapes in ("all", series)]
     else:
         shapes = [(f"Ld={ld}", b, args.lq, ld, args.dim, args.negatives) for ld in args.ld for b in sorted(args.sizes)]
     points = [Point(provider, b, lq, ld, d, k, series) for series, b, lq, ld, d, k in shapes
@@ -592,8 +595,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawTextHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="B in {32, 64}, Ld 180, one timed call: about a minute")
-    mode.add_argument("--kernel-shapes", action="store_true",
-                      help="the shapes other public MaxSim kernels publish, instead of the sweep (module docstring)")
+    mode.add_argument("--kernel-shapes", nargs="?", const="all", choices=("all", *KERNEL_GROUPS),
+                      help="the shapes other public MaxSim kernels publish, instead of the sweep (module docstring): "
+                           "all of them, or one group")
     parser.add_argument("--sizes", type=parse_ints, help="comma-separated B values (default 256,1024)")
     parser.add_argument("--ld", type=parse_ints, help="comma-separated document lengths in tokens (default 180)")
     parser.add_argument("--lq", type=int, default=32, help="query length in tokens (default 32)")
@@ -658,8 +662,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(repeats=args.repeats, threads=args.threads, seed=args.seed,
                         mini_batch_size=args.mini_batch_size, min_fill=args.min_fill, long_call_s=args.long_call)
     rows = sweep(args, build_points(args), settings)
-    stem = ("maxsim_stage_cpu" + ("_quick" if args.quick else "") + ("_kernel_shapes" if args.kernel_shapes else "")
-            + ("_guides" if args.guides else ""))
+    group = "" if args.kernel_shapes in (None, "all") else f"_{args.kernel_shapes}"
+    stem = ("maxsim_stage_cpu" + ("_quick" if args.quick else "")
+            + ("_kernel_shapes" + group if args.kernel_shapes else "") + ("_guides" if args.guides else ""))
     command = shlex.join(["python", "bench/maxsim_stage.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)

@@ -26,22 +26,31 @@ from .steps import CachedStep, PlainStep
 __all__ = ["FusedCachedGISTLoss", "FusedGISTEmbedLoss", "GistFamily"]
 
 
-def check_guide_scalars(margin: object, margin_strategy: object) -> None:
-    """A guided drop-in's margin and strategy (``check_margin``), an unknown strategy with sentence-transformers'
-    message, as its constructor raises it."""
+def _check_strategy(margin_strategy: object) -> None:
+    """GIST's ``margin_strategy``, with sentence-transformers' message, as its constructor raises it."""
     if margin_strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be 'absolute' or 'relative'. Got {margin_strategy!r}.")
+
+
+def check_guide_scalars(margin: object, margin_strategy: object) -> None:
+    """The multi-vector GIST drop-ins' margin and strategy: a finite margin (``check_margin``), as their stage needs;
+    they have no sentence-transformers loss to fall back on."""
+    _check_strategy(margin_strategy)
     check_margin(margin, margin_strategy)
 
 
 def check_scalars(temperature: object, margin: object, margin_strategy: object) -> None:
     """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
-    sentence-transformers' loss NaN (its masked similarities are -inf before the division), so it is an error, as
-    a margin that is not finite (``check_guide_scalars``)."""
+    sentence-transformers' loss NaN (its masked similarities are -inf before the division), and a NaN margin
+    silently masks nothing, so both are errors. An infinite margin is sentence-transformers' to run (the fused stage
+    takes finite ones)."""
+    _check_strategy(margin_strategy)
     _check_real("temperature", temperature)
+    _check_real("margin", margin)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}: the loss would be NaN")
-    check_guide_scalars(margin, margin_strategy)
+    if math.isnan(margin):
+        raise ValueError(f"margin must be a number, got {margin!r}: every guide comparison with it is false")
 
 
 def _unfused_cosine(similarity_fct: object) -> str | None:
