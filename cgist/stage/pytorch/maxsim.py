@@ -466,14 +466,15 @@ def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, w
         grad = grad.masked_fill(doc.empty, 0.0)
     per_token = grad.unsqueeze(1) * weights.unsqueeze(2)  # (R, Lq, bd)
     documents = torch.arange(bd, device=grad.device)
-    index = where.long() + documents * ld  # the row of doc.tokens of each (query token, document)
+    at = where.long()
+    index = at + documents * ld  # the row of doc.tokens of each (query token, document)
     doc_tokens = doc.tokens.view(bd * ld, dim).to(grad.dtype)
     gathered = F.embedding_bag(index.view(rows * lq, bd), doc_tokens,
                                per_sample_weights=per_token.view(rows * lq, bd), mode="sum")
     target = doc_grad[doc.start:doc.stop]
     full = target.shape[1]
     if doc.remap is None:
-        into = index if full == ld else where.long() + documents * full
+        into = index if full == ld else at + documents * full
     else:
         into = (doc.remap + documents.unsqueeze(1) * full).view(-1)[index]
     flat, into = target.view(bd * full, dim), into.view(rows * lq, bd)
