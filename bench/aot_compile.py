@@ -16,10 +16,10 @@ are one binary, compiled once per architecture and listed with every size and pa
 arguments (all multiples of 16 here), and below sm_80, where fp32 runs at "ieee", the fp32 and tf32 pairs (and
 bf16+fp32 and bf16+tf32) are the same source.
 
-The MaxSim kernels (``cgist.kernels.maxsim``: forward, label logits, the logits' gradients, the query and the document
-gradients) are built for the student dtypes of the chosen pairs among ``MAXSIM_DTYPES`` (fp32, tf32, bf16, fp16), on
-every architecture, at ColBERT's shapes: 32 and 128 query tokens (the ``LQ`` constexpr), documents longer than a chunk
-of tokens, D = 128, each with the launch the launcher picks (``cgist.stage.triton.maxsim.launch_configs``: tiles,
+The MaxSim kernels (``cgist.kernels.maxsim``: forward, label logits, a slab's logits, the logits' gradients, the query
+and the document gradients) are built for the student dtypes of the chosen pairs among ``MAXSIM_DTYPES`` (fp32, tf32,
+bf16, fp16), on every architecture, at ColBERT's shapes: 32 and 128 query tokens (the ``LQ`` constexpr), documents
+longer than a chunk of tokens, D = 128, each with the launch the launcher picks (``cgist.stage.triton.maxsim.launch_configs``: tiles,
 warps, stages and register limit), which the table's ``tiles`` writes as ``LQ32-Q32xT64xK32xM32-w4-s2-r255``
 (query lengths, then query tokens, document tokens and features per product, documents per program, warps, stages,
 ``.maxnreg``). The token counts and the batch are runtime arguments the kernels do not specialise on, so the query
@@ -225,7 +225,7 @@ def maxsim_values(kernel, dtype: torch.dtype, launch: Launch, lq: int, ld: int =
     vec = torch.empty(1, dtype=acc)
     values = dict(q_ptr=emb, w_ptr=vec, fill_ptr=vec, d_ptr=emb, dmask_ptr=torch.empty(1, dtype=torch.int8),
                   width_ptr=torch.empty(1, dtype=torch.int32), scalars_ptr=vec, peak_ptr=vec, total_ptr=vec,
-                  label_ptr=vec, g_ptr=vec, dq_ptr=vec, dd_ptr=vec, n_docs=docs, n_rows=batch, offset=0, q_start=0,
+                  label_ptr=vec, out_ptr=vec, g_ptr=vec, dq_ptr=vec, dd_ptr=vec, n_docs=docs, n_rows=batch, offset=0, q_start=0,
                   lq=lq, ld=ld, dim=dim, **launch.meta)
     return {name: values[name] for name in kernel.arg_names}
 

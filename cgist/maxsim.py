@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
 from .stage.numerics import normalize
-from .stage.pytorch.maxsim import DOC_ROWS, MaxSimCall, MaxSimGuide, accumulate
+from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
 from .stage.spec.checks import check_finite
 from .stage.spec.options import check_margin
 from .stage.stats import GistStats
@@ -103,21 +103,26 @@ class MaxSimLossFunction(torch.autograd.Function):
 
 
 def _guide(guide: object, guide_masks: object, guide_length_normalize: object, margin: object,
-           margin_strategy: object, text_ids: object, mask_duplicates: object, heights: list[int], n_queries: int,
-           offset: int, budget: int, device: torch.device, dtype: torch.dtype) -> MaxSimGuide | None:
-    """``maxsim_loss``'s guide arguments, checked, as the stage's ``MaxSimGuide`` (None where nothing masks)."""
+           margin_strategy: object, text_ids: object, mask_duplicates: object, contrast: tuple[bool, bool, bool],
+           heights: list[int], n_queries: int, offset: int, budget: int, device: torch.device,
+           dtype: torch.dtype) -> MaxSimGuide | None:
+    """``maxsim_loss``'s guide arguments, checked, as the stage's ``MaxSimGuide`` (None where nothing masks and there
+    is no contrast block); ``contrast`` is ``(contrast_anchors, contrast_positives, mask_self)``."""
     if not isinstance(mask_duplicates, bool):
         raise TypeError(f"mask_duplicates must be a bool, got {type(mask_duplicates).__name__}")
     ids = _text_ids(text_ids, [n_queries, *heights], device)
     if mask_duplicates and ids is None:
         raise ValueError("mask_duplicates needs text_ids: one id per text of each column, equal for equal texts")
-    if guide is None and not mask_duplicates:
+    anchors, positives, mask_self = contrast
+    if guide is None and not mask_duplicates and not (anchors or positives):
         return None
     check_margin(margin, margin_strategy)
+    column_ids = None
+    if ids is not None:  # a text id per score of a query's row (``MaxSimCall.blocks``)
+        column_ids = torch.cat([*ids[1:], *([ids[0]] if anchors else []), *([ids[1]] if positives else [])])
     common = dict(margin=float(margin), relative=margin_strategy == "relative", mask_duplicates=mask_duplicates,
-                  query_ids=None if ids is None else ids[0],
-                  document_ids=None if ids is None else torch.cat(ids[1:]),
-                  counters=torch.zeros(3, dtype=torch.int64, device=device))
+                  mask_self=mask_self, query_ids=None if ids is None else ids[0], column_ids=column_ids,
+                  counters=torch.zeros(len(GUIDE_COUNTERS), dtype=torch.int64, device=device))
     if guide is None or isinstance(guide, str):
         if guide not in (None, "self"):
             raise ValueError(f"guide must be 'self', the guide's columns or None, got {guide!r}")
@@ -136,7 +141,8 @@ def _guide(guide: object, guide_masks: object, guide_length_normalize: object, m
     if columns[0][0].dim() != 3:
         raise ValueError(f"guide[0] must be (rows, dim) embeddings or (rows, tokens, dim) token embeddings, got shape "
                          f"{tuple(columns[0][0].shape)}")
-    tokens = _token_guide(columns, guide_masks, guide_length_normalize, heights, n_queries, offset, budget, device)
+    tokens = _token_guide(columns, guide_masks, guide_length_normalize, heights, n_queries, offset, budget, device,
+                          anchors, positives)
     return MaxSimGuide("tokens", tokens=tokens,
                        sums=torch.zeros(2, dtype=accumulate(tokens.queries[0].dtype), device=device), **common)
 
@@ -174,9 +180,10 @@ def _vector_guide(columns: list[list[Tensor]], rows: list[int], device: torch.de
 
 
 def _token_guide(columns: list[list[Tensor]], guide_masks: object, guide_length_normalize: object, heights: list[int],
-                 n_queries: int, offset: int, budget: int, device: torch.device) -> MaxSimCall:
-    """A multi-vector guide's columns and masks, checked as the student's are, as a call over the same rows (its
-    ``scale`` 1)."""
+                 n_queries: int, offset: int, budget: int, device: torch.device, anchors: bool,
+                 positives: bool) -> MaxSimCall:
+    """A multi-vector guide's columns and masks, checked as the student's are, as a call over the same rows laid out
+    as the student's (its ``scale`` 1; GIST's contrast blocks alike)."""
     if isinstance(guide_masks, Tensor) or not isinstance(guide_masks, Sequence) or len(guide_masks) != len(columns):
         raise ValueError(f"a multi-vector guide needs guide_masks: one mask per guide column ({len(columns)}), each "
                          "a tensor or a list of row chunks as the column")
@@ -197,20 +204,53 @@ def _token_guide(columns: list[list[Tensor]], guide_masks: object, guide_length_
     if rows != n_queries:
         raise ValueError(f"guide[0] has {rows} rows, but the queries have {n_queries}")
     check_finite(named)
-    return MaxSimCall(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget)
+    return _call(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget, None, anchors,
+                 positives)
 
 
-def _stats(guide: MaxSimGuide | None, n_queries: int, heights: list[int]) -> GistStats:
-    """What the guide masked in the call (``GistStats``: AP, the first column, its labels left out; AN, the
-    others)."""
-    first, others = heights[0], sum(heights[1:])
-    candidates = {"ap": n_queries * (first - 1), **({"an": n_queries * others} if others else {})}
+def _call(q_chunks: list[Tensor], q_masks: list[Tensor], d_chunks: list[list[Tensor]], d_masks: list[list[Tensor]],
+          scale: float, length_normalize: bool, offset: int, budget: int, guide: MaxSimGuide | None, anchors: bool,
+          positives: bool) -> MaxSimCall:
+    """The stage's call, with GIST's contrast blocks: AA as a last document column of the queries themselves, PP as
+    a call of its own whose queries are the positives (``_rows``) against the first column."""
+    pp = None
+    if positives:
+        rows, masks = _rows(d_chunks[0], d_masks[0], offset, sum(q.shape[0] for q in q_chunks))
+        pp = MaxSimCall([rows], [masks], [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
+    columns, masks = (d_chunks, d_masks) if not anchors else ([*d_chunks, q_chunks], [*d_masks, q_masks])
+    return MaxSimCall(q_chunks, q_masks, columns, masks, scale, length_normalize, offset, budget, guide, anchors, pp)
+
+
+def _rows(chunks: list[Tensor], masks: list[Tensor], start: int, count: int) -> tuple[Tensor, Tensor]:
+    """Rows ``start:start + count`` of a column's chunks as one tensor and its mask: a view where they lie in one
+    chunk, else a copy padded to the widest of their chunks (differentiable: the copy's gradient reaches the
+    chunks)."""
+    width = max(c.shape[1] for c in chunks)
+    picked, row = [], 0
+    for chunk, mask in zip(chunks, masks):
+        lo, hi = max(start, row), min(start + count, row + chunk.shape[0])
+        if lo < hi:
+            picked.append((chunk[lo - row:hi - row], mask[lo - row:hi - row]))
+        row += chunk.shape[0]
+    if len(picked) == 1:
+        return picked[0]
+    pad = [(x.shape[0], width - x.shape[1]) for x, _ in picked]
+    return (torch.cat([torch.cat([x, x.new_zeros(r, w, x.shape[2])], 1) for (x, _), (r, w) in zip(picked, pad)]),
+            torch.cat([torch.cat([m, m.new_zeros(r, w)], 1) for (_, m), (r, w) in zip(picked, pad)]))
+
+
+def _stats(call: MaxSimCall) -> GistStats:
+    """What the guide masked in the call (``GistStats``, per block of ``MaxSimCall.blocks``: AP, the first column,
+    its labels left out; AN, the others; AA and PP, GIST's contrast blocks, their self-pairs counted)."""
+    n_queries, guide = call.n_queries, call.guide
+    blocks = call.blocks()
+    candidates = {name: n_queries * (cols.stop - cols.start - (name == "ap")) for name, cols in blocks.items()}
     if guide is None:
         return GistStats({k: 0 for k in candidates}, candidates, 0, n_queries, None, None)
     counts, sums = guide.counters.tolist(), guide.sums.tolist()
-    masked = {"ap": counts[0], **({"an": counts[1]} if others else {})}
+    masked = {name: counts[k] for k, name in enumerate(GUIDE_COUNTERS) if name in blocks}
     means = (None, None) if guide.kind == "none" else (sums[0] / n_queries, sums[1] / n_queries)
-    return GistStats(masked, candidates, counts[2], n_queries, *means)
+    return GistStats(masked, candidates, counts[-1], n_queries, *means)
 
 
 def maxsim_loss(
@@ -219,7 +259,8 @@ def maxsim_loss(
     scale: float = 1.0, length_normalize: bool = False, offset: int = 0, guide: object = None,
     guide_masks: Sequence[Tensor | Sequence[Tensor]] | None = None, guide_length_normalize: bool = False,
     margin: float = 0.0, margin_strategy: str = "absolute", text_ids: Sequence[Tensor] | None = None,
-    mask_duplicates: bool = False, block_bytes: int | None = None, backend: str = "auto", return_stats: bool = False,
+    mask_duplicates: bool = False, contrast_anchors: bool = False, contrast_positives: bool = False,
+    mask_self: bool = True, block_bytes: int | None = None, backend: str = "auto", return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, GistStats]:
     """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
 
@@ -246,10 +287,14 @@ def maxsim_loss(
             ``theta_i > T_i``, whatever the rounding of its guide score.
         mask_duplicates: mask every candidate whose text is the query's or its positive's (with ``text_ids``), with
             or without a guide.
+        contrast_anchors, contrast_positives: GIST's contrast blocks in each query's softmax, masked by the guide as
+            the documents are: AA, query ``i``'s MaxSim against every query, and PP, its positive's (as the left side,
+            row ``offset + i`` of the first column) against every document of the first column.
+        mask_self: always leave the self-pairs AA[i, i] and PP[i, offset + i] out.
         block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
             and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
-            stage elsewhere and for a guided loss), ``"torch"`` or ``"triton"`` (docs/design.md#late-interaction).
+            stage elsewhere), ``"torch"`` or ``"triton"``, with a guide or without (docs/design.md#late-interaction).
         return_stats: also return what the guide masked (``GistStats``).
 
     Returns:
@@ -292,12 +337,20 @@ def maxsim_loss(
         block_bytes = min(2 * tile, default_block_bytes(device, 2 * tile))  # below the dense stage's least default
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
+    for name, flag in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
+                       ("mask_self", mask_self)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    contrast = (contrast_anchors, contrast_positives, mask_self)
     checked_guide = _guide(guide, guide_masks, guide_length_normalize, margin, margin_strategy, text_ids,
-                           mask_duplicates, heights, n_queries, int(offset), int(block_bytes), device, dtype)
+                           mask_duplicates, contrast, heights, n_queries, int(offset), int(block_bytes), device, dtype)
     stage = select_maxsim_stage(backend, device, dtype, guided=checked_guide is not None)
-    call = MaxSimCall(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
-                      int(block_bytes), checked_guide)
-    tensors = [*q_chunks, *(x for column in d_chunks for x in column)]
+    call = _call(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset), int(block_bytes),
+                 checked_guide, contrast_anchors, contrast_positives)
+    # In the order of the stage's gradients (``joined``): every part's queries, then every part's columns.
+    parts = [part for part, _ in call.parts()]
+    tensors = [*(q for part in parts for q in part.queries),
+               *(x for part in parts for column in part.documents for x in column)]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     loss = MaxSimLossFunction.apply(call, stage, with_grad, *tensors)
-    return (loss, _stats(checked_guide, n_queries, heights)) if return_stats else loss
+    return (loss, _stats(call)) if return_stats else loss

@@ -1,6 +1,6 @@
 """Triton kernels for the MaxSim (late-interaction) loss: a forward over (query, block of documents), the label
-logits, and the backward's three passes: the logits' gradients, the query gradients and the document gradients
-(docs/design.md#late-interaction).
+logits, a slab's logits for a guided loss, and the backward's three passes: the logits' gradients, the query
+gradients and the document gradients (docs/design.md#late-interaction).
 
 The math. Query ``i`` has tokens ``q[i, t]`` with weights ``w[i, t]`` (its mask, divided by its real token count under
 MeanMaxSim); document ``m`` has tokens ``d[m, u]`` with a mask. Its score is
@@ -38,6 +38,9 @@ the batch (``_RUNTIME``), so one binary serves every query and document length o
 * ``maxsim_grad_kernel``: the backward's first pass writes ``g(i, m)`` (0 for an empty document) for a slab of
   queries, ``(rows, M)``, with the forward's code. The two gradient kernels read it, so each recomputes only the
   maxima's tokens of its own token block: the backward forms every token product three times.
+* ``maxsim_scores_kernel``: a guided loss (GIST's mask) writes the logits of a slab of queries, ``(rows, M)``, with
+  the forward's code; the launcher masks them and takes their softmax on the host, and the two gradient kernels read
+  the gradients it makes there: a guided step forms every token product three times.
 * ``maxsim_dq_kernel``: a program per (query, token block) owns the block's rows of ``dq``, ``(BLOCK_Q, BLOCK_D)``
   in registers; per document, the maxima's tokens and a gather of those document rows weighted by ``g * w``.
 * ``maxsim_dd_kernel``: a program per document owns its rows of ``dd``; per query of the slab and token block, the
@@ -62,7 +65,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["SCALE", "UNIT", "maxsim_dd_kernel", "maxsim_dq_kernel", "maxsim_fwd_kernel", "maxsim_grad_kernel",
-           "maxsim_label_kernel"]
+           "maxsim_label_kernel", "maxsim_scores_kernel"]
 
 #: Slots of the scalar tensor every kernel reads, in ``ACC`` (a Python float would reach a kernel as fp32):
 #: ``scale``, and ``unit = grad_output * scale / B`` (the backward's).
@@ -199,6 +202,29 @@ def maxsim_label_kernel(
     logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), tl.load(fill_ptr + i),
                    tl.load(scalars_ptr + SCALE), lq, ld, dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
     tl.store(label_ptr + i, logit)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def maxsim_scores_kernel(
+    q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, out_ptr,
+    n_docs, q_start, lq, ld, dim,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The logits of a slab of queries, for a guided loss whose mask reads them. Grid: ``(rows, cdiv(M, BLOCK_M))``;
+    program ``(r, b)`` takes query ``q_start + r`` against the documents of block ``b`` (as the forward's), and
+    writes each logit at ``(r, m)`` of ``out_ptr`` ``(rows, M)`` (``fill`` for an empty document). With a scale of 1
+    the logits are the scores."""
+    r = tl.program_id(0)
+    block = tl.program_id(1)
+    i = q_start + r
+    fill = tl.load(fill_ptr + i)
+    scale = tl.load(scalars_ptr + SCALE)
+    row = tl.cast(r, tl.int64) * n_docs
+    for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
+        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq, ld, dim, ACC,
+                       PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+        tl.store(out_ptr + row + m, logit)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)

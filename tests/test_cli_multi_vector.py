@@ -51,12 +51,10 @@ def test_the_temperature_and_the_loss_options_follow_the_model_kind():
         (["--hardness-mode", "hard_negatives"], "--hardness-mode shapes the single-vector loss"),
         (["--hardness-strength", "2"], "--hardness-strength shapes the single-vector loss"),
         (["--no-contrast-anchors"], "--no-contrast-anchors shapes the single-vector loss"),
-        (["--backend", "triton"], "--backend triton: the MaxSim kernels take no guide"),
         (["--margin-strategy", "squared"], "margin_strategy"),
         (["--temperature", "0"], "temperature"),
     ],
-    ids=["directions", "partition", "hardness-mode", "hardness-strength", "contrast-anchors", "triton-with-guide",
-         "strategy", "temperature"],
+    ids=["directions", "partition", "hardness-mode", "hardness-strength", "contrast-anchors", "strategy", "temperature"],
 )
 def test_bad_multi_vector_options(argv, message, pairs, tmp_path, capsys):
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])

@@ -14,6 +14,7 @@ relation), which the test reproduces by summing the oracle's gradients over the 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from datetime import timedelta
@@ -53,8 +54,10 @@ def _batch(world: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], 
     return queries, query_mask, documents, masks
 
 
-#: The guided losses: each guide kind, as the loss's ``guide`` argument names it.
-GUIDED = {"vectors": "labels", "tokens": "model", "self": "self"}
+#: The guided losses: each guide kind, as the loss's ``guide`` argument names it; "vectors-contrast" with GIST's AA
+#: and PP blocks (AA over the local queries, PP over the gathered first column).
+GUIDED = {"vectors": "labels", "tokens": "model", "self": "self", "vectors-contrast": "labels"}
+CONTRAST = {"contrast_anchors": True, "contrast_positives": True}
 GUIDE_LQ, GUIDE_DIM, MARGIN = 3, 5, 0.1
 
 
@@ -85,7 +88,7 @@ def _local_guide(world: int, rank: int, kind: str) -> dict[str, object]:
     full = _guide_batch(world)
     rows = slice(rank * LOCAL, (rank + 1) * LOCAL)
     ids = [i[rows] for i in full["ids"]]
-    if kind == "vectors":
+    if kind.startswith("vectors"):
         return {"guide": [v[rows] for v in full["vectors"]], "text_ids": ids}
     if kind == "tokens":
         width = [GUIDE_LQ, *([4 + rank] * COLUMNS)]
@@ -135,7 +138,8 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     for kind, guide in GUIDED.items():
         local = _local_guide(world, rank, kind)
         loss = cgist.FusedCachedMultiVectorGISTLoss(model, model if guide == "model" else guide, margin=MARGIN,
-                                                    block_bytes=400, **kwargs)
+                                                    block_bytes=400, **kwargs,
+                                                    **(CONTRAST if kind.endswith("contrast") else {}))
         columns = {k: v for k, v in local.items() if k != "text_ids"}
         with loss.reading(StepInputs(guide=columns or None, text_ids=local["text_ids"])):
             results[kind] = _step(loss, reps, chunked_masks)
@@ -204,21 +208,26 @@ def test_gathered_guided_losses_are_the_oracle_with_each_ranks_offset(world, kin
     summed = [torch.zeros_like(d) for d in documents]
     for rank, result in enumerate(ranks):
         rows = slice(rank * LOCAL, (rank + 1) * LOCAL)
-        guide = {"vectors": [full["vectors"][0][rows], *full["vectors"][1:]],
-                 "tokens": [full["tokens"][0][rows], *full["tokens"][1:]], "self": "self"}[kind]
+        vectors = [full["vectors"][0][rows], *full["vectors"][1:]]
+        guide = {"vectors": vectors, "tokens": [full["tokens"][0][rows], *full["tokens"][1:]], "self": "self",
+                 "vectors-contrast": vectors}[kind]
         guide_masks = [full["masks"][0][rows], *full["masks"][1:]] if kind == "tokens" else None
+        contrast = CONTRAST if kind.endswith("contrast") else {}
         expected, mask = maxsim_gist_loss_reference(
             queries[rows], query_mask[rows], leaves, masks, guide, guide_masks=guide_masks, scale=2.0,
             offset=rank * LOCAL, margin=MARGIN, text_ids=[full["ids"][0][rows], *full["ids"][1:]],
-            mask_duplicates=kind == "self")
+            mask_duplicates=kind == "self", **contrast)
         torch.testing.assert_close(result[kind]["loss"], expected, rtol=1e-10, atol=1e-10)
         first = size * LOCAL
         if rank == 0 and kind != "self":  # the tie masks the first query's candidate, which its score would not
             untied = maxsim_gist_loss_reference(
                 queries[rows], query_mask[rows], leaves, masks, guide, guide_masks=guide_masks, scale=2.0,
-                offset=0, margin=MARGIN)[1]
+                offset=0, margin=MARGIN, **contrast)[1]
             assert mask[0, 2 * first - 1] and not untied[0, 2 * first - 1]
-        assert result[kind]["masked"] == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
+        widths = {"ap": first, "an": first * (COLUMNS - 1), **({"aa": LOCAL, "pp": first} if contrast else {})}
+        bounds = dict(zip(widths, itertools.accumulate(widths.values(), initial=0)))
+        assert result[kind]["masked"] == {name: int(mask[:, bounds[name]:bounds[name] + width].sum())
+                                          for name, width in widths.items()}
         for total, grad in zip(summed, torch.autograd.grad(expected, leaves)):
             total += grad
     assert sum(result[kind]["masked"]["an"] for result in ranks) >= 1  # the tie across ranks, at least

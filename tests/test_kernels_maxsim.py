@@ -25,9 +25,25 @@ from helpers import CUDA, DEVICE, one_thread  # noqa: F401  (one_thread: autouse
 
 pytest.importorskip("triton")
 
-from cgist.stage.pytorch.maxsim import MaxSimCall, maxsim_backward, maxsim_forward  # noqa: E402
-from cgist.stage.reference import maxsim_loss_reference, maxsim_scores_reference  # noqa: E402
-from cgist.stage.triton.maxsim import maxsim_backward_triton, maxsim_forward_triton  # noqa: E402
+from cgist.stage.pytorch.maxsim import (  # noqa: E402
+    GUIDE_COUNTERS,
+    MaxSimCall,
+    MaxSimGuide,
+    block_softmax,
+    joined,
+    maxsim_backward,
+    maxsim_forward,
+)
+from cgist.stage.reference import (  # noqa: E402
+    maxsim_gist_loss_reference,
+    maxsim_loss_reference,
+    maxsim_scores_reference,
+)
+from cgist.stage.triton.maxsim import (  # noqa: E402
+    maxsim_backward_triton,
+    maxsim_forward_triton,
+    maxsim_guided_triton,
+)
 
 #: The incoming gradient of the loss in every backward (not 1, so that its factor is checked).
 GRAD_OUTPUT = 0.7
@@ -251,6 +267,45 @@ def test_matches_the_pytorch_stage_and_the_oracle(case):
             assert not bool(grads[1 + column][row].any())
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
+def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
+    """GIST's mask from the student's own scores (margin 0.1): the guided launcher (``maxsim_scores_kernel`` per slab,
+    the mask and softmax on the host, the gradient kernels) against the PyTorch stage, its mask's counts exactly, and
+    the oracle with the same guide."""
+    call, dense = _problem(case)
+    acc = torch.promote_types(case.dtype, torch.float32)
+    calls = [dataclasses.replace(call, guide=MaxSimGuide(
+        "self", 0.1, False, counters=torch.zeros(len(GUIDE_COUNTERS), dtype=torch.int64, device=DEVICE),
+        sums=torch.zeros(2, dtype=acc, device=DEVICE))) for _ in range(2)]
+    loss, grads = maxsim_guided_triton(calls[0], True, block_softmax, block_docs=case.block_docs,
+                                       block_queries=case.block_queries, **case.tiles)
+    grads = _flat(call, *maxsim_backward(calls[0], joined(grads), GRAD_OUTPUT))
+    s_loss, s_grads = maxsim_forward(calls[1], True)
+    s_grads = _flat(call, *maxsim_backward(calls[1], s_grads, GRAD_OUTPUT))
+    assert loss.dtype == acc and all(g.dtype == acc for g in grads)
+    assert torch.equal(calls[0].guide.counters, calls[1].guide.counters)
+    queries, query_mask, documents, document_masks = dense
+    leaves = [t.double().requires_grad_() for t in (queries, *documents)]
+    o_loss, o_mask = maxsim_gist_loss_reference(leaves[0], query_mask, leaves[1:], document_masks, "self",
+                                                scale=case.scale, length_normalize=case.length_normalize,
+                                                offset=case.offset, margin=0.1)
+    o_grads = torch.autograd.grad(o_loss * GRAD_OUTPUT, leaves)
+    # The oracle's mask is float64's: in fp32 a score within rounding of its threshold may fall the other way.
+    exact = case.dtype == torch.float64
+    if exact:
+        assert int(calls[0].guide.counters[:2].sum()) == int(o_mask.sum())
+    rel = REL[case.dtype]
+    _close("loss vs stage", loss.cpu(), s_loss.cpu(), rel)
+    if exact:
+        _close("loss vs oracle", loss.cpu(), o_loss.detach(), rel)
+    for name, got, stage, oracle in zip(["queries", *(f"column {n}" for n in range(case.columns))], grads, s_grads,
+                                        o_grads):
+        scale = float(stage.abs().max()) or 1.0  # 0 where the guide leaves every query its label alone
+        _close(f"{name} gradient vs stage", got / scale, stage / scale, rel)
+        if exact:
+            _close(f"{name} gradient vs oracle", got / scale, oracle / scale, rel)
+
+
 @pytest.mark.parametrize(("token", "first", "second"), [(0, 3, 35), (17, 3, 35), (0, 3, 10), (17, 20, 29)],
                          ids=["across-chunks", "across-chunks-second-block", "within-a-chunk",
                               "within-a-chunk-second-block"])
@@ -331,12 +386,12 @@ def _small_problem(dtype=torch.float32):
         [t.to(DEVICE) for t in documents], [m.to(DEVICE) for m in masks]]
 
 
-def _loss_and_grads(backend, problem):
+def _loss_and_grads(backend, problem, **guide):
     import cgist
 
     queries, query_mask, documents, masks = problem
     leaves = [t.clone().requires_grad_() for t in (queries, *documents)]
-    loss = cgist.maxsim_loss(leaves[0], query_mask, leaves[1:], masks, scale=2.0, backend=backend)
+    loss = cgist.maxsim_loss(leaves[0], query_mask, leaves[1:], masks, scale=2.0, backend=backend, **guide)
     return [loss.detach(), *torch.autograd.grad(loss, leaves)]
 
 
@@ -367,6 +422,16 @@ def test_auto_takes_the_kernels_once_their_first_use_check_passes(kernels_routed
     stage = kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
     kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
     assert stage[0] is not maxsim.maxsim_forward and len(checked) == 1  # checked once per device and dtype
+    from cgist.stage.triton import maxsim as launcher
+
+    launched = []
+    guided = launcher.maxsim_guided_triton
+    monkeypatch.setattr(launcher, "maxsim_guided_triton", lambda *a, **k: launched.append(1) or guided(*a, **k))
+    problem = _small_problem()
+    got, expected = (_loss_and_grads(backend, problem, guide="self") for backend in ("auto", "torch"))
+    assert launched and len(checked) == 1  # a guided call takes the guided kernels, after the same one check
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     for got, expected in zip(_loss_and_grads("auto", _small_problem()), _loss_and_grads("torch", _small_problem())):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 

@@ -10,6 +10,7 @@ each guide source they equal the oracle over the embeddings the step made.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 
 import pytest
@@ -76,33 +77,50 @@ def _leaves(tensors):
     return [t.clone().requires_grad_() for t in tensors]
 
 
-#: Each guide kind with each margin rule; the duplicates alone have no threshold, so one rule.
-MARGINS = [(kind, relative, margin) for kind in KINDS for relative in (False, True) for margin in (0.0, 0.4)
-           if kind != "duplicates" or not (relative or margin)]
-
-
-@pytest.mark.parametrize("kind, relative, margin", MARGINS,
-                         ids=[f"{k}-{'relative' if r else 'absolute'}-{m}" for k, r, m in MARGINS])
-@pytest.mark.parametrize("block_bytes", [None, 2500], ids=["default", "row-blocks"])
-def test_the_guided_stage_equals_the_oracle(kind, relative, margin, block_bytes):
-    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(0)
-    guide = _guide(kind, vectors, tokens, token_masks)
-    duplicates = kind in ("duplicates", "self")
+def _against_the_oracle(queries, query_mask, documents, document_masks, guide, ids, *, backend, block_bytes, relative,
+                        document_chunks=False, **common):
+    """``maxsim_loss`` (the queries in two chunks, the documents too with ``document_chunks``) and the oracle with the
+    same arguments (scale 3, offset 1, MeanMaxSim guide scores, ``common``): the loss and gradients checked; the
+    stats and the oracle's mask returned."""
+    common = dict(scale=3.0, offset=1, text_ids=ids, guide_length_normalize=True, **common)
+    split = (lambda x: [x[:5], x[5:]]) if document_chunks else (lambda x: x)
     (q, *docs), (q_ref, *docs_ref) = _leaves([queries, *documents]), _leaves([queries, *documents])
-    loss, stats = cgist.maxsim_loss([q[:4], q[4:]], [query_mask[:4], query_mask[4:]], docs, document_masks,
-                                    scale=3.0, offset=1, margin=margin,
-                                    margin_strategy="relative" if relative else "absolute", text_ids=ids,
-                                    mask_duplicates=duplicates, block_bytes=block_bytes, return_stats=True,
-                                    guide_length_normalize=True, **guide)
-    expected, mask = maxsim_gist_loss_reference(
-        q_ref, query_mask, docs_ref, document_masks, guide["guide"], guide_masks=guide.get("guide_masks"),
-        guide_length_normalize=True, scale=3.0, offset=1, margin=margin, relative=relative, text_ids=ids,
-        mask_duplicates=duplicates)
+    loss, stats = cgist.maxsim_loss([q[:4], q[4:]], [query_mask[:4], query_mask[4:]], [split(d) for d in docs],
+                                    [split(m) for m in document_masks], block_bytes=block_bytes, backend=backend,
+                                    margin_strategy="relative" if relative else "absolute", return_stats=True,
+                                    **guide, **common)
+    expected, mask = maxsim_gist_loss_reference(q_ref, query_mask, docs_ref, document_masks, guide["guide"],
+                                                guide_masks=guide.get("guide_masks"), relative=relative, **common)
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     loss.backward()
     expected.backward()
     for got, want in zip([q, *docs], [q_ref, *docs_ref]):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+    return stats, mask
+
+
+#: Each guide kind with each margin rule; the duplicates alone have no threshold, so one rule.
+MARGINS = [(kind, relative, margin) for kind in KINDS for relative in (False, True) for margin in (0.0, 0.4)
+           if kind != "duplicates" or not (relative or margin)]
+
+
+#: The row blocks' budget of each backend: a few queries a block (the PyTorch stage's tiles, the kernels' slabs).
+ROW_BLOCK_BYTES = {"torch": 2500, "triton": 600}
+#: Both backends; the kernels run under the Triton interpreter without CUDA.
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="the MaxSim kernels need triton"))]
+
+
+@pytest.mark.parametrize("kind, relative, margin", MARGINS,
+                         ids=[f"{k}-{'relative' if r else 'absolute'}-{m}" for k, r, m in MARGINS])
+@pytest.mark.parametrize("row_blocks", [False, True], ids=["default", "row-blocks"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_guided_stage_equals_the_oracle(kind, relative, margin, row_blocks, backend):
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(0)
+    stats, mask = _against_the_oracle(
+        queries, query_mask, documents, document_masks, _guide(kind, vectors, tokens, token_masks), ids,
+        backend=backend, block_bytes=ROW_BLOCK_BYTES[backend] if row_blocks else None, relative=relative,
+        margin=margin, mask_duplicates=kind in ("duplicates", "self"))
     first = documents[0].shape[0]
     assert stats.masked == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
     assert stats.candidates == {"ap": 6 * (first - 1), "an": 6 * (mask.shape[1] - first)}
@@ -111,15 +129,90 @@ def test_the_guided_stage_equals_the_oracle(kind, relative, margin, block_bytes)
     assert (stats.theta_mean is None) == (kind == "duplicates")
 
 
-def test_row_blocks_are_really_split():
+#: GIST's contrast blocks on: AA, PP or both (``(contrast_anchors, contrast_positives)``).
+CONTRASTS = {"aa": (True, False), "pp": (False, True), "aa-pp": (True, True)}
+
+
+@pytest.mark.parametrize("kind", KINDS + ["none"])
+@pytest.mark.parametrize("contrast", list(CONTRASTS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_contrast_blocks_equal_the_oracle(kind, contrast, backend):
+    """GIST's AA and PP blocks (the queries against each other, the positives as the left side against the first
+    column) in each query's softmax, masked by every guide kind, in row blocks, against the oracle: loss, gradients
+    and each block's mask counts. The margin rule alternates with the kind; ``"none"``: no guide, the self-pairs
+    alone left out."""
+    anchors, positives = CONTRASTS[contrast]
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(0)
+    # A document of the first column with query 2's text: in PP, whose row 2 is query 2's positive, it ties with
+    # theta_2 and is masked (theta_2 > T_2), though the single-vector guide scores it -1 there.
+    ids[1][7] = ids[0][2]
+    vectors[1][7] = -vectors[1][3]
+    guide = _guide(kind, vectors, tokens, token_masks) if kind != "none" else dict(guide=None)
+    stats, mask = _against_the_oracle(
+        queries, query_mask, documents, document_masks, guide, ids, backend=backend,
+        block_bytes=ROW_BLOCK_BYTES[backend], relative=kind in ("vectors", "self"), document_chunks=True, margin=0.4,
+        mask_duplicates=kind in ("duplicates", "self"), contrast_anchors=anchors, contrast_positives=positives)
+    rows = documents[0].shape[0]
+    widths = {"ap": rows, "an": rows * (len(documents) - 1), "aa": 6 * anchors, "pp": rows * positives}
+    counts, start = {}, 0
+    for name, width in widths.items():
+        if width:
+            counts[name] = int(mask[:, start:start + width].sum())
+            start += width
+    assert start == mask.shape[1] and stats.masked == counts
+    assert stats.candidates == {name: 6 * (width - (name == "ap")) for name, width in widths.items() if width}
+    assert stats.positive_only == int((mask.sum(1) == mask.shape[1] - 1).sum())
+    assert all(counts[name] >= 6 for name in ("aa", "pp") if name in counts)  # the self-pairs at least
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_mask_self_the_guide_alone_decides_the_self_pairs(backend):
+    """``mask_self=False``: a self-pair is masked only where the guide scores it above the threshold; with the
+    student's own scores and a margin that keeps every candidate, none is."""
+    queries, query_mask, documents, document_masks, *_ = _problem(2)
+    kwargs = dict(scale=2.0, offset=1, contrast_anchors=True, contrast_positives=True, margin=-1e6)
+    for mask_self in (True, False):
+        loss, stats = cgist.maxsim_loss(queries, query_mask, documents, document_masks, guide="self",
+                                        mask_self=mask_self, backend=backend, return_stats=True, **kwargs)
+        expected, mask = maxsim_gist_loss_reference(queries, query_mask, documents, document_masks, "self",
+                                                    mask_self=mask_self, **kwargs)
+        torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+        assert stats.masked["aa"] == stats.masked["pp"] == (6 if mask_self else 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_positive_is_a_constant_score(backend):
+    """A positive without a real token scores a constant: its softmax and label terms send no gradient, on the
+    kernels as in the oracle (the only case where an empty document's logit gradient is not 0 already)."""
+    queries, query_mask, documents, document_masks, vectors, *_ = _problem(0)
+    document_masks[0][4] = False  # query 3's positive (offset 1)
+    (q, *docs), (q_ref, *docs_ref) = _leaves([queries, *documents]), _leaves([queries, *documents])
+    loss = cgist.maxsim_loss(q, query_mask, docs, document_masks, scale=3.0, offset=1, guide=vectors,
+                             block_bytes=ROW_BLOCK_BYTES[backend], backend=backend)
+    expected, _ = maxsim_gist_loss_reference(q_ref, query_mask, docs_ref, document_masks, vectors, scale=3.0,
+                                             offset=1, margin=0.0, relative=False)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    (loss * 1e-9).backward()
+    (expected * 1e-9).backward()
+    for got, want in zip([q, *docs], [q_ref, *docs_ref]):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-20)
+    assert docs[0].grad[4].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_blocks_are_really_split(backend, monkeypatch):
     """The small budget of the test above makes several row blocks (else it tests one block twice)."""
-    from cgist.stage.pytorch.maxsim import MaxSimCall, MaxSimGuide
+    from cgist.stage.pytorch import maxsim
 
     queries, query_mask, documents, document_masks, *_ = _problem(0)
-    guide = MaxSimGuide("self", 0.0, False, counters=torch.zeros(3, dtype=torch.long), sums=torch.zeros(2))
-    call = MaxSimCall([queries], [query_mask], [[d] for d in documents], [[m] for m in document_masks], 1.0, False,
-                      1, 2500, guide)
-    assert len(list(call.tiles(True)[1])) > 1
+    firsts = []
+    softmax = maxsim.block_softmax
+    monkeypatch.setattr(maxsim, "block_softmax",
+                        lambda call, first, *args: firsts.append(first) or softmax(call, first, *args))
+    q, *docs = _leaves([queries, *documents])  # with gradients, as the test above
+    cgist.maxsim_loss(q, query_mask, docs, document_masks, guide="self", offset=1,
+                      block_bytes=ROW_BLOCK_BYTES[backend], backend=backend)
+    assert len(firsts) > 1 and firsts == sorted(set(firsts))
 
 
 @pytest.mark.parametrize("kind", ["self", "vectors", "tokens"])
@@ -186,7 +279,6 @@ def test_no_guide_is_the_ranking_loss():
     (dict(guide="vectors-nan"), ValueError, "NaN"),
     (dict(guide="tokens-no-masks"), ValueError, "needs guide_masks"),
     (dict(guide="vectors", guide_masks="masks"), ValueError, "guide_masks are for a multi-vector guide"),
-    (dict(guide="self", backend="triton"), ValueError, "take no guide"),
 ])
 def test_bad_guide_arguments_are_named(case, error, match):
     queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(5)
@@ -297,7 +389,7 @@ def test_without_a_guide_the_drop_ins_are_sentence_transformers_losses(cached):
     assert all(torch.equal(grads[name], same_grads[name]) for name in grads)
     assert ours.last_stats.masked == {"ap": 0, "an": 0}
     assert ours.get_config_dict() == {**theirs.get_config_dict(), "guide_mode": "none", "margin_strategy": "absolute",
-                                      "margin": 0.0}
+                                      "margin": 0.0, "contrast_anchors": False, "contrast_positives": False}
 
 
 def _decoded(model, features):
@@ -306,9 +398,11 @@ def _decoded(model, features):
 
 @pytest.mark.parametrize("source", ["model", "multi-vector model", "labels", "self"])
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
-def test_each_guide_source_gives_the_oracle_loss(source, cached):
+@pytest.mark.parametrize("contrast", [False, True], ids=["documents", "aa-pp"])
+def test_each_guide_source_gives_the_oracle_loss(source, cached, contrast):
     """The loss equals the oracle over the token embeddings the step made and the guide's scores of the batch's texts
-    (decoded from the student's tokens, as the drop-in reads them), and the guide masked something."""
+    (decoded from the student's tokens, as the drop-in reads them), and the guide masked something; with GIST's
+    contrast blocks too."""
     model = _student()
     texts = _decoded(model, _features(model))
     labels = None
@@ -334,7 +428,8 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached):
         guide = "self"
         guide_kwargs = dict(guide="self")
     cls = cgist.FusedCachedMultiVectorGISTLoss if cached else cgist.FusedMultiVectorGISTLoss
-    loss = cls(model, guide, scale=5.0, margin=0.05, **(dict(mini_batch_size=2) if cached else {}))
+    loss = cls(model, guide, scale=5.0, margin=0.05, contrast_anchors=contrast, contrast_positives=contrast,
+               **(dict(mini_batch_size=2) if cached else {}))
     got, grads, captured = _step(loss, labels)
     queries, query_mask = _stacked([q.detach().double() for q in captured["queries"]], captured["query_masks"])
     documents, masks = zip(*(_stacked([c.detach().double() for c in column], mask)
@@ -348,10 +443,14 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached):
     expected, mask = maxsim_gist_loss_reference(
         queries, query_mask, list(documents), list(masks), guide_args.pop("guide"), scale=5.0, margin=0.05,
         text_ids=captured["kwargs"]["text_ids"], mask_duplicates=source == "self",
-        guide_length_normalize=captured["kwargs"]["guide_length_normalize"], **guide_args)
+        guide_length_normalize=captured["kwargs"]["guide_length_normalize"], contrast_anchors=contrast,
+        contrast_positives=contrast, **guide_args)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     first = len(QUERIES)
-    assert loss.last_stats.masked == {"ap": int(mask[:, :first].sum()), "an": int(mask[:, first:].sum())}
+    blocks = {"ap": first, "an": first * (len(COLUMNS) - 2), **({"aa": first, "pp": first} if contrast else {})}
+    bounds = dict(zip(blocks, itertools.accumulate(blocks.values(), initial=0)))
+    assert loss.last_stats.masked == {name: int(mask[:, bounds[name]:bounds[name] + width].sum())
+                                      for name, width in blocks.items()}
     assert loss.last_stats.masked["an"] >= 1  # the duplicate of query 1's positive at least
     assert loss.pop_training_stats() == [loss.last_stats]
     assert grads

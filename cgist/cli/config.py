@@ -197,15 +197,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _check_multi_vector(args: argparse.Namespace) -> None:
-    """--multi-vector's loss has one softmax per query over the batch's documents, and its guided stage runs on
-    PyTorch: the single-vector loss's options and the kernels' backend with a guide are errors."""
+    """--multi-vector's loss has one softmax per query over the batch's documents: the single-vector loss's options
+    are errors."""
     for flag, (name, default) in SINGLE_VECTOR_OPTIONS.items():
         if getattr(args, name) != default:
             raise UsageError(f"{flag} shapes the single-vector loss; --multi-vector trains the multi-vector GIST "
                              "loss, one softmax per query over the batch's documents: leave it out")
-    if args.backend == "triton" and by_cli(args.guide_mode).cli != "none":
-        raise UsageError("--backend triton: the MaxSim kernels take no guide, and the guided multi-vector loss runs "
-                         "the PyTorch MaxSim stage; pass --backend auto or torch (or --guide-mode none)")
 
 
 def resume_checkpoint(args: argparse.Namespace) -> Path | None:

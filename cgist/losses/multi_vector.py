@@ -72,8 +72,8 @@ def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
 @dataclass(frozen=True)
 class MaxSimOptions:
     """The multi-vector loss stage's options: ``scale``, MeanMaxSim or not, the tile budget, and the guided family's
-    (``cgist.losses.multi_vector_gist``): the margin, its strategy, the duplicates' mask and the guide's own
-    MeanMaxSim (for a multi-vector guide)."""
+    (``cgist.losses.multi_vector_gist``): the margin, its strategy, the duplicates' and self-pairs' masks, GIST's
+    contrast blocks and the guide's own MeanMaxSim (for a multi-vector guide)."""
 
     scale: float
     length_normalize: bool
@@ -81,6 +81,9 @@ class MaxSimOptions:
     margin: float = 0.0
     margin_strategy: str = "absolute"
     mask_duplicates: bool = False
+    mask_self: bool = True
+    contrast_anchors: bool = False
+    contrast_positives: bool = False
     guide_length_normalize: bool = False
 
 

@@ -31,7 +31,7 @@ from .multi_vector import (
 
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
 
-_GUIDE_ARGUMENTS = ("guide", "margin_strategy", "margin")
+_GUIDE_ARGUMENTS = ("guide", "margin_strategy", "margin", "contrast_anchors", "contrast_positives")
 
 
 def _padded(tokens: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -41,12 +41,19 @@ def _padded(tokens: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]
     return padded, torch.arange(padded.shape[1], device=device) < lengths.unsqueeze(1)
 
 
+def _check_contrast(contrast_anchors: object, contrast_positives: object) -> None:
+    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
     """The guided multi-vector family: the multi-vector ranking family's loss stage with GIST's guide mask.
 
     Query ``i``'s candidate is left out of its softmax when the guide scores it strictly above ``theta_i - margin``
     (``"absolute"``) or ``theta_i - |theta_i| * margin`` (``"relative"``), theta_i being the guide's score of ``i``
-    with its positive, which is never left out. The guide's score: a SentenceTransformer's cosine of its embeddings
+    with its positive, which is never left out. The candidates: the batch's documents, and with GIST's contrast
+    blocks the other queries (AA) and, for its positive, the other positives (PP). The guide's score: a SentenceTransformer's cosine of its embeddings
     of the texts (decoded from the student's tokens), a MultiVectorEncoder's own MaxSim or MeanMaxSim of its token
     embeddings, the label column's embeddings' cosine (``"labels"``), or the student's own MaxSim, detached
     (``"self"``); None masks nothing.
@@ -61,12 +68,15 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         inspect.Parameter("margin_strategy", inspect.Parameter.KEYWORD_ONLY, default="absolute",
                           annotation="Literal['absolute', 'relative']"),
         inspect.Parameter("margin", inspect.Parameter.KEYWORD_ONLY, default=0.0, annotation="float"),
+        inspect.Parameter("contrast_anchors", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool"),
+        inspect.Parameter("contrast_positives", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool"),
     )
 
     def _check_arguments(self, arguments: Mapping[str, object]) -> None:
         super()._check_arguments(arguments)
         guide_source(arguments["guide"], self.guide_models)
         check_guide_scalars(arguments["margin"], arguments["margin_strategy"])
+        _check_contrast(arguments["contrast_anchors"], arguments["contrast_positives"])
 
     def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
         return {name: value for name, value in arguments.items() if name not in _GUIDE_ARGUMENTS}
@@ -84,12 +94,15 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
 
     def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
         check_guide_scalars(self.margin, self.margin_strategy)
+        _check_contrast(self.contrast_anchors, self.contrast_positives)
         source = self.guide_source
         mask_duplicates = source is SELF if self.mask_duplicates is None else self.mask_duplicates
         options, reason = super()._family_options()
         if options is None:
-            if source is not NONE or mask_duplicates:
-                asked = "a guide" if source is not NONE else "mask_duplicates=True"
+            contrast = self.contrast_anchors or self.contrast_positives
+            if source is not NONE or mask_duplicates or contrast:
+                asked = "a guide" if source is not NONE else "mask_duplicates=True" if mask_duplicates else \
+                    "contrast blocks"
                 raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers has no "
                                  f"multi-vector loss with {asked} to compute it instead")
             return None, reason
@@ -101,7 +114,8 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
                                  f"similarity_fn_name 'maxsim' or 'meanmaxsim'), got "
                                  f"{getattr(self.guide, 'similarity_fn_name', None)!r}")
         return dataclasses.replace(options, margin=float(self.margin), margin_strategy=self.margin_strategy,
-                                   mask_duplicates=mask_duplicates,
+                                   mask_duplicates=mask_duplicates, mask_self=self.mask_self is not False,
+                                   contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives,
                                    guide_length_normalize=guide_length_normalize), None
 
     def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
@@ -160,7 +174,8 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
                              "(calculate_loss alone does not see them), or pass mask_duplicates=False")
         arguments = {"margin": options.margin, "margin_strategy": options.margin_strategy,
                      "mask_duplicates": options.mask_duplicates, "text_ids": inputs.text_ids,
-                     "guide_length_normalize": options.guide_length_normalize}
+                     "guide_length_normalize": options.guide_length_normalize, "mask_self": options.mask_self,
+                     "contrast_anchors": options.contrast_anchors, "contrast_positives": options.contrast_positives}
         if source is SELF:
             return {**arguments, "guide": "self"}
         if source is NONE:
@@ -173,7 +188,8 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
 
     def _config_extras(self) -> dict[str, object]:
         guide = {"guide": self.guide} if self.guide_source.runs_model else {"guide_mode": self.guide_mode}
-        return {**guide, "margin_strategy": self.margin_strategy, "margin": self.margin}
+        return {**guide, "margin_strategy": self.margin_strategy, "margin": self.margin,
+                "contrast_anchors": self.contrast_anchors, "contrast_positives": self.contrast_positives}
 
     @property
     def citation(self) -> str:
@@ -204,11 +220,17 @@ class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, FusedCachedMultiVect
         margin_strategy: ``"absolute"`` or ``"relative"``, how ``margin`` lowers the threshold.
         margin: how far below theta_i (the guide's score of query ``i`` with its positive) the threshold lies; a
             candidate the guide scores strictly above it is masked, the positive never.
+        contrast_anchors: GIST's AA block: each query's MaxSim against every query of the batch joins its softmax,
+            masked by the guide as the documents are (off by default, so that ``guide=None`` is
+            sentence-transformers' multi-vector ranking loss).
+        contrast_positives: GIST's PP block: each query's positive, as the left side of MaxSim, against every
+            positive of the batch (gathered with ``gather_across_devices``), likewise.
 
     cgist's own options, keyword-only, add ``mask_duplicates`` (every candidate whose token ids are the query's or
-    its positive's; on by default with ``"self"``) and the loss stage's backend and budget. The loss stage is the
+    its positive's; on by default with ``"self"``), ``mask_self`` (the self-pairs AA[i, i] and PP[i, i] always left
+    out; on unless False) and the loss stage's backend and budget. The loss stage is the
     multi-vector drop-ins' streaming MaxSim stage (``cgist.maxsim_loss``), with the guide's mask made for one row
-    block of queries at a time; it runs on the PyTorch stage (the MaxSim kernels take no guide). After each training
+    block of queries at a time, on the MaxSim kernels where the unguided loss runs them. After each training
     call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked (``"ap"``: the positives' column,
     ``"an"``: the negatives'); ``cgist.GuideStatsCallback(loss)`` logs it.
 
@@ -225,7 +247,8 @@ class FusedMultiVectorGISTLoss(MultiVectorGistFamily, FusedMultiVectorMultipleNe
     query's in-batch candidates.
 
     The arguments are those of sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss`` with GIST's
-    ``guide``, ``margin_strategy`` and ``margin``, as for ``FusedCachedMultiVectorGISTLoss``; the student embeds the
+    ``guide``, ``margin_strategy``, ``margin``, ``contrast_anchors`` and ``contrast_positives``, as for
+    ``FusedCachedMultiVectorGISTLoss``; the student embeds the
     batch once and autograd takes the loss stage's gradients back into it. With ``guide=None`` the loss is
     ``MultiVectorMultipleNegativesRankingLoss``'s.
 

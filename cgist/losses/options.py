@@ -52,9 +52,10 @@ OPTIONS = (
            check=lambda name, value: requested_backend(value), annotation="Literal['auto', 'torch', 'triton']"),
     Option("block_bytes", None, "bytes of score buffers the loss stage may hold at once; None: a default for the "
            "device (at most an eighth of its free memory and 1 GiB)", example=2**20, annotation="int | None"),
-    Option("mask_self", None, "always exclude the self-pairs AA[i, i] and PP[i, i]; None: the installed "
-           "sentence-transformers' rule with a guide's own embeddings, on with `\"self\"` and None",
-           example=False, families=("gist",), check=_bool_or_none, annotation="bool | None"),
+    Option("mask_self", None, "always exclude the self-pairs AA[i, i] and PP[i, i]; None: for GIST the installed "
+           "sentence-transformers' rule with a guide's own embeddings, on with `\"self\"` and None; for "
+           "multi-vector GIST on", example=False, families=("gist", "multi_vector_gist"), check=_bool_or_none,
+           annotation="bool | None"),
     Option("mask_duplicates", None, "exclude every candidate whose text is the anchor's or its positive's, whatever "
            "the scores; None: off with a guide's own embeddings, on with `\"self\"`, and with None on for GIST, off "
            "for multi-vector GIST (which is then sentence-transformers' multi-vector ranking loss)", example=False,

@@ -210,42 +210,73 @@ def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: S
                                guide_masks: Sequence[Tensor] | None = None, guide_length_normalize: bool = False,
                                scale: float = 1.0, length_normalize: bool = False, offset: int = 0,
                                margin: float = 0.0, relative: bool = False, text_ids: Sequence[Tensor] | None = None,
-                               mask_duplicates: bool = False) -> tuple[Tensor, Tensor]:
+                               mask_duplicates: bool = False, contrast_anchors: bool = False,
+                               contrast_positives: bool = False, mask_self: bool = True) -> tuple[Tensor, Tensor]:
     """The guided multi-vector loss, dense (``cgist.maxsim_loss`` with a guide), and its mask.
 
-    The columns are concatenated (column ``n``'s row ``j`` after every row of the columns before it: the order of the
-    mask, ``(B, M)``); query ``i``'s label is the first column's row ``offset + i``. The guide's score of every
-    (query, document) pair: ``"self"`` the student's MaxSim, detached; ``(rows, Dg)`` columns their cosine;
-    ``(rows, tokens, Dg)`` columns with ``guide_masks`` their MaxSim (MeanMaxSim with ``guide_length_normalize``);
-    None none. theta_i is the guide's score of query ``i`` with its label, ``T_i = theta_i - margin`` (``relative``:
-    ``theta_i - |theta_i| * margin``). Masked: a candidate the guide scores strictly above ``T_i``; instead, one with
-    the text of query ``i``'s positive (``text_ids``) exactly when ``theta_i > T_i``; with ``mask_duplicates`` every
-    candidate whose text is the query's or its positive's. Never: the label. The loss is the cross-entropy of the
-    scaled scores, masked out of the softmax, differentiable by plain autograd. Columns of different token widths are
-    padded to the widest.
+    Query ``i``'s row: every document column's scores, concatenated (column ``n``'s row ``j`` after every row of the
+    columns before it), then with ``contrast_anchors`` its scores against every query (AA), then with
+    ``contrast_positives`` its positive's (row ``offset + i`` of the first column, as the left side, its mask as the
+    query mask) against every document of the first column (PP); the label is the first column's row ``offset + i``.
+    The guide's score of every pair alike: ``"self"`` the student's MaxSim, detached; ``(rows, Dg)`` columns their
+    cosine; ``(rows, tokens, Dg)`` columns with ``guide_masks`` their MaxSim (MeanMaxSim with
+    ``guide_length_normalize``); None none. theta_i is the guide's score of query ``i`` with its label,
+    ``T_i = theta_i - margin`` (``relative``: ``theta_i - |theta_i| * margin``). Masked: a candidate the guide scores
+    strictly above ``T_i``; instead, one with the text of the row's partner (``text_ids``: query ``i``'s positive; in
+    PP, query ``i``) exactly when ``theta_i > T_i``; with ``mask_duplicates`` every candidate whose text is the
+    query's or its positive's; with ``mask_self`` AA[i, i] and PP[i, offset + i]. Never: the label. The loss is the
+    cross-entropy of the scaled scores, masked out of the softmax, differentiable by plain autograd. Columns of
+    different token widths are padded to the widest.
     """
-    scores = maxsim_scores_reference(queries, query_mask, *_cat_padded(documents, document_masks),
-                                     length_normalize=length_normalize)
     rows = torch.arange(queries.shape[0], device=queries.device)
     labels = rows + offset
+
+    def blocks(left, left_mask, columns, masks, length_normalize):
+        """A row's blocks of MaxSim scores: the documents, AA, PP (``(B, W)``), for the student or a token guide."""
+        out = [maxsim_scores_reference(left, left_mask, *_cat_padded(columns, masks),
+                                       length_normalize=length_normalize)]
+        if contrast_anchors:
+            out.append(maxsim_scores_reference(left, left_mask, left, left_mask, length_normalize=length_normalize))
+        if contrast_positives:
+            out.append(maxsim_scores_reference(columns[0][labels], masks[0][labels], columns[0], masks[0],
+                                               length_normalize=length_normalize))
+        return torch.cat(out, 1)
+
+    scores = blocks(queries, query_mask, documents, document_masks, length_normalize)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    ids = None if text_ids is None else torch.cat(list(text_ids[1:]))
+    ids = partner = None
+    if text_ids is not None:
+        first_ids, q_ids = text_ids[1], text_ids[0]
+        parts = [torch.cat(list(text_ids[1:]))] + [q_ids] * contrast_anchors + [first_ids] * contrast_positives
+        ids = torch.cat(parts)
+        # the row's partner: the positive's text, but in PP (whose rows are the positives) the query's
+        partner = first_ids[labels].unsqueeze(1).expand(-1, ids.shape[0]).clone()
+        if contrast_positives:
+            partner[:, ids.shape[0] - first_ids.shape[0]:] = q_ids.unsqueeze(1)
     if guide is not None:
         if isinstance(guide, str):
             score = scores.detach()
         elif guide[0].dim() == 2:
-            score = normalize(guide[0])[0] @ normalize(torch.cat(list(guide[1:])))[0].T
+            g = [normalize(c)[0] for c in guide]
+            score = [g[0] @ torch.cat(g[1:]).T] + [g[0] @ g[0].T] * contrast_anchors + \
+                [g[1][labels] @ g[1].T] * contrast_positives
+            score = torch.cat(score, 1)
         else:
-            score = maxsim_scores_reference(guide[0], guide_masks[0], *_cat_padded(guide[1:], guide_masks[1:]),
-                                            length_normalize=guide_length_normalize)
+            score = blocks(guide[0], guide_masks[0], guide[1:], guide_masks[1:], guide_length_normalize)
         theta = score[rows, labels].unsqueeze(1)
         limit = theta - theta.abs() * margin if relative else theta - margin
         mask = score > limit
         if ids is not None:
-            mask = torch.where(ids == ids[labels].unsqueeze(1), theta > limit, mask)
+            mask = torch.where(ids == partner, theta > limit, mask)
     if mask_duplicates:
-        mask |= (ids == text_ids[0].unsqueeze(1)) | (ids == ids[labels].unsqueeze(1))
+        mask |= (ids == text_ids[0].unsqueeze(1)) | (ids == text_ids[1][labels].unsqueeze(1))
     mask[rows, labels] = False
+    if mask_self:
+        documents_width = sum(d.shape[0] for d in documents)
+        if contrast_anchors:
+            mask[rows, documents_width + rows] = True
+        if contrast_positives:
+            mask[rows, scores.shape[1] - documents[0].shape[0] + labels] = True
     logits = scores.masked_fill(mask, float("-inf")) * scale
     return torch.nn.functional.cross_entropy(logits, labels), mask
 

@@ -12,6 +12,7 @@ overrides ``"auto"``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -299,13 +300,22 @@ def _pytorch_maxsim() -> MaxSimStage:
     return maxsim.maxsim_forward, maxsim.maxsim_backward
 
 
-def _triton_maxsim() -> MaxSimStage:
+def _triton_maxsim(guided: bool = False) -> MaxSimStage:
     """The MaxSim kernels' launchers, as a stage whose state is each query's softmax normaliser (the backward
-    recomputes the rest); or a RuntimeError saying why they cannot run here."""
+    recomputes the rest), or for a ``guided`` call (GIST's mask) the gradients, made in the forward as the PyTorch
+    stage's are; or a RuntimeError saying why they cannot run here."""
     try:
-        from ..triton.maxsim import maxsim_backward_triton, maxsim_forward_triton
+        from ..triton.maxsim import maxsim_backward_triton, maxsim_forward_triton, maxsim_guided_triton
     except ImportError as err:
         raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
+    if guided:
+        from ..pytorch.maxsim import block_softmax, joined, maxsim_backward
+
+        def guided_forward(call, with_grad):
+            loss, parts = maxsim_guided_triton(call, with_grad, block_softmax)
+            return loss, None if parts is None else joined(parts)
+
+        return guided_forward, maxsim_backward
 
     def forward(call, with_grad):
         loss, peak, total = maxsim_forward_triton(call)
@@ -318,10 +328,10 @@ def _triton_maxsim() -> MaxSimStage:
 
 
 def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
-    """The MaxSim kernels against the PyTorch stage on a small ragged problem on ``device`` (``dtype`` inputs): the
-    largest difference of the loss and the gradients, each relative to its largest entry. Errors of the kernels
-    propagate."""
-    from ..pytorch.maxsim import MaxSimCall
+    """The MaxSim kernels against the PyTorch stage on a small ragged problem on ``device`` (``dtype`` inputs), without
+    a guide and with the student's own (``"self"``): the largest difference of the loss and the gradients, each
+    relative to its largest entry. Errors of the kernels propagate."""
+    from ..pytorch.maxsim import GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
 
     gen = torch.Generator().manual_seed(0)
     rows, lq, ld, dim = 8, 8, 40, 32
@@ -333,34 +343,36 @@ def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
     query_mask = torch.ones(rows, lq, dtype=torch.bool, device=device)
     call = MaxSimCall([queries], [query_mask], [[d] for d in documents], [[m] for m in masks], scale=4.0,
                       length_normalize=False, offset=0, budget_bytes=2**20)
-    results = []
-    for forward, backward in (_triton_maxsim(), _pytorch_maxsim()):
-        loss, state = forward(call, True)
-        q_grads, d_grads = backward(call, state, 1.0)
-        results.append([loss, *q_grads, *(g for column in d_grads for g in column)])
-    diffs = [(a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)
-             for a, b in zip(*results)]
+    guide = MaxSimGuide("self", margin=0.0, relative=False,
+                        counters=torch.zeros(len(GUIDE_COUNTERS), dtype=torch.int64, device=device),
+                        sums=torch.zeros(2, dtype=accumulate(dtype), device=device))
+    diffs = []
+    for checked, guided in ((call, False), (dataclasses.replace(call, guide=guide), True)):
+        results = []
+        for forward, backward in (_triton_maxsim(guided), _pytorch_maxsim()):
+            loss, state = forward(checked, True)
+            q_grads, d_grads = backward(checked, state, 1.0)
+            results.append([loss, *q_grads, *(g for column in d_grads for g in column)])
+        diffs += [(a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)
+                  for a, b in zip(*results)]
     return float(torch.stack(diffs).nan_to_num(math.inf).max())
 
 
 def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtype,
                         guided: bool = False) -> MaxSimStage:
-    """The MaxSim stage for ``backend`` on ``device``: ``"torch"`` the PyTorch stage; ``"triton"`` the kernels (CUDA,
-    or CPU tensors under the Triton interpreter), never checked; ``"auto"`` the kernels where the dense stage's would
-    run (``auto_route``) once their first-use check on this device and dtype passed (``check_maxsim_kernels``, within
-    ``selfcheck.TOLERANCE``), else the PyTorch stage, with one notice saying why. A ``guided`` call (GIST's mask)
-    runs the PyTorch stage: the kernels take no guide."""
+    """The MaxSim stage for ``backend`` on ``device``, for a ``guided`` call (GIST's mask) or not: ``"torch"`` the
+    PyTorch stage; ``"triton"`` the kernels (CUDA, or CPU tensors under the Triton interpreter), never checked;
+    ``"auto"`` the kernels where the dense stage's would run (``auto_route``) once their first-use check on this
+    device and dtype passed (``check_maxsim_kernels``, within ``selfcheck.TOLERANCE``), else the PyTorch stage, with
+    one notice saying why."""
     backend = requested_backend(backend)
-    if guided and backend == "triton":
-        raise ValueError("backend='triton': the MaxSim kernels take no guide; a guided multi-vector loss runs the "
-                         "PyTorch MaxSim stage (backend='torch' or 'auto')")
-    if backend == "torch" or guided:
+    if backend == "torch":
         return _pytorch_maxsim()
     if backend == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                                "before importing cgist, or use backend='torch'")
-        return _triton_maxsim()
+        return _triton_maxsim(guided)
     if auto_route(device, dtype, dtype)[0] == "torch":
         return _pytorch_maxsim()
     key = (_device_key(device), dtype)
@@ -380,4 +392,4 @@ def select_maxsim_stage(backend: object, device: torch.device, dtype: torch.dtyp
         _notice(f"the MaxSim kernels are not used on {_describe(device)} for {dtype} ({failure}); backend='auto' runs "
                 "the PyTorch MaxSim stage there")
         return _pytorch_maxsim()
-    return _triton_maxsim()
+    return _triton_maxsim(guided)

@@ -29,8 +29,8 @@ from ..numerics import guide_mask, threshold
 from ..ties import TieIndex
 from .workspace import _thread_buffer
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "MaxSimGuide", "accumulate", "kept_bytes",
-           "maxsim_backward", "maxsim_forward"]
+__all__ = ["EMPTY_DOCUMENT_SCORE", "GUIDE_COUNTERS", "GUIDE_KINDS", "MaxSimCall", "MaxSimGuide", "accumulate",
+           "block_softmax", "joined", "kept_bytes", "maxsim_backward", "maxsim_forward"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -179,6 +179,9 @@ def _exact_integers(dtype: torch.dtype) -> int:
 #: guide's MaxSim (``"tokens"``), the student's own scores, detached (``"self"``), or nothing (``"none"``: only
 #: ``mask_duplicates`` masks).
 GUIDE_KINDS = ("vectors", "tokens", "self", "none")
+#: What ``MaxSimGuide.counters`` counts, in order: the entries masked in each block of a query's row
+#: (``MaxSimCall.blocks``), and the queries left with their label alone.
+GUIDE_COUNTERS = ("ap", "an", "aa", "pp", "positive_only")
 
 
 @dataclass(frozen=True)
@@ -186,13 +189,17 @@ class MaxSimGuide:
     """GIST's guide over the multi-vector loss (docs/design.md#the-guide-for-late-interaction): query ``i``'s
     candidate is masked when the guide scores it strictly above ``T_i``, the threshold below theta_i (the guide's
     score of ``i`` with its positive) by ``margin`` (``relative``: by ``|theta_i| * margin``); a candidate that is the
-    text of ``i``'s positive (``document_ids``) ties with theta_i and is masked exactly when ``theta_i > T_i``; with
-    ``mask_duplicates`` every candidate whose text is the query's or its positive's is masked; the label never is.
+    text of the row's partner (query ``i``'s positive; in the PP block, whose rows are the positives, query ``i``)
+    ties with theta_i and is masked exactly when ``theta_i > T_i``; with ``mask_duplicates`` every candidate whose text
+    is the query's or its positive's is masked; with ``mask_self`` the self-pairs AA[i, i] and PP[i, offset + i]
+    always are; the label never is.
 
-    ``vectors``: ``"vectors"``' normalised query and document embeddings, ``(B, Dg)`` and ``(M, Dg)`` in the order of
-    the scores (column after column); ``tokens``: ``"tokens"``' token embeddings as a call over the same rows (its
-    ``scale`` 1). ``counters`` (int64, 3) and ``sums`` (2) are filled by each forward: entries masked in the first
-    column (the label left out) and in the others, queries left with their label alone; the sums of theta_i and T_i.
+    ``vectors``: ``"vectors"``' normalised query and document embeddings, ``(B, Dg)`` and ``(M, Dg)`` (the document
+    columns, column after column); ``tokens``: ``"tokens"``' token embeddings as a call laid out as the student's (its
+    ``scale`` 1, its AA and PP blocks alike). ``query_ids`` ``(B,)`` and ``column_ids`` (one per score of a query's
+    row, ``MaxSimCall.blocks``' order) are the texts' ids. ``counters`` (int64, ``GUIDE_COUNTERS``) and ``sums`` (2)
+    are filled by each forward: entries masked in the AP, AN, AA and PP blocks (AP's labels left out), queries left
+    with their label alone; the sums of theta_i and T_i.
     """
 
     kind: str
@@ -201,8 +208,9 @@ class MaxSimGuide:
     vectors: tuple[Tensor, Tensor] | None = None
     tokens: MaxSimCall | None = None
     query_ids: Tensor | None = None  # (B,) a text id per query
-    document_ids: Tensor | None = None  # (M,) a text id per document, in the order of the scores
+    column_ids: Tensor | None = None  # (W,) a text id per score of a query's row
     mask_duplicates: bool = False
+    mask_self: bool = True
     counters: Tensor | None = None
     sums: Tensor | None = None
 
@@ -212,60 +220,99 @@ class MaxSimGuide:
         if (self.kind == "vectors") != (self.vectors is not None) or (self.kind == "tokens") != (self.tokens is not None):
             raise ValueError(f"a {self.kind!r} guide takes {'vectors' if self.kind == 'vectors' else 'tokens'} "
                              "and nothing else")
-        if self.mask_duplicates and (self.query_ids is None or self.document_ids is None):
-            raise ValueError("mask_duplicates needs query_ids and document_ids")
-        ties = None if self.document_ids is None else TieIndex(self.document_ids)
-        object.__setattr__(self, "ties", ties)
+        if self.mask_duplicates and (self.query_ids is None or self.column_ids is None):
+            raise ValueError("mask_duplicates needs query_ids and column_ids")
+
+    def reset(self) -> None:
+        """Zero the counters and sums: a forward counts what it masks from the start."""
+        self.counters.zero_()
+        self.sums.zero_()
 
     def block_mask(self, call: MaxSimCall, first: int, scores: Tensor) -> Tensor:
-        """The mask of queries ``first:first + len(scores)`` (True: left out), from the guide's scores of the block
-        (``scores``, the student's, for ``"self"``); the counters and sums updated."""
+        """The mask of queries ``first:first + len(scores)`` (True: left out) over their whole row
+        (``MaxSimCall.blocks``), from the guide's scores of the block (``scores``, the student's, for ``"self"``);
+        the counters and sums updated."""
         rows = scores.shape[0]
         local = torch.arange(rows, device=scores.device)
         labels = call.offset + first + local
-        partner = None if self.document_ids is None else self.document_ids[labels]
+        blocks = call.blocks()
+        ids = self.column_ids
+        partner = None if ids is None else ids[labels]  # the positive's text: AP is the row's first block
+        own = None if self.query_ids is None else self.query_ids[first:first + rows]
         if self.kind == "none":
             mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         else:
-            if self.kind == "self":
-                guide = scores
-            elif self.kind == "vectors":
-                queries, documents = self.vectors
-                guide = queries[first:first + rows] @ documents.T
-            else:
-                guide = torch.empty_like(scores)
-                _block_scores(self.tokens, first, guide)
+            guide = scores if self.kind == "self" else self._scores(call, first, rows, labels, scores)
             theta = guide[local, labels].unsqueeze(1)
             limit = threshold(theta, self.margin, self.relative)
-            ties = ((torch.empty(0, dtype=torch.long, device=scores.device),) * 2 if self.ties is None
-                    else self.ties.pairs(partner, 0, guide.shape[1]))
-            mask = guide_mask(guide, limit, theta > limit, ties)
+            mask = guide_mask(guide, limit, theta > limit, self._ties(blocks, partner, own, scores.device))
             self.sums[0] += theta.sum().to(self.sums.dtype)
             self.sums[1] += limit.sum().to(self.sums.dtype)
         if self.mask_duplicates:
-            own = self.query_ids[first:first + rows].unsqueeze(1)
-            mask |= (self.document_ids == own) | (self.document_ids == partner.unsqueeze(1))
+            mask |= (ids == own.unsqueeze(1)) | (ids == partner.unsqueeze(1))
         mask[local, labels] = False
-        first_column = sum(d.shape[0] for d in call.documents[0])
-        self.counters[0] += mask[:, :first_column].sum()
-        self.counters[1] += mask[:, first_column:].sum()
-        self.counters[2] += (mask.sum(1) == mask.shape[1] - 1).sum()
+        if self.mask_self:
+            for name, own_column in (("aa", first + local), ("pp", labels)):
+                if name in blocks:
+                    mask[local, blocks[name].start + own_column] = True
+        for k, name in enumerate(GUIDE_COUNTERS):
+            if name in blocks:
+                self.counters[k] += mask[:, blocks[name]].sum()
+        self.counters[-1] += (mask.sum(1) == mask.shape[1] - 1).sum()
         return mask
 
+    def _scores(self, call: MaxSimCall, first: int, rows: int, labels: Tensor, like: Tensor) -> Tensor:
+        """The guide's scores of queries ``first:first + rows`` over their whole row."""
+        if self.kind == "tokens":
+            guide = torch.empty_like(like)
+            _block_scores(self.tokens, first, guide)
+            return guide
+        queries, documents = self.vectors
+        rows_q = queries[first:first + rows]
+        blocks = call.blocks()
+        parts = [rows_q @ documents.T]
+        if "aa" in blocks:
+            parts.append(rows_q @ queries.T)
+        if "pp" in blocks:
+            parts.append(documents[labels] @ documents[:blocks["ap"].stop].T)
+        return torch.cat(parts, 1)
 
-def _block_scores(call: MaxSimCall, first: int, out: Tensor) -> None:
-    """The MaxSim scores of ``call``'s queries ``first:first + len(out)`` against all its documents, into ``out``
-    (as ``maxsim_forward``'s first sweep computes the student's, without the argmax)."""
-    stop = first + out.shape[0]
-    product = call.budget_bytes - call.budget_bytes // 2
-    doc_rows, query_rows = _tile_rows(call.queries, call.documents, product, product, 1)
+    def _ties(self, blocks: dict[str, slice], partner: Tensor | None, own: Tensor | None,
+              device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` of the entries that tie with theta_i: a column with the text of the row's partner (the
+        positive for the query's rows, query ``i`` for its positive's, the PP block)."""
+        if self.column_ids is None:
+            return (torch.empty(0, dtype=torch.long, device=device),) * 2
+        rows, cols = [], []
+        split = blocks["pp"].start if "pp" in blocks else self.column_ids.shape[0]
+        for lo, hi, who in ((0, split, partner), (split, self.column_ids.shape[0], own)):
+            if hi > lo:
+                r, c = TieIndex(self.column_ids[lo:hi]).pairs(who, 0, hi - lo)
+                rows.append(r)
+                cols.append(c + lo)
+        return torch.cat(rows), torch.cat(cols)
+
+
+def _row_tiles(call: MaxSimCall, first: int, stop: int, query_rows: int) -> list[_QueryTile]:
+    """The query tiles of ``call``'s queries ``first:stop``, ``query_rows`` rows each (none across a chunk's end)."""
     tiles, row = [], 0
     for c, (chunk, mask) in enumerate(zip(call.queries, call.query_masks)):
         lo, hi = max(first, row), min(stop, row + chunk.shape[0])
         tiles += [_query_tile(chunk, mask, c, start - row, min(start + query_rows, hi) - row, start,
                               call.length_normalize) for start in range(lo, hi, query_rows)]
         row += chunk.shape[0]
-    _sweep_scores(call, doc_rows, tiles, first, out, None)
+    return tiles
+
+
+def _block_scores(call: MaxSimCall, first: int, out: Tensor) -> None:
+    """The MaxSim scores of ``call``'s queries ``first:first + len(out)`` over their whole row (each part's,
+    ``MaxSimCall.parts``), into ``out`` (as ``maxsim_forward``'s first sweep computes the student's, without the
+    argmax)."""
+    product = call.budget_bytes - call.budget_bytes // 2
+    for part, cols in call.parts():
+        doc_rows, query_rows = _tile_rows(part.queries, part.documents, product, product, 1)
+        _sweep_scores(part, doc_rows, _row_tiles(part, first, first + out.shape[0], query_rows), first, out[:, cols],
+                      None)
 
 
 def _sweep_scores(call: MaxSimCall, doc_rows: int, tiles: list[_QueryTile], first: int, scores: Tensor,
@@ -282,12 +329,17 @@ def _sweep_scores(call: MaxSimCall, doc_rows: int, tiles: list[_QueryTile], firs
 @dataclass(frozen=True)
 class MaxSimCall:
     """One loss-stage call's inputs. ``queries``: row chunks ``(b, Lq, D)`` with masks ``(b, Lq)`` (bool);
-    ``documents``: columns, each a list of row chunks ``(r, Ld, D)`` with masks. Column ``n``'s global row ``j`` is
-    score column ``j * N + n``; query ``i``'s label is the first column's row ``offset + i``. Scores are multiplied by
-    ``scale``; with ``length_normalize`` (MeanMaxSim) divided by the query's real token count first.
+    ``documents``: columns, each a list of row chunks ``(r, Ld, D)`` with masks. A query's scores are every column's
+    documents, column after column; query ``i``'s label is the first column's row ``offset + i``. Scores are
+    multiplied by ``scale``; with ``length_normalize`` (MeanMaxSim) divided by the query's real token count first.
     ``budget_bytes`` bounds the stage's working memory: half for one tile's token products, half for what a row
     block of queries keeps between its two sweeps (``keep_bytes``). ``guide``: GIST's guide, which masks each query's
-    candidates (None: none is masked)."""
+    candidates (None: none is masked).
+
+    GIST's contrast blocks (docs/design.md#the-guide-for-late-interaction): with ``contrast_anchors`` the last
+    document column is the queries themselves (AA); ``positives`` is the PP block, a call of its own whose queries
+    are the positives (rows ``offset + i`` of the first column) and whose one column is the first column, its scores
+    after the others in a query's row (``parts``, ``blocks``)."""
 
     queries: Sequence[Tensor]
     query_masks: Sequence[Tensor]
@@ -298,6 +350,8 @@ class MaxSimCall:
     offset: int
     budget_bytes: int
     guide: MaxSimGuide | None = None
+    contrast_anchors: bool = False
+    positives: MaxSimCall | None = None
 
     @property
     def n_queries(self) -> int:
@@ -307,12 +361,47 @@ class MaxSimCall:
     def n_documents(self) -> int:
         return sum(d.shape[0] for column in self.documents for d in column)
 
+    @property
+    def width(self) -> int:
+        """The scores of a query's row: every part's (``parts``)."""
+        return sum(cols.stop - cols.start for _, cols in self.parts())
+
+    def parts(self) -> list[tuple[MaxSimCall, slice]]:
+        """The calls whose scores make a query's row, each with its span of the row: this call's documents, then the
+        PP block's (``positives``)."""
+        parts = [(self, slice(0, self.n_documents))]
+        if self.positives is not None:
+            parts.append((self.positives, slice(self.n_documents, self.n_documents + self.positives.n_documents)))
+        return parts
+
+    def blocks(self) -> dict[str, slice]:
+        """GIST's blocks of a query's row: ``"ap"`` (the first column), ``"an"`` (the other document columns, when
+        there are any), ``"aa"`` (with ``contrast_anchors``), ``"pp"`` (with ``positives``)."""
+        first = sum(d.shape[0] for d in self.documents[0])
+        documents = self.n_documents - (self.n_queries if self.contrast_anchors else 0)
+        blocks = {"ap": slice(0, first)}
+        if documents > first:
+            blocks["an"] = slice(first, documents)
+        if self.contrast_anchors:
+            blocks["aa"] = slice(documents, self.n_documents)
+        if self.positives is not None:
+            blocks["pp"] = slice(self.n_documents, self.width)
+        return blocks
+
+    def kept_per_query(self, with_grad: bool) -> int:
+        """What a row block keeps per query (``kept_bytes``), every part's."""
+        guide = None if self.guide is None else self.guide.kind
+        total = 0
+        for part, _ in self.parts():
+            lq = max(q.shape[1] for q in part.queries)
+            ld = max(d.shape[1] for column in part.documents for d in column)
+            total += kept_bytes(1, part.n_documents, lq, ld, part.queries[0].shape[2], part.queries[0].dtype,
+                                with_grad, guide)
+        return total
+
     def tiles(self, with_grad: bool) -> tuple[int, Iterator[list[_QueryTile]]]:
         """Rows per document tile, and the row blocks of query tiles (``_query_tiles``)."""
-        lq = max(q.shape[1] for q in self.queries)
-        ld = max(d.shape[1] for column in self.documents for d in column)
-        per_query = kept_bytes(1, self.n_documents, lq, ld, self.queries[0].shape[2], self.queries[0].dtype,
-                               with_grad, None if self.guide is None else self.guide.kind)
+        per_query = self.kept_per_query(with_grad)
         product, keep = self.budget_bytes - self.budget_bytes // 2, self.budget_bytes // 2
         doc_rows, query_rows = _tile_rows(self.queries, self.documents, product, keep, per_query)
         return doc_rows, _query_tiles(self.queries, self.query_masks, query_rows, keep, per_query,
@@ -326,7 +415,8 @@ class MaxSimCall:
                 yield n, doc
 
 
-#: The gradients of every query chunk and of every document chunk, column by column, in ``accumulate(dtype)``.
+#: The gradients of every query chunk and of every document chunk, column by column, in ``accumulate(dtype)`` (with a
+#: PP block, ``joined``: its positives after the query chunks, its first column after the columns).
 Gradients = tuple[list[Tensor], list[list[Tensor]]]
 
 
@@ -348,50 +438,65 @@ def maxsim_forward(call: MaxSimCall, with_grad: bool) -> tuple[Tensor, Gradients
     losses = torch.empty(call.n_queries, dtype=dtype, device=device)
     grads = None
     if call.guide is not None:
-        call.guide.counters.zero_()
-        call.guide.sums.zero_()
+        call.guide.reset()
     if with_grad:
-        grads = ([torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries],
-                 [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents])
+        grads = [([torch.zeros(q.shape, dtype=dtype, device=device) for q in part.queries],
+                  [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in part.documents])
+                 for part, _ in call.parts()]
     for block in blocks:
         _row_block(call, block, doc_rows, losses, grads)
-    return losses.mean(), grads
+    return losses.mean(), None if grads is None else joined(grads)
+
+
+def joined(grads: list[Gradients]) -> Gradients:
+    """The gradients of a call's parts (``MaxSimCall.parts``) as one: every part's query chunks, then every part's
+    columns (the PP block's positives and first column after the call's own)."""
+    return [g for q_grads, _ in grads for g in q_grads], [column for _, d_grads in grads for column in d_grads]
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor,
-               grads: Gradients | None) -> None:
-    """One row block's two sweeps (``maxsim_forward``): its queries' losses into ``losses`` and, given ``grads``,
-    their gradients added into it. Everything it holds is freed when it returns, before the next block's."""
+               grads: list[Gradients] | None) -> None:
+    """One row block's two sweeps (``maxsim_forward``): its queries' losses into ``losses`` and, given ``grads`` (one
+    per part of the call, ``MaxSimCall.parts``), their gradients added into it. Everything it holds is freed when it
+    returns, before the next block's."""
     device, dtype = losses.device, losses.dtype
-    lq = max(q.shape[1] for q in call.queries)
-    index = _index_dtype(max(d.shape[1] for column in call.documents for d in column))
     first, rows = block[0].row, sum(query.weights.shape[0] for query in block)
-    spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in block]
-    # The block's scores against every document of every column (the first column's row j at position j) and the
-    # argmax of each query token: all that is kept between the sweeps. A document tile is prepared in each.
-    scores = torch.empty(rows, call.n_documents, dtype=dtype, device=device)
-    where = torch.zeros(rows, lq, call.n_documents, dtype=index, device=device) if grads is not None else None
-    _sweep_scores(call, doc_rows, block, first, scores, where)
-    if call.guide is not None:  # a masked score leaves the softmax, and its gradient is zero
-        scores.masked_fill_(call.guide.block_mask(call, first, scores), float("-inf"))
-    local = torch.arange(rows, device=device)
-    labels = call.offset + first + local
-    logits = scores.mul_(call.scale)
-    peak = logits.amax(1, keepdim=True)
-    label_logits = logits[local, labels]
-    softmax = logits.sub_(peak).exp_()  # in place: the scores are not needed again
-    total = softmax.sum(1, keepdim=True)
-    losses[first:first + rows] = (peak + torch.log(total)).squeeze(1) - label_logits
+    product = call.budget_bytes - call.budget_bytes // 2
+    # The block's scores over its whole row (the first column's row j at position j) and the argmax of each query
+    # token: all that is kept between the sweeps. A document tile is prepared in each.
+    scores = torch.empty(rows, call.width, dtype=dtype, device=device)
+    sweeps = []
+    for part, cols in call.parts():
+        tiles, part_doc_rows = block, doc_rows
+        if part is not call:  # the PP block: the positives of the same queries, tiled for the product alone
+            part_doc_rows, query_rows = _tile_rows(part.queries, part.documents, product, product, 1)
+            tiles = _row_tiles(part, first, first + rows, query_rows)
+        where = None
+        if grads is not None:
+            lq = max(q.shape[1] for q in part.queries)
+            index = _index_dtype(max(d.shape[1] for column in part.documents for d in column))
+            where = torch.zeros(rows, lq, part.n_documents, dtype=index, device=device)
+        _sweep_scores(part, part_doc_rows, tiles, first, scores[:, cols], where)
+        sweeps.append((part, tiles, part_doc_rows, cols, where))
+    grad = block_softmax(call, first, scores, losses, grads is not None)
     if grads is None:
         return
-    unit = call.scale / call.n_queries
-    grad = softmax.mul_(unit / total)
-    grad[local, labels] -= unit
+    for (part, tiles, part_doc_rows, cols, where), part_grads in zip(sweeps, grads):
+        _part_backward(part, tiles, part_doc_rows, first, grad[:, cols], where, part_grads)
+
+
+def _part_backward(call: MaxSimCall, tiles: list[_QueryTile], doc_rows: int, first: int, grad: Tensor, where: Tensor,
+                   grads: Gradients) -> None:
+    """The second sweep of one part of a row block: its scores' gradients ``grad`` ``(rows, n_documents)`` sent along
+    the kept argmax ``where``, into the part's gradients."""
+    dtype, device = grad.dtype, grad.device
+    rows, lq = where.shape[:2]
+    spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in tiles]
     # The block's query tokens and weights, padded to Lq with zero weights (their argmax is 0, a real position), and
     # the gradient of its query tokens.
     tokens = torch.zeros(rows, lq, call.queries[0].shape[2], dtype=dtype, device=device)
     weights = torch.zeros(rows, lq, dtype=dtype, device=device)
-    for query, span in zip(block, spans):
+    for query, span in zip(tiles, spans):
         width = query.weights.shape[1]
         tokens[span, :width] = query.tokens.view(-1, width, tokens.shape[2])
         weights[span, :width] = query.weights
@@ -400,9 +505,33 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
     for (n, doc), cols in _column_spans(call, doc_rows):
         into_queries += _tile_backward(doc, grad[:, cols], where[:, :, cols], tokens, weights, d_grads[n][doc.chunk],
                                        call.budget_bytes - call.budget_bytes // 2)
-    for query, span in zip(block, spans):
+    for query, span in zip(tiles, spans):
         width = query.weights.shape[1]
         q_grads[query.chunk][query.start:query.stop, :width] += into_queries[span, :width]
+
+
+def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, with_grad: bool) -> Tensor | None:
+    """The softmax of queries ``first:first + rows`` over their scores ``(rows, M)`` against every document, the
+    guide's mask applied first (a masked score leaves the softmax, and its gradient is zero): their losses into
+    ``losses`` and, ``with_grad``, their logits' gradients ``scale / B * (softmax - [label])``, made in place of
+    ``scores`` and returned (``maxsim_forward``: the largest logit's softmax is ``1 / total`` exactly)."""
+    rows = scores.shape[0]
+    if call.guide is not None:
+        scores.masked_fill_(call.guide.block_mask(call, first, scores), float("-inf"))
+    local = torch.arange(rows, device=scores.device)
+    labels = call.offset + first + local
+    logits = scores.mul_(call.scale)
+    peak = logits.amax(1, keepdim=True)
+    label_logits = logits[local, labels]
+    softmax = logits.sub_(peak).exp_()  # in place: the scores are not needed again
+    total = softmax.sum(1, keepdim=True)
+    losses[first:first + rows] = (peak + torch.log(total)).squeeze(1) - label_logits
+    if not with_grad:
+        return None
+    unit = call.scale / call.n_queries
+    grad = softmax.mul_(unit / total)
+    grad[local, labels] -= unit
+    return grad
 
 
 def _column_spans(call: MaxSimCall, doc_rows: int) -> Iterator[tuple[tuple[int, _DocTile], slice]]:

@@ -15,6 +15,9 @@ chunks in place). The gradients come back as views of the packed gradients, one 
 * forward: ``maxsim_fwd_kernel`` over ``(query, block of BLOCK_M documents)`` writes each block's partial normaliser;
   they are combined here in a fixed order (``_combine``). ``maxsim_label_kernel`` computes the label logits with the
   same code.
+* a guided call (GIST's mask, ``maxsim_guided_triton``): for each slab of queries, ``maxsim_scores_kernel`` writes
+  the slab's scores, the mask and the softmax run on the host, and the two gradient kernels below take the logits'
+  gradients they make; the gradients are made in the forward, as the PyTorch stage's are.
 * backward, for each slab of queries (all of them when their ``(rows, M)`` logits' gradients fit ``budget_bytes``):
   ``maxsim_grad_kernel`` writes the slab's logits' gradients, ``maxsim_dq_kernel`` (a program per query and token
   block, over every document) gathers the query gradients, and ``maxsim_dd_kernel`` (a program per document, over the
@@ -26,6 +29,7 @@ architecture: none spills). Everything is deterministic (no atomics) and reads n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +44,7 @@ from cgist.kernels.maxsim import (
     maxsim_fwd_kernel,
     maxsim_grad_kernel,
     maxsim_label_kernel,
+    maxsim_scores_kernel,
 )
 from cgist.stage.devices import Arch
 
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
     from cgist.stage.pytorch.maxsim import MaxSimCall
 
 __all__ = ["BLOCK_M", "EMPTY_DOCUMENT_SCORE", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "Launch", "launch_configs",
-           "maxsim_backward_triton", "maxsim_forward_triton", "shared_memory_estimate"]
+           "maxsim_backward_triton", "maxsim_forward_triton", "maxsim_guided_triton", "shared_memory_estimate"]
 
 #: sentence-transformers' score of a document without any real token (``cgist.stage.pytorch.maxsim``'s).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -59,7 +64,8 @@ BLOCK_M = 32
 MAX_BLOCK_T = 64
 #: The kernels, by name, in launch order.
 KERNELS = {k.__name__: k for k in (
-    maxsim_fwd_kernel, maxsim_label_kernel, maxsim_grad_kernel, maxsim_dq_kernel, maxsim_dd_kernel)}
+    maxsim_fwd_kernel, maxsim_label_kernel, maxsim_scores_kernel, maxsim_grad_kernel, maxsim_dq_kernel,
+    maxsim_dd_kernel)}
 
 # Tiles per operand kind (``_kind``) and kernel: (BLOCK_Q query tokens, BLOCK_K features, warps, stages), with
 # BLOCK_T = MAX_BLOCK_T document tokens at most. Measured with bench/aot_compile.py (sm_70 to sm_120, 32 and 128 query
@@ -68,7 +74,7 @@ KERNELS = {k.__name__: k for k in (
 # gradient at 32 spills 56 B at 255 registers on sm_80 to sm_120). Below sm_80 (FMA loops, no asynchronous copies)
 # one stage. The document-gradient kernel takes one stage everywhere: no load of its rows of ``dd`` is issued ahead
 # of the barrier that orders it after the previous update's writes.
-_ALL = ("maxsim_fwd_kernel", "maxsim_label_kernel", "maxsim_grad_kernel", "maxsim_dq_kernel", "maxsim_dd_kernel")
+_ALL = tuple(KERNELS)
 _TILES: dict[str, dict[str, tuple[int, int, int, int]]] = {
     kind: {name: (32, block_k, 4, 1 if name == "maxsim_dd_kernel" or kind.startswith("fma") else 2) for name in _ALL}
     for kind, block_k in (("half", 32), ("tf32", 32), ("tf32x3", 16), ("fma-half", 16), ("fma", 16))
@@ -139,7 +145,7 @@ def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim:
         meta = dict(ACC=TL_DTYPES[acc], PRECISION=precision, LQ=big_lq,
                     BLOCK_Q=min(big_lq, block_query_tokens or block_q), BLOCK_D=block_d,
                     BLOCK_K=min(block_d, block_features or block_k), BLOCK_T=block_t)
-        if name in ("maxsim_fwd_kernel", "maxsim_grad_kernel"):
+        if name in ("maxsim_fwd_kernel", "maxsim_scores_kernel", "maxsim_grad_kernel"):
             meta["BLOCK_M"] = block_docs
         if name == "maxsim_dq_kernel":  # its grid spans the token blocks
             del meta["LQ"]
@@ -282,6 +288,15 @@ def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_o
                           dq_ptr=dq, n_docs=n_docs, q_start=start, **packed.shape_args)
             packed.launch(maxsim_dd_kernel, (n_docs,), **packed.pointers(), g_ptr=grads, dd_ptr=dd, n_docs=n_docs,
                           n_rows=n, q_start=start, **packed.shape_args)
+    return _unpacked(call, dq, dd)
+
+
+#: The gradients of a call's query chunks and of its columns' chunks (the PyTorch stage's ``Gradients``).
+Gradients = tuple[list[Tensor], list[list[Tensor]]]
+
+
+def _unpacked(call: MaxSimCall, dq: Tensor, dd: Tensor) -> Gradients:
+    """The packed gradients as views, one per query chunk and per document chunk, column by column."""
     q_grads = [g[:, : q.shape[1]] for g, q in zip(dq.split([q.shape[0] for q in call.queries]), call.queries)]
     d_grads, row = [], 0
     for column in call.documents:
@@ -291,3 +306,62 @@ def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_o
             row += d.shape[0]
         d_grads.append(grads_)
     return q_grads, d_grads
+
+
+@torch.no_grad()
+def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *, block_tokens: int | None = None,
+                         block_docs: int = BLOCK_M, block_query_tokens: int | None = None,
+                         block_features: int | None = None,
+                         block_queries: int | None = None) -> tuple[Tensor, list[Gradients] | None]:
+    """A guided call (``call.guide``, GIST's mask): the mean loss and, ``with_grad``, the gradients of each part of
+    the call (``MaxSimCall.parts``), each ``(query chunks, columns)`` in ``accumulate(dtype)``, which the PyTorch
+    stage's ``joined`` makes the contract of its ``maxsim_forward`` (``maxsim_backward`` scales them by the loss's
+    incoming gradient). ``softmax`` is the PyTorch stage's ``block_softmax`` (the dispatch passes it: this backend
+    imports no stage).
+
+    The queries go in slabs of ``block_queries`` (None: as many as the slab's scores, the guide's scores and mask fit
+    ``call.budget_bytes``, at least one). For each slab and each part of the call (``MaxSimCall.parts``: its
+    documents, and GIST's PP block, whose queries are the positives), ``maxsim_scores_kernel`` writes the part's
+    scores into the slab's row ``(rows, W)``; the guide's mask and the softmax are the PyTorch stage's
+    (``softmax``: the same counters, ties and exact softmax), and turn the scores into the logits' gradients in
+    place, which ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` send back along the maxima, part by part. The other
+    tiles as ``maxsim_forward_triton``'s."""
+    tiles = dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
+                 block_features=block_features)
+    parts = [(part, cols, _pack(part, tiles)) for part, cols in call.parts()]
+    batch, width = call.n_queries, call.width
+    acc = parts[0][2].acc
+    device = parts[0][2].queries.device
+    scalars = _scalars(1.0, 0.0, acc, device)  # a scale of 1: the scores, which the guide's mask reads
+    if block_queries is None:  # the slab's row, and a part's copy of it where there are several parts
+        per_query = call.kept_per_query(False) + (len(parts) > 1) * width * acc.itemsize
+        block_queries = call.budget_bytes // max(1, per_query)
+    rows = max(1, min(batch, block_queries))
+    scores = torch.empty(rows, width, dtype=acc, device=device)
+    losses = torch.empty(batch, dtype=acc, device=device)
+    grads = [(torch.zeros(packed.queries.shape, dtype=acc, device=device),
+              torch.zeros(packed.documents.shape, dtype=acc, device=device))
+             for *_, packed in parts] if with_grad else []
+    call.guide.reset()
+    with _launch_device(device):
+        for start in range(0, batch, rows):
+            n = min(rows, batch - start)
+            slab = scores[:n]
+            for part, cols, packed in parts:
+                out = slab if len(parts) == 1 else torch.empty(n, part.n_documents, dtype=acc, device=device)
+                packed.launch(maxsim_scores_kernel, (n, triton.cdiv(part.n_documents, block_docs)),
+                              **packed.pointers(scalars), out_ptr=out, n_docs=part.n_documents, q_start=start,
+                              **packed.shape_args)
+                if out is not slab:
+                    slab[:, cols] = out
+            logits_grad = softmax(call, start, slab, losses, with_grad)
+            for (part, cols, packed), (dq, dd) in zip(parts, grads):
+                g = logits_grad[:, cols].contiguous()
+                g.masked_fill_(packed.widths == 0, 0.0)  # an empty document's score is a constant: it sends nothing
+                packed.launch(maxsim_dq_kernel, (n, packed.blocks(maxsim_dq_kernel)), **packed.pointers(), g_ptr=g,
+                              dq_ptr=dq, n_docs=part.n_documents, q_start=start, **packed.shape_args)
+                packed.launch(maxsim_dd_kernel, (part.n_documents,), **packed.pointers(), g_ptr=g, dd_ptr=dd,
+                              n_docs=part.n_documents, n_rows=n, q_start=start, **packed.shape_args)
+    if not with_grad:
+        return losses.mean(), None
+    return losses.mean(), [_unpacked(part, dq, dd) for (part, *_), (dq, dd) in zip(parts, grads)]
