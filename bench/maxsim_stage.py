@@ -33,6 +33,9 @@ The loss is the multi-vector ranking loss with sentence-transformers' defaults (
                     them: whatever produced them, the stage's work is the same), a multi-vector guide's token
                     embeddings (random unit vectors of the student's shapes), or the student's own scores (with
                     ``mask_duplicates``, its default there: distinct text ids);
+* ``cgist-guided-contrast`` (``--guides``): the single-vector guide's, with GIST's contrast blocks
+                    (``contrast_anchors=True, contrast_positives=True``): each query's softmax also holds its MaxSim
+                    against the B queries and its positive's against the B positives;
 * ``gemm``          the limit: only the token products that any implementation computes once in its forward, for
                     each document column and each tile of 32 documents x 64 queries ``torch.mm(q_tile.reshape(-1, D),
                     d_tile.reshape(-1, D).T, out=buf)`` into one preallocated buffer (so that page faults do not
@@ -94,8 +97,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The guided providers (``--guides``), by guide kind.
-GUIDED = {"cgist-guided-vectors": "vectors", "cgist-guided-tokens": "tokens", "cgist-guided-self": "self"}
+#: The guided providers (``--guides``), by guide kind; the last one with GIST's contrast blocks (AA and PP).
+GUIDED = {"cgist-guided-vectors": "vectors", "cgist-guided-tokens": "tokens", "cgist-guided-self": "self",
+          "cgist-guided-contrast": "vectors"}
+CONTRAST = "cgist-guided-contrast"
 PROVIDERS = ("st-cached", "cgist-cached", *GUIDED, "st-plain", "cgist-plain", "gemm")
 LIMIT = "gemm"
 #: Each cgist provider and the provider it is compared with: the sentence-transformers one it replaces, or for a
@@ -262,8 +267,10 @@ def guided_call(point: Point, settings: Settings, model, reps, mask_chunks) -> C
         inputs = StepInputs(guide={"guide": tokens, "guide_masks": masks}, text_ids=text_ids)
     else:
         guide, inputs = "self", StepInputs(text_ids=text_ids)
+    contrast = point.provider == CONTRAST
     loss = cgist.FusedCachedMultiVectorGISTLoss(model, guide, mini_batch_size=settings.mini_batch_size,
-                                                margin=GUIDE_MARGIN, backend="torch")
+                                                margin=GUIDE_MARGIN, backend="torch", contrast_anchors=contrast,
+                                                contrast_positives=contrast)
 
     def run():
         with loss.reading(inputs):

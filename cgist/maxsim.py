@@ -216,27 +216,21 @@ def _call(q_chunks: list[Tensor], q_masks: list[Tensor], d_chunks: list[list[Ten
     pp = None
     if positives:
         rows, masks = _rows(d_chunks[0], d_masks[0], offset, sum(q.shape[0] for q in q_chunks))
-        pp = MaxSimCall([rows], [masks], [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
+        pp = MaxSimCall(rows, masks, [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
     columns, masks = (d_chunks, d_masks) if not anchors else ([*d_chunks, q_chunks], [*d_masks, q_masks])
     return MaxSimCall(q_chunks, q_masks, columns, masks, scale, length_normalize, offset, budget, guide, anchors, pp)
 
 
-def _rows(chunks: list[Tensor], masks: list[Tensor], start: int, count: int) -> tuple[Tensor, Tensor]:
-    """Rows ``start:start + count`` of a column's chunks as one tensor and its mask: a view where they lie in one
-    chunk, else a copy padded to the widest of their chunks (differentiable: the copy's gradient reaches the
-    chunks)."""
-    width = max(c.shape[1] for c in chunks)
-    picked, row = [], 0
+def _rows(chunks: list[Tensor], masks: list[Tensor], start: int, count: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Rows ``start:start + count`` of a column's chunks, as views of them (row chunks) and of their masks."""
+    views, view_masks, row = [], [], 0
     for chunk, mask in zip(chunks, masks):
         lo, hi = max(start, row), min(start + count, row + chunk.shape[0])
         if lo < hi:
-            picked.append((chunk[lo - row:hi - row], mask[lo - row:hi - row]))
+            views.append(chunk[lo - row:hi - row])
+            view_masks.append(mask[lo - row:hi - row])
         row += chunk.shape[0]
-    if len(picked) == 1:
-        return picked[0]
-    pad = [(x.shape[0], width - x.shape[1]) for x, _ in picked]
-    return (torch.cat([torch.cat([x, x.new_zeros(r, w, x.shape[2])], 1) for (x, _), (r, w) in zip(picked, pad)]),
-            torch.cat([torch.cat([m, m.new_zeros(r, w)], 1) for (_, m), (r, w) in zip(picked, pad)]))
+    return views, view_masks
 
 
 def _stats(call: MaxSimCall) -> GistStats:
