@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
 from .stage.numerics import normalize
-from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
+from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate, row_views
 from .stage.spec.checks import check_finite
 from .stage.spec.options import check_margin
 from .stage.stats import GistStats
@@ -212,25 +212,14 @@ def _call(q_chunks: list[Tensor], q_masks: list[Tensor], d_chunks: list[list[Ten
           scale: float, length_normalize: bool, offset: int, budget: int, guide: MaxSimGuide | None, anchors: bool,
           positives: bool) -> MaxSimCall:
     """The stage's call, with GIST's contrast blocks: AA as a last document column of the queries themselves, PP as
-    a call of its own whose queries are the positives (``_rows``) against the first column."""
+    a call of its own whose queries are the positives (``row_views`` of the first column) against the first column."""
     pp = None
     if positives:
-        rows, masks = _rows(d_chunks[0], d_masks[0], offset, sum(q.shape[0] for q in q_chunks))
-        pp = MaxSimCall(rows, masks, [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
+        n_queries = sum(q.shape[0] for q in q_chunks)
+        pp = MaxSimCall(row_views(d_chunks[0], offset, n_queries), row_views(d_masks[0], offset, n_queries),
+                        [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
     columns, masks = (d_chunks, d_masks) if not anchors else ([*d_chunks, q_chunks], [*d_masks, q_masks])
     return MaxSimCall(q_chunks, q_masks, columns, masks, scale, length_normalize, offset, budget, guide, anchors, pp)
-
-
-def _rows(chunks: list[Tensor], masks: list[Tensor], start: int, count: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Rows ``start:start + count`` of a column's chunks, as views of them (row chunks) and of their masks."""
-    views, view_masks, row = [], [], 0
-    for chunk, mask in zip(chunks, masks):
-        lo, hi = max(start, row), min(start + count, row + chunk.shape[0])
-        if lo < hi:
-            views.append(chunk[lo - row:hi - row])
-            view_masks.append(mask[lo - row:hi - row])
-        row += chunk.shape[0]
-    return views, view_masks
 
 
 def _stats(call: MaxSimCall) -> GistStats:
@@ -341,10 +330,8 @@ def maxsim_loss(
     stage = select_maxsim_stage(backend, device, dtype, guided=checked_guide is not None)
     call = _call(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset), int(block_bytes),
                  checked_guide, contrast_anchors, contrast_positives)
-    # In the order of the stage's gradients (``joined``): every part's queries, then every part's columns.
-    parts = [part for part, _ in call.parts()]
-    tensors = [*(q for part in parts for q in part.queries),
-               *(x for part in parts for column in part.documents for x in column)]
+    # In the order of the stage's gradients (GIST's PP block reads the first column's chunks, and adds into theirs).
+    tensors = [*call.queries, *(x for column in call.documents for x in column)]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     loss = MaxSimLossFunction.apply(call, stage, with_grad, *tensors)
     return (loss, _stats(call)) if return_stats else loss

@@ -30,7 +30,7 @@ from cgist.stage.pytorch.maxsim import (  # noqa: E402
     MaxSimCall,
     MaxSimGuide,
     block_softmax,
-    joined,
+    folded,
     maxsim_backward,
     maxsim_forward,
 )
@@ -279,7 +279,7 @@ def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
         sums=torch.zeros(2, dtype=acc, device=DEVICE))) for _ in range(2)]
     loss, grads = maxsim_guided_triton(calls[0], True, block_softmax, block_docs=case.block_docs,
                                        block_queries=case.block_queries, **case.tiles)
-    grads = _flat(call, *maxsim_backward(calls[0], joined(grads), GRAD_OUTPUT))
+    grads = _flat(call, *maxsim_backward(calls[0], folded(calls[0], grads), GRAD_OUTPUT))
     s_loss, s_grads = maxsim_forward(calls[1], True)
     s_grads = _flat(call, *maxsim_backward(calls[1], s_grads, GRAD_OUTPUT))
     assert loss.dtype == acc and all(g.dtype == acc for g in grads)

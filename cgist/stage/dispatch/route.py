@@ -309,11 +309,11 @@ def _triton_maxsim(guided: bool = False) -> MaxSimStage:
     except ImportError as err:
         raise RuntimeError(f"backend='triton' is unavailable: {err}") from err
     if guided:
-        from ..pytorch.maxsim import block_softmax, joined, maxsim_backward
+        from ..pytorch.maxsim import block_softmax, folded, maxsim_backward
 
         def guided_forward(call, with_grad):
             loss, parts = maxsim_guided_triton(call, with_grad, block_softmax)
-            return loss, None if parts is None else joined(parts)
+            return loss, None if parts is None else folded(call, parts)
 
         return guided_forward, maxsim_backward
 

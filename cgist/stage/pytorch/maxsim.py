@@ -30,7 +30,7 @@ from ..ties import TieIndex
 from .workspace import _thread_buffer
 
 __all__ = ["EMPTY_DOCUMENT_SCORE", "GUIDE_COUNTERS", "GUIDE_KINDS", "MaxSimCall", "MaxSimGuide", "accumulate",
-           "block_softmax", "joined", "kept_bytes", "maxsim_backward", "maxsim_forward"]
+           "block_softmax", "folded", "kept_bytes", "maxsim_backward", "maxsim_forward"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -415,8 +415,8 @@ class MaxSimCall:
                 yield n, doc
 
 
-#: The gradients of every query chunk and of every document chunk, column by column, in ``accumulate(dtype)`` (with a
-#: PP block, ``joined``: its positives after the query chunks, its first column after the columns).
+#: The gradients of every query chunk and of every document chunk, column by column, in ``accumulate(dtype)`` (a PP
+#: block's are added into the first column's).
 Gradients = tuple[list[Tensor], list[list[Tensor]]]
 
 
@@ -440,18 +440,39 @@ def maxsim_forward(call: MaxSimCall, with_grad: bool) -> tuple[Tensor, Gradients
     if call.guide is not None:
         call.guide.reset()
     if with_grad:
-        grads = [([torch.zeros(q.shape, dtype=dtype, device=device) for q in part.queries],
-                  [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in part.documents])
-                 for part, _ in call.parts()]
+        main = ([torch.zeros(q.shape, dtype=dtype, device=device) for q in call.queries],
+                [[torch.zeros(d.shape, dtype=dtype, device=device) for d in column] for column in call.documents])
+        grads = [main]
+        if call.positives is not None:  # the PP block adds into the first column's gradients, where its inputs are
+            first = main[1][0]
+            grads.append((row_views(first, call.offset, call.n_queries), [first]))
     for block in blocks:
         _row_block(call, block, doc_rows, losses, grads)
-    return losses.mean(), None if grads is None else joined(grads)
+    return losses.mean(), None if grads is None else grads[0]
 
 
-def joined(grads: list[Gradients]) -> Gradients:
-    """The gradients of a call's parts (``MaxSimCall.parts``) as one: every part's query chunks, then every part's
-    columns (the PP block's positives and first column after the call's own)."""
-    return [g for q_grads, _ in grads for g in q_grads], [column for _, d_grads in grads for column in d_grads]
+def row_views(chunks: Sequence[Tensor], start: int, count: int) -> list[Tensor]:
+    """Rows ``start:start + count`` of a column's row chunks (or of their masks, or gradients), as views of them."""
+    views, row = [], 0
+    for chunk in chunks:
+        lo, hi = max(start, row), min(start + count, row + chunk.shape[0])
+        if lo < hi:
+            views.append(chunk[lo - row:hi - row])
+        row += chunk.shape[0]
+    return views
+
+
+def folded(call: MaxSimCall, grads: list[Gradients]) -> Gradients:
+    """The gradients of a call's parts (``MaxSimCall.parts``) as the call's own: the PP block's, of the positives
+    (rows ``offset + i`` of the first column) and of the first column, added into the first column's."""
+    q_grads, d_grads = grads[0]
+    if call.positives is not None:
+        positives, (first,) = grads[1]
+        for total, part in zip(d_grads[0], first):
+            total += part
+        for total, part in zip(row_views(d_grads[0], call.offset, call.n_queries), positives):
+            total += part
+    return q_grads, d_grads
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor,

@@ -315,7 +315,7 @@ def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *
                          block_queries: int | None = None) -> tuple[Tensor, list[Gradients] | None]:
     """A guided call (``call.guide``, GIST's mask): the mean loss and, ``with_grad``, the gradients of each part of
     the call (``MaxSimCall.parts``), each ``(query chunks, columns)`` in ``accumulate(dtype)``, which the PyTorch
-    stage's ``joined`` makes the contract of its ``maxsim_forward`` (``maxsim_backward`` scales them by the loss's
+    stage's ``folded`` makes the contract of its ``maxsim_forward`` (``maxsim_backward`` scales them by the loss's
     incoming gradient). ``softmax`` is the PyTorch stage's ``block_softmax`` (the dispatch passes it: this backend
     imports no stage).
 
