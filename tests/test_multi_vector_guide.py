@@ -522,6 +522,9 @@ def test_the_constructor_takes_the_guide_after_the_model():
     (dict(guide="self", scale=0.0), ValueError, "Scale must be a positive value"),
     (dict(guide="self", mask_duplicates=1), TypeError, "mask_duplicates must be a bool or None"),
     (dict(guide="self", similarity_fct=lambda *a, **k: None), ValueError, "no multi-vector loss with a guide"),
+    (dict(guide="self", contrast_anchors=1), TypeError, "contrast_anchors must be a bool"),
+    (dict(guide=None, contrast_positives=True, similarity_fct=lambda *a, **k: None), ValueError,
+     "no multi-vector loss with contrast blocks"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     kwargs = dict(kwargs)

@@ -28,7 +28,8 @@ class GuideStatsCallback(TrainerCallback):
     """Adds the loss stage's guide statistics to the trainer's logs at every logging step.
 
     The entries are ``guide/masked_ap``, ``guide/masked_aa``, ``guide/masked_pp``, ``guide/masked_an`` (the share of
-    each block's entries the guide masked; a multi-vector loss has ``masked_ap`` and ``masked_an`` only),
+    each block's entries the guide masked; a multi-vector loss has ``masked_ap`` and ``masked_an``, and ``masked_aa``
+    and ``masked_pp`` with its contrast blocks),
     ``guide/positive_only`` (the share of anchors left with only their positive) and ``guide/theta_mean``, over the
     training steps since the previous log. With ``gather_across_devices`` they are summed over ranks first. They reach every reporting integration
     (TensorBoard, W&B, ...) like the loss: at the start of training the callback moves itself ahead of them.
