@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from .stage.budget import default_block_bytes
 from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_stage
 from .stage.numerics import normalize
-from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate, row_views
+from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
 from .stage.spec.checks import check_finite
 from .stage.spec.options import check_margin
 from .stage.stats import GistStats
@@ -204,22 +204,8 @@ def _token_guide(columns: list[list[Tensor]], guide_masks: object, guide_length_
     if rows != n_queries:
         raise ValueError(f"guide[0] has {rows} rows, but the queries have {n_queries}")
     check_finite(named)
-    return _call(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset, budget, None, anchors,
-                 positives)
-
-
-def _call(q_chunks: list[Tensor], q_masks: list[Tensor], d_chunks: list[list[Tensor]], d_masks: list[list[Tensor]],
-          scale: float, length_normalize: bool, offset: int, budget: int, guide: MaxSimGuide | None, anchors: bool,
-          positives: bool) -> MaxSimCall:
-    """The stage's call, with GIST's contrast blocks: AA as a last document column of the queries themselves, PP as
-    a call of its own whose queries are the positives (``row_views`` of the first column) against the first column."""
-    pp = None
-    if positives:
-        n_queries = sum(q.shape[0] for q in q_chunks)
-        pp = MaxSimCall(row_views(d_chunks[0], offset, n_queries), row_views(d_masks[0], offset, n_queries),
-                        [d_chunks[0]], [d_masks[0]], scale, length_normalize, 0, budget)
-    columns, masks = (d_chunks, d_masks) if not anchors else ([*d_chunks, q_chunks], [*d_masks, q_masks])
-    return MaxSimCall(q_chunks, q_masks, columns, masks, scale, length_normalize, offset, budget, guide, anchors, pp)
+    return MaxSimCall.with_contrast(chunks[0], q_masks, chunks[1:], d_masks, 1.0, guide_length_normalize, offset,
+                                    budget, None, anchors, positives)
 
 
 def _stats(call: MaxSimCall) -> GistStats:
@@ -328,8 +314,8 @@ def maxsim_loss(
     checked_guide = _guide(guide, guide_masks, guide_length_normalize, margin, margin_strategy, text_ids,
                            mask_duplicates, contrast, heights, n_queries, int(offset), int(block_bytes), device, dtype)
     stage = select_maxsim_stage(backend, device, dtype, guided=checked_guide is not None)
-    call = _call(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset), int(block_bytes),
-                 checked_guide, contrast_anchors, contrast_positives)
+    call = MaxSimCall.with_contrast(q_chunks, q_masks, d_chunks, d_masks, float(scale), length_normalize, int(offset),
+                                    int(block_bytes), checked_guide, contrast_anchors, contrast_positives)
     # In the order of the stage's gradients (GIST's PP block reads the first column's chunks, and adds into theirs).
     tensors = [*call.queries, *(x for column in call.documents for x in column)]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

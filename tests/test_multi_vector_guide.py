@@ -160,6 +160,8 @@ def test_the_contrast_blocks_equal_the_oracle(kind, contrast, backend):
             counts[name] = int(mask[:, start:start + width].sum())
             start += width
     assert start == mask.shape[1] and stats.masked == counts
+    if positives and kind == "vectors":  # the tie set up above, in PP (query 2's row)
+        assert mask[2, mask.shape[1] - rows + 7]
     assert stats.candidates == {name: 6 * (width - (name == "ap")) for name, width in widths.items() if width}
     assert stats.positive_only == int((mask.sum(1) == mask.shape[1] - 1).sum())
     assert all(counts[name] >= 6 for name in ("aa", "pp") if name in counts)  # the self-pairs at least

@@ -227,12 +227,13 @@ class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, FusedCachedMultiVect
             positive of the batch (gathered with ``gather_across_devices``), likewise.
 
     cgist's own options, keyword-only, add ``mask_duplicates`` (every candidate whose token ids are the query's or
-    its positive's; on by default with ``"self"``), ``mask_self`` (the self-pairs AA[i, i] and PP[i, i] always left
-    out; on unless False) and the loss stage's backend and budget. The loss stage is the
+    its positive's; on by default with ``"self"``), ``mask_self`` (the self-pairs AA[i, i] and PP[i, offset + i]
+    always left out; on unless False) and the loss stage's backend and budget. The loss stage is the
     multi-vector drop-ins' streaming MaxSim stage (``cgist.maxsim_loss``), with the guide's mask made for one row
     block of queries at a time, on the MaxSim kernels where the unguided loss runs them. After each training
     call, ``last_stats`` holds a ``cgist.GistStats`` of what the guide masked (``"ap"``: the positives' column,
-    ``"an"``: the negatives'); ``cgist.GuideStatsCallback(loss)`` logs it.
+    ``"an"``: the negatives', ``"aa"`` and ``"pp"``: the contrast blocks); ``cgist.GuideStatsCallback(loss)`` logs
+    it.
 
     References:
         - GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning,

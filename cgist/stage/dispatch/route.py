@@ -12,7 +12,6 @@ overrides ``"auto"``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -329,9 +328,9 @@ def _triton_maxsim(guided: bool = False) -> MaxSimStage:
 
 def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
     """The MaxSim kernels against the PyTorch stage on a small ragged problem on ``device`` (``dtype`` inputs), without
-    a guide and with the student's own (``"self"``): the largest difference of the loss and the gradients, each
-    relative to its largest entry. Errors of the kernels propagate."""
-    from ..pytorch.maxsim import GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
+    a guide and with one (a single-vector guide's mask, GIST's contrast blocks): the largest difference of the loss
+    and the gradients, each relative to its largest entry. Errors of the kernels propagate."""
+    from ..pytorch.maxsim import GUIDE_COUNTERS, MaxSimCall, MaxSimGuide
 
     gen = torch.Generator().manual_seed(0)
     rows, lq, ld, dim = 8, 8, 40, 32
@@ -343,11 +342,16 @@ def check_maxsim_kernels(device: torch.device, dtype: torch.dtype) -> float:
     query_mask = torch.ones(rows, lq, dtype=torch.bool, device=device)
     call = MaxSimCall([queries], [query_mask], [[d] for d in documents], [[m] for m in masks], scale=4.0,
                       length_normalize=False, offset=0, budget_bytes=2**20)
-    guide = MaxSimGuide("self", margin=0.0, relative=False,
+    # The guided call: a single-vector guide, whose scores are the host's on either path (so the two masks are one,
+    # whatever the rounding of the student's scores), and GIST's AA and PP blocks (the PP part's own launches).
+    vectors = torch.nn.functional.normalize(torch.randn(3 * rows, 16, generator=gen), dim=-1).to(device)
+    guide = MaxSimGuide("vectors", margin=0.1, relative=False, vectors=(vectors[:rows], vectors[rows:]),
                         counters=torch.zeros(len(GUIDE_COUNTERS), dtype=torch.int64, device=device),
-                        sums=torch.zeros(2, dtype=accumulate(dtype), device=device))
+                        sums=torch.zeros(2, dtype=vectors.dtype, device=device))
+    guided_call = MaxSimCall.with_contrast(call.queries, call.query_masks, call.documents, call.document_masks,
+                                           call.scale, False, 0, call.budget_bytes, guide, True, True)
     diffs = []
-    for checked, guided in ((call, False), (dataclasses.replace(call, guide=guide), True)):
+    for checked, guided in ((call, False), (guided_call, True)):
         results = []
         for forward, backward in (_triton_maxsim(guided), _pytorch_maxsim()):
             loss, state = forward(checked, True)

@@ -222,6 +222,7 @@ class MaxSimGuide:
                              "and nothing else")
         if self.mask_duplicates and (self.query_ids is None or self.column_ids is None):
             raise ValueError("mask_duplicates needs query_ids and column_ids")
+        object.__setattr__(self, "_tie_indexes", {})  # (lo, hi) -> the TieIndex of those columns, made once a call
 
     def reset(self) -> None:
         """Zero the counters and sums: a forward counts what it masks from the start."""
@@ -287,7 +288,10 @@ class MaxSimGuide:
         split = blocks["pp"].start if "pp" in blocks else self.column_ids.shape[0]
         for lo, hi, who in ((0, split, partner), (split, self.column_ids.shape[0], own)):
             if hi > lo:
-                r, c = TieIndex(self.column_ids[lo:hi]).pairs(who, 0, hi - lo)
+                index = self._tie_indexes.get((lo, hi))
+                if index is None:
+                    index = self._tie_indexes[lo, hi] = TieIndex(self.column_ids[lo:hi])
+                r, c = index.pairs(who, 0, hi - lo)
                 rows.append(r)
                 cols.append(c + lo)
         return torch.cat(rows), torch.cat(cols)
@@ -352,6 +356,23 @@ class MaxSimCall:
     guide: MaxSimGuide | None = None
     contrast_anchors: bool = False
     positives: MaxSimCall | None = None
+
+    @classmethod
+    def with_contrast(cls, queries: Sequence[Tensor], query_masks: Sequence[Tensor],
+                      documents: Sequence[Sequence[Tensor]], document_masks: Sequence[Sequence[Tensor]], scale: float,
+                      length_normalize: bool, offset: int, budget_bytes: int, guide: MaxSimGuide | None,
+                      contrast_anchors: bool, contrast_positives: bool) -> MaxSimCall:
+        """A call with GIST's contrast blocks: AA as a last document column of the queries themselves, PP as a call
+        of its own whose queries are the positives (``row_views`` of the first column) against the first column."""
+        pp = None
+        if contrast_positives:
+            rows = sum(q.shape[0] for q in queries)
+            pp = cls(row_views(documents[0], offset, rows), row_views(document_masks[0], offset, rows),
+                     [documents[0]], [document_masks[0]], scale, length_normalize, 0, budget_bytes)
+        if contrast_anchors:
+            documents, document_masks = [*documents, queries], [*document_masks, query_masks]
+        return cls(queries, query_masks, documents, document_masks, scale, length_normalize, offset, budget_bytes,
+                   guide, contrast_anchors, pp)
 
     @property
     def n_queries(self) -> int:

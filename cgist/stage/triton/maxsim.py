@@ -320,7 +320,9 @@ def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *
     imports no stage).
 
     The queries go in slabs of ``block_queries`` (None: as many as the slab's scores, the guide's scores and mask fit
-    ``call.budget_bytes``, at least one). For each slab and each part of the call (``MaxSimCall.parts``: its
+    ``call.budget_bytes``, at least one). As for the unguided launchers, the packed inputs and the gradients are
+    outside the budget: each part is packed (the PP part packs the first column again, and has gradients of its own
+    until they are folded into the call's), and the mask's comparisons make a few ``(rows, W)`` bool temporaries. For each slab and each part of the call (``MaxSimCall.parts``: its
     documents, and GIST's PP block, whose queries are the positives), ``maxsim_scores_kernel`` writes the part's
     scores into the slab's row ``(rows, W)``; the guide's mask and the softmax are the PyTorch stage's
     (``softmax``: the same counters, ties and exact softmax), and turn the scores into the logits' gradients in
