@@ -25,7 +25,7 @@ from .stage.dispatch.route import MaxSimStage, requested_backend, select_maxsim_
 from .stage.numerics import normalize
 from .stage.pytorch.maxsim import DOC_ROWS, GUIDE_COUNTERS, MaxSimCall, MaxSimGuide, accumulate
 from .stage.spec.checks import check_finite
-from .stage.spec.options import check_margin
+from .stage.spec.options import check_bools, check_margin
 from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
@@ -306,10 +306,7 @@ def maxsim_loss(
         block_bytes = min(2 * tile, default_block_bytes(device, 2 * tile))  # below the dense stage's least default
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, numbers.Integral) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int or None, got {block_bytes!r}")
-    for name, flag in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives),
-                       ("mask_self", mask_self)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_bools(contrast_anchors=contrast_anchors, contrast_positives=contrast_positives, mask_self=mask_self)
     contrast = (contrast_anchors, contrast_positives, mask_self)
     checked_guide = _guide(guide, guide_masks, guide_length_normalize, margin, margin_strategy, text_ids,
                            mask_duplicates, contrast, heights, n_queries, int(offset), int(block_bytes), device, dtype)

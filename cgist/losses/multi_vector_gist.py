@@ -17,6 +17,7 @@ from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor
 
 from ..stage.spec.guide import NONE, SELF
+from ..stage.spec.options import check_bools
 from .base import StepInputs, text_fingerprints
 from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
@@ -39,12 +40,6 @@ def _padded(tokens: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]
     lengths = torch.tensor([t.shape[0] for t in tokens], device=device)
     padded = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in tokens], batch_first=True)
     return padded, torch.arange(padded.shape[1], device=device) < lengths.unsqueeze(1)
-
-
-def _check_contrast(contrast_anchors: object, contrast_positives: object) -> None:
-    for name, value in (("contrast_anchors", contrast_anchors), ("contrast_positives", contrast_positives)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
@@ -76,7 +71,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         super()._check_arguments(arguments)
         guide_source(arguments["guide"], self.guide_models)
         check_guide_scalars(arguments["margin"], arguments["margin_strategy"])
-        _check_contrast(arguments["contrast_anchors"], arguments["contrast_positives"])
+        check_bools(contrast_anchors=arguments["contrast_anchors"], contrast_positives=arguments["contrast_positives"])
 
     def _for_sentence_transformers(self, arguments: dict[str, object]) -> dict[str, object]:
         return {name: value for name, value in arguments.items() if name not in _GUIDE_ARGUMENTS}
@@ -94,7 +89,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
 
     def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
         check_guide_scalars(self.margin, self.margin_strategy)
-        _check_contrast(self.contrast_anchors, self.contrast_positives)
+        check_bools(contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives)
         source = self.guide_source
         mask_duplicates = source is SELF if self.mask_duplicates is None else self.mask_duplicates
         options, reason = super()._family_options()

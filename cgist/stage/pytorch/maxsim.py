@@ -243,7 +243,7 @@ class MaxSimGuide:
         if self.kind == "none":
             mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         else:
-            guide = scores if self.kind == "self" else self._scores(call, first, rows, labels, scores)
+            guide = scores if self.kind == "self" else self._scores(blocks, first, labels, scores)
             theta = guide[local, labels].unsqueeze(1)
             limit = threshold(theta, self.margin, self.relative)
             mask = guide_mask(guide, limit, theta > limit, self._ties(blocks, partner, own, scores.device))
@@ -262,15 +262,14 @@ class MaxSimGuide:
         self.counters[-1] += (mask.sum(1) == mask.shape[1] - 1).sum()
         return mask
 
-    def _scores(self, call: MaxSimCall, first: int, rows: int, labels: Tensor, like: Tensor) -> Tensor:
-        """The guide's scores of queries ``first:first + rows`` over their whole row."""
+    def _scores(self, blocks: dict[str, slice], first: int, labels: Tensor, like: Tensor) -> Tensor:
+        """The guide's scores of queries ``first:first + len(labels)`` over their whole row (``blocks``)."""
         if self.kind == "tokens":
             guide = torch.empty_like(like)
             _block_scores(self.tokens, first, guide)
             return guide
         queries, documents = self.vectors
-        rows_q = queries[first:first + rows]
-        blocks = call.blocks()
+        rows_q = queries[first:first + len(labels)]
         parts = [rows_q @ documents.T]
         if "aa" in blocks:
             parts.append(rows_q @ queries.T)

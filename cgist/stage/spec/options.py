@@ -53,6 +53,13 @@ def _check_real(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
+def check_bools(**flags: object) -> None:
+    """Each flag a bool, else a TypeError naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_margin(margin: object, margin_strategy: object) -> None:
     """GIST's margin, as every guided loss checks it: a real, finite number (a NaN margin would mask nothing and an
     infinite one everything or nothing), with a ``margin_strategy`` of ``MARGIN_STRATEGIES``."""
@@ -136,10 +143,8 @@ class GistOptions:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
         check_margin(self.margin, self.margin_strategy)
-        for name in ("contrast_anchors", "contrast_positives", "mask_self", "mask_duplicates", "all_anchors"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        check_bools(**{name: getattr(self, name) for name in ("contrast_anchors", "contrast_positives", "mask_self",
+                                                               "mask_duplicates", "all_anchors")})
         if isinstance(self.offset, bool) or not isinstance(self.offset, numbers.Integral):
             raise TypeError(f"offset must be an int, got {type(self.offset).__name__}")
         if self.block_bytes is not None:

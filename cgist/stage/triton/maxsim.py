@@ -334,12 +334,16 @@ def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *
     batch, width = call.n_queries, call.width
     acc = parts[0][2].acc
     device = parts[0][2].queries.device
+    empty = [packed.widths == 0 for *_, packed in parts]  # an empty document's score is a constant: it sends nothing
     scalars = _scalars(1.0, 0.0, acc, device)  # a scale of 1: the scores, which the guide's mask reads
     if block_queries is None:  # the slab's row, and a part's copy of it where there are several parts
         per_query = call.kept_per_query(False) + (len(parts) > 1) * width * acc.itemsize
         block_queries = call.budget_bytes // max(1, per_query)
     rows = max(1, min(batch, block_queries))
     scores = torch.empty(rows, width, dtype=acc, device=device)
+    # each part's scores, where there are several parts (else the kernel writes the row itself)
+    outs = [torch.empty(rows, part.n_documents, dtype=acc, device=device) for part, *_ in parts] \
+        if len(parts) > 1 else [scores]
     losses = torch.empty(batch, dtype=acc, device=device)
     grads = [(torch.zeros(packed.queries.shape, dtype=acc, device=device),
               torch.zeros(packed.documents.shape, dtype=acc, device=device))
@@ -349,17 +353,17 @@ def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
             slab = scores[:n]
-            for part, cols, packed in parts:
-                out = slab if len(parts) == 1 else torch.empty(n, part.n_documents, dtype=acc, device=device)
+            for (part, cols, packed), out in zip(parts, outs):
+                out = out[:n]
                 packed.launch(maxsim_scores_kernel, (n, triton.cdiv(part.n_documents, block_docs)),
                               **packed.pointers(scalars), out_ptr=out, n_docs=part.n_documents, q_start=start,
                               **packed.shape_args)
-                if out is not slab:
+                if len(parts) > 1:
                     slab[:, cols] = out
             logits_grad = softmax(call, start, slab, losses, with_grad)
-            for (part, cols, packed), (dq, dd) in zip(parts, grads):
+            for (part, cols, packed), (dq, dd), part_empty in zip(parts, grads, empty):
                 g = logits_grad[:, cols].contiguous()
-                g.masked_fill_(packed.widths == 0, 0.0)  # an empty document's score is a constant: it sends nothing
+                g.masked_fill_(part_empty, 0.0)
                 packed.launch(maxsim_dq_kernel, (n, packed.blocks(maxsim_dq_kernel)), **packed.pointers(), g_ptr=g,
                               dq_ptr=dq, n_docs=part.n_documents, q_start=start, **packed.shape_args)
                 packed.launch(maxsim_dd_kernel, (part.n_documents,), **packed.pointers(), g_ptr=g, dd_ptr=dd,
