@@ -99,7 +99,7 @@ from cgist.kernels.gemm import tf32x3_addmm_kernel  # noqa: E402
 from cgist.kernels.gist import gist_fwd_kernel, gist_score_grad_kernel  # noqa: E402
 from cgist.stage.devices import Arch, arch_for  # noqa: E402
 from cgist.stage.numerics import compute_dtype  # noqa: E402
-from cgist.stage.triton.launch import TL_DTYPES, input_precision  # noqa: E402
+from cgist.stage.triton.common import TL_DTYPES, input_precision  # noqa: E402
 from cgist.stage.triton.maxsim import KERNELS as MAXSIM_BY_NAME  # noqa: E402
 from cgist.stage.triton.maxsim import Launch, launch_configs  # noqa: E402
 from cgist.stage.triton.maxsim import shared_memory_estimate as maxsim_shared_memory_estimate  # noqa: E402

@@ -6,7 +6,7 @@ binaries: the parsed code (comments, layout and docstrings aside) of
 - every module of ``kernels/``, all of it: the kernels and their helpers;
 - ``cgist/stage/triton/tiles.py``, all of it: the tile tables, ``tile_configs``, ``operand_kind``,
   ``shared_memory_estimate``, the autotuned forward and the tf32x3 GEMM's configs;
-- the launcher's choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``cgist/stage/triton/launch.py``),
+- the launchers' choice of a config's inputs: ``input_precision`` and ``TL_DTYPES`` (``cgist/stage/triton/common.py``),
   ``compute_dtype`` (``cgist/stage/numerics.py``), and the architecture each GPU maps to (``KNOWN_ARCHS``, ``Arch`` and
   ``arch_for`` in ``cgist/stage/devices.py``);
 - the MaxSim launcher's choice of each kernel's launch (``cgist/stage/triton/maxsim.py``: ``launch_configs``, its
@@ -34,7 +34,7 @@ KERNEL_FILES = ("gemm.py", "gist.py", "maxsim.py")
 SOURCES: dict[str, tuple[str, ...] | None] = {
     **{f"kernels/{name}": None for name in KERNEL_FILES},
     "cgist/stage/triton/tiles.py": None,
-    "cgist/stage/triton/launch.py": ("TL_DTYPES", "input_precision"),
+    "cgist/stage/triton/common.py": ("TL_DTYPES", "input_precision"),
     "cgist/stage/numerics.py": ("compute_dtype",),
     "cgist/stage/devices.py": ("KNOWN_ARCHS", "Arch", "arch_for"),
     "cgist/stage/triton/maxsim.py": ("BLOCK_M", "MAX_BLOCK_T", "KERNELS", "_ALL", "_TILES", "MAX_REGISTERS", "_kind",

@@ -81,10 +81,10 @@ from common import (  # noqa: E402
 import cgist  # noqa: E402
 from cgist.stage.budget import backward_chunks  # noqa: E402
 from cgist.stage.numerics import normalize  # noqa: E402
-from cgist.stage.pytorch import streaming  # noqa: E402
+from cgist.stage.pytorch import dense as pytorch_dense  # noqa: E402
 from cgist.stage.spec.options import GistOptions  # noqa: E402
 from cgist.stage.ties import tie_ids  # noqa: E402
-from cgist.stage.triton.launch import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
+from cgist.stage.triton.dense import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
 
 #: Student/guide dtype pairs of the check (fp32 at torch's default matmul precision: tf32x3).
 PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
@@ -423,7 +423,7 @@ def st_loss_stage(mini_batch_size: int = ST_MINI_BATCH):
 
 def reference_rows(batch, dim, dim_g, k, pair, student, guide) -> list[dict]:
     """fwd+bwd of the streaming path and of sentence-transformers' loss stage, with peak memory."""
-    fns = {"streaming": lambda: streaming.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True)}
+    fns = {"streaming": lambda: pytorch_dense.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True)}
     if student[0].dtype == guide[0].dtype:
         st = st_loss_stage()
         reps, reps_guided = split_leaves(student, ST_MINI_BATCH), split_detached(guide, ST_MINI_BATCH)
@@ -464,7 +464,7 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
     With ``directions``, also the GEMM backward over those directions' blocks (``block_columns``), each entry
     counted as a query-to-document one, and its ratio to GIST's blocks.
     """
-    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.common import input_precision
     from cgist.stage.triton.tiles import tile_configs
 
     dtype, guide_dtype = PAIRS[pair]

@@ -319,11 +319,12 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
     """A callable running the streaming path on the whole columns: loss, gradients and statistics, as
     ``cgist-torch`` computes them, without mini-batch chunks, input checks or autograd."""
-    from cgist.stage.pytorch import streaming
+    from cgist.stage.pytorch import dense as pytorch_dense
     from cgist.stage.spec.options import GistOptions
 
     options = GistOptions(margin=MARGIN)
-    return functools.partial(streaming.gist_loss_and_grads, student, guide, options, need_grads=True, need_stats=True)
+    return functools.partial(pytorch_dense.gist_loss_and_grads, student, guide, options, need_grads=True,
+                             need_stats=True)
 
 
 def score_blocks(n_columns: int, directions: Sequence[str] | None = None) -> list[tuple[str, int]]:

@@ -91,7 +91,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "row-block-offset",
         "every row block after the first takes the first block's positives and thresholds",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         "lo, hi = options.offset + start, options.offset + stop",
         "lo, hi = options.offset, options.offset + (stop - start)",
         ("tests/test_blocks.py", "tests/test_streaming.py", "tests/test_properties.py"),
@@ -100,19 +100,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "ranking-hardness-fallback",
         "the ranking drop-ins fall back to sentence-transformers' own code whenever hardness_mode is set",
         "cgist/losses/ranking.py",
-        "        return GistOptions(\n            temperature=1.0 / self.scale, contrast_anchors=False,",
+        "        return GistOptions(\n            temperature=1.0 / scale, contrast_anchors=False,",
         "        if self.hardness_mode is not None:\n"
         "            return None, f\"hardness_mode={self.hardness_mode!r} (left to sentence-transformers)\"\n"
-        "        return GistOptions(\n            temperature=1.0 / self.scale, contrast_anchors=False,",
+        "        return GistOptions(\n            temperature=1.0 / scale, contrast_anchors=False,",
         ("tests/test_plain.py", "tests/test_dropin.py"),
     ),
     Mutant(
         "plain-gist-negatives",
         "the plain drop-ins score the student's negative 1 in place of negatives 2..k (k > 1 only)",
-        "cgist/losses/steps.py",
-        "return self.calculate_loss([[e] for e in embeddings], reps_guided)",
-        "return self.calculate_loss([[e] for e in [*embeddings[:3], *embeddings[2:3] * max(len(embeddings) - 3, 0)]],"
-        " reps_guided)",
+        "cgist/losses/columns.py",
+        "return [[e] for e in embeddings], self._plain_reps_guided(",
+        "return [[e] for e in [*embeddings[:3], *embeddings[2:3] * max(len(embeddings) - 3, 0)]], "
+        "self._plain_reps_guided(",
         ("tests/test_plain.py",),
     ),
     Mutant(
@@ -150,7 +150,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "positive-only-off-by-label",
         "the statistics count as positive-only the anchors left with one candidate besides the label",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         'call.count("positive_only", (unmasked == 0).sum())',
         'call.count("positive_only", (unmasked == 1).sum())',
         ("tests/test_stats.py",),
@@ -166,7 +166,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "mask-duplicates-anchor-only",
         "mask_duplicates on the PyTorch path compares a candidate's text with the anchor's only, not the positive's",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         "self.texts = (anchor.text[start:stop], positive.text[lo:hi]) if options.mask_duplicates else None",
         "self.texts = (anchor.text[start:stop],) if options.mask_duplicates else None",
         ("tests/test_stats.py", "tests/test_guide_sources.py"),
@@ -174,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hard-negatives-unshifted",
         "hardness_mode='hard_negatives' scales a row's own negatives' shifted logits without the shift's share",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         "t[own_rows, own_cols] = t[own_rows, own_cols] * factor + lift[own_rows, 0]",
         "t[own_rows, own_cols] = t[own_rows, own_cols] * factor",
         ("tests/test_directions.py",),
@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tile-column-gradients",
         "the PyTorch path adds every column tile's column gradients at the first tile's columns (one dimension)",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         "cols.grad[lo:hi].addmm_(tile.T, rows.weighted)",
         "cols.grad[0:hi - lo].addmm_(tile.T, rows.weighted)",
         ("tests/test_blocks.py", "tests/test_streaming.py"),
@@ -190,7 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hardness-cutoff-first",
         "a smaller Matryoshka dimension's plain logits are cut off before the hardness penalty lifts them",
-        "cgist/stage/pytorch/streaming.py",
+        "cgist/stage/pytorch/dense.py",
         "            term = self.call.work.terms(m, group.index, lo, t.shape)\n            if group.hard:\n",
         "            term = self.call.work.terms(m, group.index, lo, t.shape)\n"
         "            torch.nn.functional.threshold_(t, self.call.cutoff, -MASKED)\n            if group.hard:\n",
@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kernel-row-chunk-scores",
         "the Triton backward computes every row chunk's score gradients at the first chunk's rows",
-        "cgist/stage/triton/launch.py",
+        "cgist/stage/triton/dense.py",
         "row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,",
         "row_stop=r1 - r0, col_stop=c1, row_start=0, col_start=c0,",
         ("tests/test_blocks.py", "tests/test_kernels.py"),
@@ -207,7 +207,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kernel-row-chunk-gemm",
         "the Triton backward adds a later row chunk's gradients at the first chunk's rows",
-        "cgist/stage/triton/launch.py",
+        "cgist/stage/triton/dense.py",
         "h_rows = self.h[rows.grad][rows.start + r0 : rows.start + r1]",
         "h_rows = self.h[rows.grad][rows.start : rows.start + r1 - r0]",
         ("tests/test_blocks.py", "tests/test_kernels.py"),
@@ -221,6 +221,54 @@ MUTANTS: tuple[Mutant, ...] = (
         "    for start_n in range(0, n_cols, BLOCK_N):\n"
         "        offs_n = tl.maximum(tl.minimum(start_n, n_cols - BLOCK_N), 0) + tl.arange(0, BLOCK_N)",
         ("tests/test_kernels.py",),
+    ),
+    Mutant(
+        "tie-by-rounding",
+        "a tie with theta_i is decided by the rounded comparison theta > theta - margin, not by the margin",
+        "cgist/stage/numerics.py",
+        "    return torch.full_like(theta, margin > 0, dtype=torch.bool)",
+        "    return theta > threshold(theta, margin, relative)",
+        ("tests/test_differential.py",),
+    ),
+    Mutant(
+        "radial-counted-once",
+        "the dense backends count each score's share of a learned temperature's gradient once per side (twice)",
+        "cgist/stage/pytorch/dense.py",
+        "share = row_dots(column.x, grad).sum() / 2",
+        "share = row_dots(column.x, grad).sum()",
+        ("tests/test_door.py",),
+    ),
+    Mutant(
+        "maxsim-self-pair-first-block",
+        "the guide's mask leaves out AA's and PP's self-pairs at the first row block's columns in every row block",
+        "cgist/stage/spec/block.py",
+        "mask[local, span.start + first + group.spec.excluded_offset + local] = True",
+        "mask[local, span.start + group.spec.excluded_offset + local] = True",
+        ("tests/test_multi_vector_guide.py",),
+    ),
+    Mutant(
+        "maxsim-loss-after-the-sum",
+        "a held row's loss is (peak + log total) - label, which float32 rounds to 0 where every logit is -1e9",
+        "cgist/stage/spec/block.py",
+        "losses[first:first + rows] = gap + torch.log(total).squeeze(1)",
+        "losses[first:first + rows] = (peak + torch.log(total)).squeeze(1) - (peak.squeeze(1) - gap)",
+        ("tests/test_door.py",),
+    ),
+    Mutant(
+        "zero-width-tokens",
+        "a token axis of width 0 is not padded to one masked token at the door",
+        "cgist/stage/spec/maxsim.py",
+        "        if x.shape[1] == 0:  # no token",
+        "        if x.shape[1] == -1:  # no token",
+        ("tests/test_door.py",),
+    ),
+    Mutant(
+        "fallback-backward-raises",
+        "a MaxSim kernel failing in the backward after its check is retried instead of the PyTorch stage taking over",
+        "cgist/stage/dispatch/route.py",
+        "stage, inner = self.pytorch, self.pytorch.forward(call, True, False)[1]",
+        "stage = self.kernels",
+        ("tests/test_kernels_maxsim.py",),
     ),
 )
 

@@ -2,7 +2,7 @@
 
     python bench/phases.py [--threads 2] [--batch 1024 4096] [--dim 384] [--calls 10]
 
-The call is ``cgist.stage.pytorch.streaming.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
+The call is ``cgist.stage.pytorch.dense.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
 margin 0.05, one negative column, N = B, float32), as ``loss_stage.py``'s ``cgist-torch-core`` runs it.
 Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_StreamingCall``: normalised
 copies, norms, tie ids; work that grows with B x D), the row blocks (``_row_block``: the score tiles'
@@ -25,11 +25,11 @@ import common
 import loss_stage
 import torch
 
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 
 #: The timed phases: (label, owner, attribute).
-PHASES = (("set-up", streaming._StreamingCall, "__init__"), ("row blocks", streaming, "_row_block"),
-          ("gradients", streaming._StreamingCall, "gradients"))
+PHASES = (("set-up", pytorch_dense._StreamingCall, "__init__"), ("row blocks", pytorch_dense, "_row_block"),
+          ("gradients", pytorch_dense._StreamingCall, "gradients"))
 
 
 @contextlib.contextmanager

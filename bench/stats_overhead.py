@@ -19,7 +19,7 @@ import time
 import common
 import torch
 
-from cgist.stage.pytorch.streaming import gist_loss_and_grads
+from cgist.stage.pytorch.dense import gist_loss_and_grads
 from cgist.stage.spec.options import GistOptions
 
 

@@ -1,13 +1,17 @@
-"""cgist: fused, streaming drop-ins for sentence-transformers' contrastive losses (GISTEmbed and the
-MultipleNegativesRanking family, cached or not).
+"""cgist: fused, streaming drop-ins for sentence-transformers' contrastive losses: GISTEmbed and the
+MultipleNegativesRanking family over embeddings (the dense score, cosine or dot product), and the multi-vector
+(late-interaction) ranking losses and their guided form over token embeddings (the MaxSim score, MaxSim or MeanMaxSim),
+cached or not. One loss stage computes them all; a score is a plug-in of it (docs/design.md#adding-a-score).
 
-``gist_loss``, ``GistOptions`` and ``GistStats`` need only torch. The drop-ins subclass sentence-transformers losses,
-``GuideStatsCallback`` a transformers callback, and ``add_guide_embeddings`` runs a sentence-transformers model over a
-``datasets.Dataset``, so they (and with them sentence-transformers) are imported on first use.
+``gist_loss`` (the dense score), ``maxsim_loss`` (MaxSim), ``GistOptions`` and ``GistStats`` need only torch. The
+drop-ins subclass sentence-transformers losses, ``GuideStatsCallback`` a transformers callback, and
+``add_guide_embeddings`` runs a sentence-transformers model over a ``datasets.Dataset``, so they (and with them
+sentence-transformers) are imported on first use.
 
-The layers: ``losses/`` (the drop-ins) -> ``function`` (the functional form and its autograd Function) -> ``stage/``
-(the loss stage: its specification, dispatch, the PyTorch and Triton backends and the oracle) -> ``cgist.kernels`` (the
-Triton kernels, device code only). ``cli/`` is the ``cgist`` command.
+The layers: ``losses/`` (the drop-ins) -> ``function`` and ``maxsim`` (the functional forms, thin entry points) ->
+``stage/`` (the loss stage: its specification and registry of scores, its one autograd node, dispatch, the PyTorch and
+Triton backends, one module per score, and the oracle) -> ``cgist.kernels`` (the Triton kernels, device code only).
+``cli/`` is the ``cgist`` command.
 """
 
 from __future__ import annotations

@@ -1,76 +1,25 @@
-"""The public functional form, ``gist_loss`` (and ``gist_loss_with_options``), and its ``torch.autograd.Function``.
+"""The public functional form of the dense score, ``gist_loss`` (and ``gist_loss_with_options``): a thin entry point
+over the loss stage.
 
-A call reads downward: its arguments are checked once (``cgist.stage.spec.checks``), the backend is chosen
-(``cgist.stage.dispatch``), and the autograd Function runs it. The forward computes the loss and, when any student
-embedding needs a gradient, the embedding gradients in the same pass (GradCache needs them at once anyway); the
-backward only scales those stored gradients by ``grad_output``.
+A call reads downward: its arguments become one validated call (``cgist.stage.spec.dense.dense_call``), and the
+stage runs it (``cgist.stage.node.run``: the router picks the backend, the one autograd node computes the loss and,
+when a student embedding needs a gradient, the embedding gradients in the same pass). It imports no backend.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .compat import NEWEST_RULES
-from .stage.dispatch.route import Backend, select_backend
-from .stage.spec.checks import check_embeddings, check_text_ids, rows
+from .stage.node import run
+from .stage.spec.dense import dense_call
 from .stage.spec.guide import kind_of, masks
-from .stage.spec.options import ANCHOR_DIRECTIONS, GistOptions
+from .stage.spec.options import ANCHOR_DIRECTIONS, GistOptions, real_number
 from .stage.stats import GistStats
 
-__all__ = ["GistLossFunction", "gist_loss", "gist_loss_with_options"]
-
-
-@dataclass(frozen=True)
-class _Call:
-    """What ``GistLossFunction`` takes beside the tensors: the backend, the options, each column's number of row
-    chunks (``layout``, student columns first, ``n_cols`` of them), and whether to compute the embedding gradients
-    and the statistics."""
-
-    backend: Backend
-    options: GistOptions
-    layout: tuple[int, ...]
-    n_cols: int
-    need_grads: bool
-    need_stats: bool
-
-
-class GistLossFunction(torch.autograd.Function):
-    """Autograd node: forward returns the loss and the mask counters (counts, sums); backward scales the kept
-    gradients (docs/design.md#the-drop-in-protocol: the Function's contract).
-
-    ``tensors`` are the row chunks of the student columns, then of the guide columns, as ``call.layout`` counts them.
-    The backends take the columns as lists of chunks, and each chunk gets its rows of its column's gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, call: _Call, *tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        columns, start = [], 0
-        for n in call.layout:
-            columns.append(list(tensors[start : start + n]))
-            start += n
-        guide = columns[call.n_cols:] or None  # no guide columns: no guide masking
-        loss, grads, counters = call.backend(columns[:call.n_cols], guide, call.options, need_grads=call.need_grads,
-                                             need_stats=call.need_stats)
-        ctx.chunk_rows = [[t.shape[0] for t in column] for column in columns[:call.n_cols]]
-        ctx.n_guide_chunks = sum(call.layout[call.n_cols:])
-        if grads is not None:
-            ctx.save_for_backward(*grads)
-        counts, sums = counters if counters is not None else (loss.new_zeros(0, dtype=torch.int64), loss.new_zeros(0))
-        ctx.mark_non_differentiable(counts, sums)
-        return loss, counts, sums
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output: Tensor, _grad_counts: Tensor, _grad_sums: Tensor) -> tuple[Tensor | None, ...]:
-        grads = [chunk for g, sizes in zip(ctx.saved_tensors, ctx.chunk_rows)
-                 for chunk in (g * grad_output.to(g.dtype)).split(sizes)]
-        return (None, *grads, *([None] * ctx.n_guide_chunks))  # no gradient for the call, nor for the guide
+__all__ = ["gist_loss", "gist_loss_with_options"]
 
 
 def gist_loss_with_options(
@@ -81,39 +30,20 @@ def gist_loss_with_options(
     backend: str = "auto",
     return_stats: bool = False,
     text_ids: Sequence[Tensor] | None = None,
+    temperature: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, GistStats]:
-    """``gist_loss`` with its loss options given as one validated ``GistOptions`` (the masks already decided)."""
-    source = kind_of(guide_embeddings)
-    student, guide = check_embeddings(embeddings, guide_embeddings if source == "embeddings" else None, options)
-    if options.mask_duplicates and text_ids is None:
-        raise ValueError("mask_duplicates=True needs text_ids: one id per row of each column, equal for equal texts")
-    # Text ids decide the guide's ties (cgist.stage.ties.tie_ids) as well as the duplicates that mask_duplicates masks.
-    ids = check_text_ids(text_ids, student, options.all_anchors) if text_ids is not None else None
-    if source == "self":  # the student's own vectors, detached, are the guide
-        guide = student
-    guide_dtype = guide[0][0].dtype if guide is not None else student[0][0].dtype
-    run = select_backend(backend, student[0][0].device, student[0][0].dtype, guide_dtype)
-    if ids is not None:
-        run = functools.partial(run, text_ids=ids)
-    need_grads = torch.is_grad_enabled() and any(t.requires_grad for column in student for t in column)
-    guide = [[g.detach() for g in column] for column in guide or []]
-    layout = tuple(len(column) for column in student + guide)
-    flat = [t for column in student + guide for t in column]
-    call = _Call(run, options, layout, len(student), need_grads, return_stats)
-    loss, counts, sums = GistLossFunction.apply(call, *flat)
-    if not return_stats:
-        return loss
-    stats = GistStats.from_counters(counts, sums, batch=rows(student[0]), n_cand=rows(student[1]),
-                                    n_negatives=len(student) - 2 - options.all_anchors, options=options,
-                                    guided=bool(guide), n_anchors=rows(student[-1] if options.all_anchors else student[0]))
-    return loss, stats
+    """``gist_loss`` with its loss options given as one validated ``GistOptions`` (the masks already decided);
+    ``temperature``: a learned temperature (a 0-dim tensor whose value ``options.temperature`` is), which gets the
+    loss's derivative."""
+    call = dense_call(embeddings, guide_embeddings, options, text_ids=text_ids, temperature=temperature)
+    return run(call, backend, return_stats)
 
 
 def gist_loss(
     embeddings: Sequence[Tensor | Sequence[Tensor]],
     guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | str | None,
     *,
-    temperature: float = 0.01,
+    temperature: float | Tensor = 0.01,
     margin: float = 0.0, margin_strategy: str = "absolute",
     contrast_anchors: bool = True, contrast_positives: bool = True,
     mask_self: bool | None = None, mask_duplicates: bool | None = None, text_ids: Sequence[Tensor] | None = None,
@@ -137,7 +67,8 @@ def gist_loss(
         guide_embeddings: what masks false negatives: the same columns embedded by the guide, in any dimension
             Dg (never differentiated); ``"self"``, the student's own embeddings, detached; or None, no guide
             masking (InfoNCE over the chosen blocks).
-        temperature: divides the cosine similarities before the softmax.
+        temperature: divides the cosine similarities before the softmax; a 0-dim tensor that requires a gradient (a
+            learned temperature, an ``nn.Parameter``) gets the loss's derivative.
         margin, margin_strategy: candidate j of anchor i is masked when its guide score is strictly greater
             than ``theta_i - margin`` ("absolute") or ``theta_i - |theta_i| * margin`` ("relative"), where
             ``theta_i`` is the guide score of anchor i with its positive.
@@ -179,15 +110,16 @@ def gist_loss(
         embeddings, guide_embeddings, text_ids = _with_all_anchors(
             embeddings, guide_embeddings, text_ids, all_anchors, all_anchors_guide, all_anchors_text_ids,
             source=source, directions=directions)
+    learned = temperature if isinstance(temperature, Tensor) and temperature.requires_grad else None
     options = GistOptions(
-        temperature=temperature, margin=margin, margin_strategy=margin_strategy, contrast_anchors=contrast_anchors,
+        temperature=real_number("temperature", temperature), margin=margin, margin_strategy=margin_strategy, contrast_anchors=contrast_anchors,
         contrast_positives=contrast_positives, mask_self=mask_self, mask_duplicates=mask_duplicates,
         directions=directions, partition_mode=partition_mode, hardness_mode=hardness_mode,
         hardness_strength=hardness_strength, similarity=similarity, all_anchors=all_anchors is not None,
         offset=offset, matryoshka_dims=matryoshka_dims, matryoshka_weights=matryoshka_weights, block_bytes=block_bytes,
     )
     return gist_loss_with_options(embeddings, guide_embeddings, options, backend=backend, return_stats=return_stats,
-                                  text_ids=text_ids)
+                                  text_ids=text_ids, temperature=learned)
 
 
 def _with_all_anchors(embeddings: Sequence, guide_embeddings: object, text_ids: Sequence[Tensor] | None,

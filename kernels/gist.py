@@ -3,7 +3,7 @@ backward.
 
 Every kernel works on one column group at a time: rows ``q`` (anchors, or the local positives for PP)
 against columns ``k`` (positives, anchors or one negative set), with the guide rows ``qg`` / ``kg``
-alongside. The launcher (``cgist.stage.triton.launch``) calls the same kernels once per column group (AP, AA,
+alongside. The launcher (``cgist.stage.triton.dense``) calls the same kernels once per column group (AP, AA,
 PP, AN_1..AN_k, QQ, DQ, DD, DN_1..DN_k); the running log-sum-exp state of each row lives in global memory between
 launches (O(B) floats per dimension).
 
@@ -325,7 +325,8 @@ def gist_fwd_kernel(
                 m_i += tl.where(dcol[None, :] == u, pos[:, None], 0.0)
         margin = tl.load(scalars_ptr + MARGIN)
         thr = theta - tl.where(relative != 0, tl.abs(theta), 1.0) * margin
-        theta_masked = (theta > thr).to(tl.int8)
+        # theta_i > T_i exactly when the margin lowers T_i below it, whatever the rounding (docs/design.md#ties)
+        theta_masked = tl.where(margin > 0, tl.where(relative != 0, (theta != 0).to(tl.int8), 1), 0).to(tl.int8)
         tl.store(theta_ptr + offs_m, theta, mask=mask_m)
         tl.store(thr_ptr + offs_m, thr, mask=mask_m)
         tl.store(theta_masked_ptr + offs_m, theta_masked, mask=mask_m)

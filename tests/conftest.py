@@ -4,7 +4,7 @@
   anything imports them, so it is set here, at collection time.
 * Every tensor the package allocates uninitialised is filled with NaN, so an output that a code path
   forgets to write fails the comparison instead of passing on leftover memory. The CPU workspace that
-  ``cgist.stage.pytorch.streaming`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
+  ``cgist.stage.pytorch.dense`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
   test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).

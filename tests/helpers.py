@@ -274,8 +274,9 @@ def loss_kwargs(options: GistOptions) -> dict:
 
 def gist_loss_kwargs(options: GistOptions) -> dict:
     """``options`` as keyword arguments of ``cgist.gist_loss``: every field but ``all_anchors``, a flag of the column
-    layout that ``gist_loss`` sets itself when it is given the tensor of that name."""
-    return {k: v for k, v in dataclasses.asdict(options).items() if k != "all_anchors"}
+    layout that ``gist_loss`` sets itself when it is given the tensor of that name, and ``guide_similarity``, the
+    token scores' (the dense score's guide scores cosines)."""
+    return {k: v for k, v in dataclasses.asdict(options).items() if k not in ("all_anchors", "guide_similarity")}
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).
@@ -385,7 +386,7 @@ def oracle_counters(
 def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:
     """fp32 ``x`` rounded to tf32 (10 mantissa bits): "rn" to nearest (ties to even), "rz" toward zero (truncation)."""
     if mode == "rn":
-        from cgist.stage.triton.launch import split_tf32
+        from cgist.stage.triton.dense import split_tf32
 
         return split_tf32(x)[0]
     return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
@@ -402,16 +403,17 @@ def tf32_addmm(mode: str):
 
 
 class LossStageCalls:
-    """Counts the drop-ins' loss-stage calls (``cgist.losses.base.gist_loss_with_options``) while a test runs."""
+    """Counts the drop-ins' loss-stage calls (``cgist.losses.base.run``, the loss stage's one entry) while a test
+    runs."""
 
     def __init__(self, monkeypatch) -> None:
         import cgist.losses.base
 
         self.calls = 0
-        real = cgist.losses.base.gist_loss_with_options
+        real = cgist.losses.base.run
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", counted)
+        monkeypatch.setattr(cgist.losses.base, "run", counted)

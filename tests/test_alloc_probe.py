@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 import cgist
 from cgist import GistOptions
 from cgist.stage import budget
-from cgist.stage.pytorch import streaming, workspace
+from cgist.stage.pytorch import dense as pytorch_dense, workspace
 from cgist.stage.triton import gist_loss_and_grads
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
@@ -50,7 +50,7 @@ class AllocationProbe(TorchDispatchMode):
 
 def _run(backend, student, guide, options):
     if backend == "torch":
-        return streaming.gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+        return pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
     return gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
 
 

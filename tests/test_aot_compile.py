@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("triton")
 
 from cgist.stage.devices import arch_for  # noqa: E402
-from cgist.stage.triton.launch import input_precision  # noqa: E402
+from cgist.stage.triton.common import input_precision  # noqa: E402
 from cgist.stage.triton.maxsim import KERNELS as MAXSIM_KERNELS  # noqa: E402
 from cgist.stage.triton.maxsim import launch_configs  # noqa: E402
 from cgist.stage.triton.tiles import gemm_configs, tile_configs  # noqa: E402

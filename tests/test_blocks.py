@@ -39,7 +39,7 @@ import cgist
 from cgist import GistOptions
 from cgist.stage import budget
 from cgist.stage.budget import Chunks, RowBlocks
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.reference import gist_loss_reference
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -212,7 +212,7 @@ class _Observed:
         self.schedules: list[RowBlocks] = []
         self.blocks: list[tuple[int, int]] = []
         self.tiles: dict[int, set[tuple[int, int]]] = {}
-        row_blocks, init, tiles = streaming.row_blocks, streaming._RowBlock.__init__, streaming._tiles
+        row_blocks, init, tiles = pytorch_dense.row_blocks, pytorch_dense._RowBlock.__init__, pytorch_dense._tiles
 
         def observed_row_blocks(*args, **kwargs):
             self.schedules.append(row_blocks(*args, **kwargs))
@@ -228,9 +228,9 @@ class _Observed:
                 self.tiles.setdefault(group.index, set()).add((lo, hi))
             return out
 
-        monkeypatch.setattr(streaming, "row_blocks", observed_row_blocks)
-        monkeypatch.setattr(streaming._RowBlock, "__init__", observed_init)
-        monkeypatch.setattr(streaming, "_tiles", observed_tiles)
+        monkeypatch.setattr(pytorch_dense, "row_blocks", observed_row_blocks)
+        monkeypatch.setattr(pytorch_dense._RowBlock, "__init__", observed_init)
+        monkeypatch.setattr(pytorch_dense, "_tiles", observed_tiles)
 
 
 def _use_plan(plan: str, monkeypatch) -> None:
@@ -305,7 +305,7 @@ def _arch():
 def _launcher_tiles(dtype: torch.dtype, n_dims: int) -> tuple[int, int]:
     """The largest BLOCK_M and BLOCK_N of the tile configs the launcher's forward picks from for ``dtype`` on
     ``DEVICE`` (under the interpreter, one config of 16 x 16)."""
-    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.common import input_precision
     from cgist.stage.triton.tiles import tile_configs
 
     kind = input_precision(dtype, _arch())
@@ -318,7 +318,7 @@ def _launcher_chunks(batch: int, widest: int, dtype: torch.dtype, n_dims: int, b
     ``dtype`` student and guide: its tiles, one operand entry in ``dtype`` (a tf32 pair of them at tf32x3) and
     partial sums in the compute dtype."""
     from cgist.stage.numerics import compute_dtype
-    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.common import input_precision
 
     block_m, block_n = _launcher_tiles(dtype, n_dims)
     parts = 2 if input_precision(dtype, _arch()) == "tf32x3" else 1
@@ -385,7 +385,7 @@ def test_each_chunk_budget_makes_the_chunks_it_means(name, dtype, dims, plan, wo
 def test_triton_tiles_and_chunks_match_the_oracle(name, dtype, dims, plan, world, options, monkeypatch):
     """Loss, gradients and statistics of the Triton launcher over several row and column tiles per group and
     several backward chunks (the later ones at their row and column offsets), against the oracle."""
-    from cgist.stage.triton import launch
+    from cgist.stage.triton import dense as triton_dense
 
     case = _triton_case(dtype, dims, world, **options)
     col_tiles = CHUNK_PLANS[plan][1]
@@ -395,7 +395,7 @@ def test_triton_tiles_and_chunks_match_the_oracle(name, dtype, dims, plan, world
 
     chunks: dict[str, list[tuple[int, int, int, int]]] = {}
     ran_tiles: list[dict] = []
-    real_chunks = launch.BackwardWork.chunks
+    real_chunks = triton_dense.BackwardWork.chunks
 
     def observed_chunks(work, group):
         out = real_chunks(work, group)
@@ -403,7 +403,7 @@ def test_triton_tiles_and_chunks_match_the_oracle(name, dtype, dims, plan, world
         ran_tiles.append(work.state.tiles)
         return out
 
-    monkeypatch.setattr(launch.BackwardWork, "chunks", observed_chunks)
+    monkeypatch.setattr(triton_dense.BackwardWork, "chunks", observed_chunks)
     leaves = [c.detach().to(DEVICE).requires_grad_() for c in columns]
     guide_here = None if guide is None else [g.to(DEVICE) for g in guide]
     loss, stats = _gist_loss(case, leaves, guide_here, options, "triton")

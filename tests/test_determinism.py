@@ -58,7 +58,7 @@ KERNEL_VARIANTS = {
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 def test_kernel_backwards_are_bitwise_deterministic(variant):
     """The Triton launcher's backward (GEMM over several chunks; Matryoshka segments) and counters."""
-    from cgist.stage.triton.launch import gist_backward, gist_forward
+    from cgist.stage.triton.dense import gist_backward, gist_forward
 
     options = cgist.GistOptions(margin=0.05, offset=13, **KERNEL_VARIANTS[variant])
 

@@ -143,9 +143,17 @@ def batches(draw) -> Batch:
     return Batch(tuple(tuple(c) for c in columns), mini_batch_size, tuple(edits))
 
 
+#: Positive margins below this lower no threshold of these batches in float64 (``theta_i - margin`` rounds back to
+#: ``theta_i``): sentence-transformers' comparison then keeps a tie, cgist's rule masks it (docs/design.md#ties), which
+#: ``test_a_tie_is_masked_at_any_positive_margin`` pins.
+ROUNDED_AWAY = 1e-12
+
+
 def margins() -> st.SearchStrategy[float]:
-    """0 (the default: ties kept), small margins of both signs, and any in [-0.5, 0.5]."""
-    return st.one_of(st.sampled_from([0.0, 0.0, 0.1, -0.1, 0.3, -0.3]), st.floats(-0.5, 0.5))
+    """0 (the default: ties kept), small margins of both signs, and any in [-0.5, 0.5] but the positive margins that
+    the threshold's rounding erases (``ROUNDED_AWAY``)."""
+    return st.one_of(st.sampled_from([0.0, 0.0, 0.1, -0.1, 0.3, -0.3]),
+                     st.floats(-0.5, 0.5).filter(lambda m: not 0 < m < ROUNDED_AWAY))
 
 
 @st.composite
@@ -380,6 +388,28 @@ def test_a_duplicate_ties_by_its_text_whatever_its_rounding(backend):
         assert text_stats.masked == vector_stats.masked
     by_rounding, stats = loss(rounded, 0.0)
     assert stats.masked["ap"] == loss(exact, 0.0)[1].masked["ap"] + 1  # the duplicate, masked by its rounding
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("strategy", ["absolute", "relative"])
+def test_a_tie_is_masked_at_any_positive_margin(backend, strategy):
+    """A candidate with the text of the positive ties with theta_i: masked exactly when the margin lowers ``T_i``
+    below theta_i, decided from the margin, not from ``theta_i > theta_i - margin``, which a margin of 1e-300 (or, in
+    float32, one far below theta's ulp) rounds to false. sentence-transformers' comparison rounds so and keeps the
+    tie; cgist masks it as at any positive margin. A negative margin keeps it."""
+    gen = torch.Generator().manual_seed(4)
+    student = [torch.randn(5, 8, dtype=torch.float64, generator=gen) for _ in range(2)]
+    guide = [torch.randn(5, 6, dtype=torch.float64, generator=gen) for _ in range(2)]
+    guide[1][3] = guide[1][0]
+    texts = [torch.arange(5), torch.tensor([10, 11, 12, 10, 14])]  # positive 3 is positive 0's text
+    masked = {}
+    for margin in (0.0, 1e-300, 0.05, -1e-300):
+        _, stats = gist_loss(student, guide, margin=margin, margin_strategy=strategy, text_ids=texts,
+                             backend=backend, return_stats=True, contrast_anchors=False, contrast_positives=False)
+        masked[margin] = stats.masked["ap"]
+    # rows 0 and 3 each see the other's copy of their positive
+    assert masked[1e-300] == masked[0.0] + 2 and masked[-1e-300] == masked[0.0]
+    assert masked[0.05] >= masked[1e-300]
 
 
 def test_the_mini_batches_do_not_move_the_loss(guide32, tmp_path):

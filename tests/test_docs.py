@@ -40,6 +40,7 @@ DESIGN_SECTIONS = {
     "The workspace budget": "the-workspace-budget",
     "The drop-in protocol": "the-drop-in-protocol",
     "Dispatch": "dispatch",
+    "Adding a score": "adding-a-score",
     "Late interaction": "late-interaction",
     "The guide for late interaction": "the-guide-for-late-interaction",
 }

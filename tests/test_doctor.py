@@ -7,7 +7,7 @@ import re
 import pytest
 from test_selfcheck import _wrong_count
 
-import cgist.stage.triton.launch  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
+import cgist.stage.triton.dense  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
 from cgist import compat
 from cgist.cli import main
 from cgist.cli.doctor import sentence_transformers_line
@@ -45,10 +45,10 @@ def test_doctor_under_the_interpreter_compares_the_kernels(capsys, monkeypatch):
 
 def test_doctor_fails_when_the_kernels_disagree(capsys, monkeypatch):
     """A launcher whose loss is 1% off: the doctor says which pairs disagree and exits 1."""
-    from cgist.stage.triton import launch
+    from cgist.stage.triton import dense as triton_dense
 
-    loss = launch.ForwardState.loss
-    monkeypatch.setattr(launch.ForwardState, "loss", lambda self: loss(self) * 1.01)
+    loss = triton_dense.ForwardState.loss
+    monkeypatch.setattr(triton_dense.ForwardState, "loss", lambda self: loss(self) * 1.01)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     status, lines = _doctor(capsys)
     assert status == 1

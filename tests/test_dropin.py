@@ -171,11 +171,11 @@ def _stage_arguments(loss, student, texts, monkeypatch) -> tuple[object, tuple]:
     """The loss stage's arguments of one step of ``loss`` (its options and backend), and the step's loss and
     gradients."""
     seen = []
-    real = cgist.losses.base.gist_loss_with_options
-    monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options",
-                        lambda *a, **k: seen.append((a[2], k["backend"])) or real(*a, **k))
+    real = cgist.losses.base.run
+    monkeypatch.setattr(cgist.losses.base, "run", lambda call, backend, **k: seen.append((call.options, backend))
+                        or real(call, backend, **k))
     result = _run(loss, student, texts)
-    monkeypatch.setattr(cgist.losses.base, "gist_loss_with_options", real)
+    monkeypatch.setattr(cgist.losses.base, "run", real)
     (arguments,) = seen
     return arguments, result
 

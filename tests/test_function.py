@@ -19,9 +19,9 @@ import cgist
 from cgist import GistOptions, function
 from cgist.stage.devices import arch_for
 from cgist.stage.dispatch import route
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.reference import gist_loss_reference
-from cgist.stage.spec.checks import check_embeddings
+from cgist.stage.spec.dense import check_embeddings
 
 TIGHT = Tol(**TOL["embeddings"]["fp64"])
 
@@ -72,13 +72,13 @@ def test_loss_in_a_larger_graph():
 def test_no_grad_computes_only_the_loss(monkeypatch):
     student, guide = make_inputs(6, 6, 8, 5, 0, seed=3, requires_grad=True)
     calls = []
-    real = streaming.gist_loss_and_grads
+    real = pytorch_dense.forward
 
-    def spy(*args, need_grads, **kwargs):
-        calls.append(need_grads)
-        return real(*args, need_grads=need_grads, **kwargs)
+    def spy(call, with_grad, need_stats):
+        calls.append(with_grad)
+        return real(call, with_grad, need_stats)
 
-    monkeypatch.setattr(streaming, "gist_loss_and_grads", spy)
+    monkeypatch.setattr(pytorch_dense, "forward", spy)
     with torch.no_grad():
         loss = cgist.gist_loss(student, guide)
     assert calls == [False] and not loss.requires_grad
@@ -116,28 +116,37 @@ def test_with_options_equals_keywords():
 # Backend selection --------------------------------------------------------------------------------------------
 
 
+def _call_on(device: str, similarity: str = "cos") -> types.SimpleNamespace:
+    """What the router reads of a call (its score, device and dtypes), on ``device`` (no tensor is made there)."""
+    return types.SimpleNamespace(options=GistOptions(similarity=similarity), device=torch.device(device),
+                                 dtype=torch.float32, guide_dtype=torch.float32)
+
+
 def test_auto_backend_on_cpu_is_streaming():
-    assert route.select_backend("auto", torch.device("cpu")) is streaming.gist_loss_and_grads
+    assert route.select_stage(_call_on("cpu"), "auto") is pytorch_dense
 
 
 def test_torch_backend_on_cuda_is_streaming():
-    assert route.select_backend("torch", torch.device("cuda")) is streaming.gist_loss_and_grads
+    from cgist.stage.pytorch import maxsim
+
+    assert route.select_stage(_call_on("cuda"), "torch") is pytorch_dense
+    assert route.select_stage(_call_on("cuda", "maxsim"), "torch") is maxsim  # each score its module
 
 
 def test_triton_backend_is_the_launcher(monkeypatch):
-    import cgist.stage.triton
+    from cgist.stage.triton import dense as triton_dense
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for device in ("cpu", "cuda"):
-        assert route.select_backend("triton", torch.device(device)) is cgist.stage.triton.gist_loss_and_grads
+        assert route.select_stage(_call_on(device), "triton") is triton_dense
 
 
 def test_auto_backend_falls_back_to_streaming_without_triton(monkeypatch):
     """On an sm_90 GPU, 'auto' picks the launcher, or the streaming path when cgist.stage.triton cannot provide it."""
     monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for((9, 0)))
-    monkeypatch.setitem(sys.modules, "cgist.stage.triton", types.ModuleType("cgist.stage.triton"))
+    _without_the_triton_backend(monkeypatch)
     assert route.auto_route(torch.device("cuda:0"), torch.float32, torch.float32)[0] == "torch"
-    assert route.select_backend("auto", torch.device("cuda:0")) is streaming.gist_loss_and_grads
+    assert route.select_stage(_call_on("cuda:0"), "auto") is pytorch_dense
 
 
 def test_check_backend_names_what_it_checks():
@@ -352,10 +361,17 @@ def test_triton_needs_the_interpreter_on_cpu(monkeypatch):
     _check(RuntimeError, r"backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1", backend="triton")
 
 
+def _without_the_triton_backend(monkeypatch) -> None:
+    """The Triton backend's modules cannot be imported (as where triton or the kernels are missing)."""
+    for name in ("cgist.stage.triton", "cgist.stage.triton.dense", "cgist.stage.triton.maxsim"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def test_triton_unavailable_says_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, "cgist.stage.triton", types.ModuleType("cgist.stage.triton"))
-    _check(RuntimeError, r"backend='triton' is unavailable: cannot import name 'gist_loss_and_grads'", backend="triton")
+    _without_the_triton_backend(monkeypatch)
+    _check(RuntimeError, r"backend='triton' is unavailable: import of cgist.stage.triton.dense halted",
+           backend="triton")
 
 
 #: Tensor methods that wait for the device to produce a value on the host.

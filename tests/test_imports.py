@@ -1,11 +1,14 @@
-"""Import structure: what importing ``cgist`` and ``cgist.kernels`` loads; what kernels/ and the Triton backend import.
+"""Import structure: what importing ``cgist`` and ``cgist.kernels`` loads; what kernels/, the backends and the spec
+import (docs/design.md#adding-a-score).
 
 ``cgist``, ``cgist.kernels`` and ``gist_loss`` need no sentence-transformers (``FusedCachedGISTLoss`` and
-``add_guide_embeddings`` load it on first use). kernels/ is device code only: its modules import torch, triton, the
-standard library and each other, nothing of cgist, and its package imports nothing at all (from a checkout it is what
-``import kernels`` finds). The host side, the Triton backend under cgist/stage/triton/, imports only those, the kernels
-(``cgist.kernels``) and the loss stage's leaf modules (``ALLOWED_MODULES``: none of them reaches the dispatch or the
-backends).
+``add_guide_embeddings`` load it on first use), and importing ``cgist`` (the public entry points ``gist_loss`` and
+``maxsim_loss``) imports no backend: the router imports one on a call's first use of it. kernels/ is device code
+only: its modules import torch, triton, the standard library and each other, nothing of cgist, and its package imports
+nothing at all (from a checkout it is what ``import kernels`` finds). A backend (cgist/stage/pytorch/,
+cgist/stage/triton/) imports its own modules, the spec, the loss stage's leaf modules (``LEAF_MODULES``: none of them
+reaches the dispatch or a backend) and, for Triton, the kernels: no backend imports another. The spec imports no
+backend, no dispatch.
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ import json, sys
 import torch
 import cgist.kernels
 import cgist
+backends = sorted(m for m in sys.modules if m.startswith(("cgist.stage.pytorch", "cgist.stage.triton")))
+assert backends == [], backends  # the entry points import no backend
 
 gen = torch.Generator().manual_seed(0)
 x = [torch.randn(rows, 4, generator=gen, dtype=torch.float64) for rows in (2, 3)]
 loss = cgist.gist_loss(x, [t.flip(1) for t in x], offset=1, backend="torch")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("sentence_transformers", "transformers"))
+used = sorted(m for m in sys.modules if m.startswith(("cgist.stage.pytorch.", "cgist.stage.triton.")))
 cls = cgist.FusedCachedGISTLoss
 after = "sentence_transformers" in sys.modules
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 precompute = cgist.add_guide_embeddings
-print(json.dumps({"heavy": heavy, "finite": bool(torch.isfinite(loss)), "after": after,
+print(json.dumps({"heavy": heavy, "used": used, "finite": bool(torch.isfinite(loss)), "after": after,
                   "name": cls.__name__, "subclass": issubclass(cls, CachedGISTEmbedLoss),
                   "precompute": f"{precompute.__module__}.{precompute.__name__}"}))
 """
@@ -55,6 +61,8 @@ def test_light_imports_leave_sentence_transformers_unloaded(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [], f"importing cgist loaded {result['heavy']}"
+    # a call on the PyTorch path imports its score's module of that backend, on first use
+    assert result["used"] == ["cgist.stage.pytorch.dense", "cgist.stage.pytorch.workspace"], result["used"]
     assert result["finite"]
     # The probe sees the import once the class is asked for, so the empty list above means something.
     assert result["after"] and result["name"] == "FusedCachedGISTLoss" and result["subclass"]
@@ -95,20 +103,22 @@ def test_unknown_attribute_raises_attribute_error():
 
 def test_the_backend_entry_point_is_the_triton_backends():
     """``cgist.stage.triton`` is the backend "triton"; ``cgist.kernels`` holds the kernels only."""
-    from cgist.stage.triton import launch
+    from cgist.stage.triton import dense as triton_dense
 
-    assert cgist.stage.triton.gist_loss_and_grads is launch.gist_loss_and_grads
+    assert cgist.stage.triton.gist_loss_and_grads is triton_dense.gist_loss_and_grads
     assert not hasattr(cgist.kernels, "gist_loss_and_grads")
 
 
-# What kernels/ and the Triton backend import ------------------------------------------------------------------
+# What kernels/, the backends and the spec import -------------------------------------------------------------------
 
 KERNELS = Path(cgist.kernels.__file__).parent
 BACKEND = Path(cgist.stage.triton.__file__).parent
+PYTORCH = BACKEND.parent / "pytorch"
+SPEC = BACKEND.parent / "spec"
 ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
-#: What the Triton backend may import of cgist besides the kernels: the loss stage's leaf modules.
-ALLOWED_MODULES = {"cgist.stage.numerics", "cgist.stage.ties", "cgist.stage.budget", "cgist.stage.devices",
-                   "cgist.stage.stats", "cgist.stage.spec.problem"}
+#: The loss stage's leaf modules, which every layer may import: none reaches the dispatch or a backend.
+LEAF_MODULES = {"cgist.stage.numerics", "cgist.stage.ties", "cgist.stage.budget", "cgist.stage.devices",
+                "cgist.stage.stats"}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -147,11 +157,32 @@ def kernels_allowed(module: str) -> bool:
     return module.split(".")[0] in ALLOWED_PACKAGES
 
 
+def _spec_or_leaf(module: str) -> bool:
+    return module in LEAF_MODULES or module.startswith("cgist.stage.spec.") or module.startswith("..spec")
+
+
 def backend_allowed(module: str) -> bool:
-    """What a module of the Triton backend may import: what kernels/ may, the kernels (``cgist.kernels``), and the
-    leaf modules (``ALLOWED_MODULES``)."""
-    return (kernels_allowed(module) or module in ALLOWED_MODULES or module == "cgist.kernels"
-            or module.startswith("cgist.kernels."))
+    """What a module of the Triton backend may import: what kernels/ may, the kernels (``cgist.kernels``), the spec
+    and the leaf modules (``LEAF_MODULES``), its own modules. No other backend."""
+    return (kernels_allowed(module) or _spec_or_leaf(module) or module == "cgist.kernels"
+            or module.startswith(("cgist.kernels.", "cgist.stage.triton.")))
+
+
+def pytorch_allowed(module: str) -> bool:
+    """What a module of the PyTorch backend may import: torch and the standard library, its own modules (one leading
+    dot), the spec and the leaf modules (relative or absolute). No triton, no other backend, no dispatch."""
+    if module in ("..numerics", "..ties", "..budget", "..devices", "..stats"):
+        return True
+    return (module.split(".")[0] != "triton" and kernels_allowed(module)) or _spec_or_leaf(module) \
+        or module.startswith("cgist.stage.pytorch.")
+
+
+def spec_allowed(module: str) -> bool:
+    """What a module of the spec may import: torch, the standard library, its own modules, the leaf modules. No
+    backend, no dispatch, no node."""
+    if module in ("..numerics", "..ties", "..budget", "..devices", "..stats"):
+        return True
+    return (module.split(".")[0] != "triton" and kernels_allowed(module)) or _spec_or_leaf(module)
 
 
 def forbidden_imports(source: str, allowed=kernels_allowed) -> list[tuple[int, str]]:
@@ -166,7 +197,7 @@ from . import gist
 from .launch import gist_forward
 from .. import options
 from cgist.stage.numerics import EPS
-from cgist.stage.spec.options import GistOptions
+from cgist.stage.dispatch.route import select_stage
 if TYPE_CHECKING:
     from cgist.function import Backend
 else:
@@ -175,19 +206,26 @@ def f():
     import transformers
     import cgist
 from cgist.kernels.gist import gist_fwd_kernel
+from cgist.stage.pytorch.dense import forward
 """
 
 
 def test_the_import_checks_find_what_they_must():
-    """numpy, a module above the package, a cgist module, an else branch and a function body are all caught; the
-    backend may import the leaf modules and the kernels, kernels/ neither."""
+    """numpy, a module above the package, the dispatch, an else branch, a function body and another backend are all
+    caught; the Triton backend may import the leaf modules and the kernels, kernels/ neither, the PyTorch backend no
+    kernel."""
     assert forbidden_imports(SAMPLE, backend_allowed) == [
-        (3, "numpy"), (7, ".."), (9, "cgist.stage.spec.options"), (13, "sentence_transformers"), (15, "transformers"),
-        (16, "cgist"),
+        (3, "numpy"), (7, ".."), (9, "cgist.stage.dispatch.route"), (13, "sentence_transformers"),
+        (15, "transformers"), (16, "cgist"), (18, "cgist.stage.pytorch.dense"),
     ]
     assert forbidden_imports(SAMPLE, kernels_allowed) == [
-        (3, "numpy"), (7, ".."), (8, "cgist.stage.numerics"), (9, "cgist.stage.spec.options"),
+        (3, "numpy"), (7, ".."), (8, "cgist.stage.numerics"), (9, "cgist.stage.dispatch.route"),
         (13, "sentence_transformers"), (15, "transformers"), (16, "cgist"), (17, "cgist.kernels.gist"),
+        (18, "cgist.stage.pytorch.dense"),
+    ]
+    assert forbidden_imports(SAMPLE, pytorch_allowed) == [
+        (3, "numpy"), (7, ".."), (9, "cgist.stage.dispatch.route"), (13, "sentence_transformers"),
+        (15, "transformers"), (16, "cgist"), (17, "cgist.kernels.gist"),
     ]
 
 
@@ -204,17 +242,23 @@ def _checked(root: Path, allowed) -> set[str]:
 
 def test_kernels_import_nothing_of_cgist():
     """kernels/ is device code: torch, triton, the standard library and its own modules only."""
-    assert {"__init__.py", "gist.py", "gemm.py"} <= {f.name for f in KERNELS.rglob("*.py")}
+    assert {"__init__.py", "gist.py", "gemm.py", "maxsim.py"} <= {f.name for f in KERNELS.rglob("*.py")}
     assert "triton" in _checked(KERNELS, kernels_allowed)  # the parse sees the real imports
     # The package itself imports only the standard library (its hand-over to the PyPI package of its name).
     names = {name.split(".")[0] for _, name in runtime_imports(ast.parse((KERNELS / "__init__.py").read_text("utf-8")))}
     assert names <= set(sys.stdlib_module_names), names
 
 
-def test_the_triton_backend_imports_only_the_kernels_and_leaf_modules():
-    assert {"__init__.py", "launch.py", "tiles.py"} <= {f.name for f in BACKEND.rglob("*.py")}
+def test_no_backend_imports_another_and_the_spec_imports_none():
+    """Each backend's modules import what ``backend_allowed`` / ``pytorch_allowed`` allow, the spec what
+    ``spec_allowed`` does: a score is one module per layer, and the layers meet only in the spec."""
+    assert {"__init__.py", "common.py", "dense.py", "maxsim.py", "tiles.py"} <= {f.name for f in BACKEND.rglob("*.py")}
     seen = _checked(BACKEND, backend_allowed)
-    assert {"torch", "triton", "cgist.kernels.gist", "cgist.stage.spec.problem"} <= seen
+    assert {"torch", "triton", "cgist.kernels.gist", "cgist.kernels.maxsim", "cgist.stage.spec.problem",
+            "cgist.stage.spec.block"} <= seen
+    assert {"__init__.py", "dense.py", "maxsim.py", "workspace.py"} <= {f.name for f in PYTORCH.rglob("*.py")}
+    assert {"..spec.block", "..spec.maxsim", "..budget"} <= _checked(PYTORCH, pytorch_allowed)
+    assert {".scores", ".problem", "..numerics"} <= _checked(SPEC, spec_allowed)
 
 
 # No import circle among cgist's modules -------------------------------------------------------------------------
@@ -284,7 +328,8 @@ def test_no_import_circle_among_the_package_modules():
     import of its own package's ``__init__`` (the lazy names) is an edge like any other."""
     files = _module_files()
     graph = import_graph(files)
-    assert {"cgist.stage.spec.problem", "cgist.stage.triton.launch", "cgist.kernels.gist", "cgist.cli.run"} <= graph.keys()
-    assert {"cgist.stage.spec.problem", "cgist.kernels.gist"} <= graph["cgist.stage.triton.launch"]
+    assert {"cgist.stage.spec.problem", "cgist.stage.triton.dense", "cgist.kernels.gist", "cgist.cli.run"} <= graph.keys()
+    assert {"cgist.stage.spec.problem", "cgist.kernels.gist"} <= graph["cgist.stage.triton.dense"]
+    assert {"cgist.losses.base"} <= graph["cgist.losses.columns"] and not graph["cgist.losses.matryoshka"]
     assert "cgist.stage.numerics" in graph["cgist.stage.spec.problem"]
     assert cycles(graph) == []

@@ -22,7 +22,7 @@ from cgist.stage.budget import backward_chunks
 from cgist.stage.reference import gist_loss_reference, gist_scores
 from cgist.stage.ties import tie_ids
 from cgist.stage.triton import gist_loss_and_grads
-from cgist.stage.triton.launch import gist_forward
+from cgist.stage.triton.dense import gist_forward
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="GPU-sized problems, and tf32, which the interpreter lacks")
 

@@ -40,7 +40,7 @@ from cgist.stage.numerics import normalize, threshold
 from cgist.stage.reference import gist_loss_reference
 from cgist.stage.stats import COUNT_FIELDS
 from cgist.stage.ties import rank_ids, tie_ids
-from cgist.stage.triton.launch import gist_backward, gist_forward
+from cgist.stage.triton.dense import gist_backward, gist_forward
 
 #: Student and guide dtype of each pair, by its id.
 PAIRS = {

@@ -14,9 +14,9 @@ from helpers import DEVICE, assert_close, make_inputs, tolerance
 
 from cgist import GistOptions
 from cgist.stage import ties
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.reference import gist_loss_reference, gist_scores
-from cgist.stage.triton.launch import gist_backward, gist_forward
+from cgist.stage.triton.dense import gist_backward, gist_forward
 
 B, N, D, DG, K = 13, 26, 40, 24, 1
 
@@ -60,7 +60,7 @@ def _check(source: str, precision: str, **options) -> None:
     assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), tolerance("triton", precision))
     # the counters count every exclusion in its block, as the streaming path does
     counts, _ = state.counters()
-    _, _, (streamed, _) = streaming.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True,
+    _, _, (streamed, _) = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True,
                                                          text_ids=ids)
     assert torch.equal(counts.cpu(), streamed)
 

@@ -25,24 +25,19 @@ from helpers import CUDA, DEVICE, one_thread  # noqa: F401  (one_thread: autouse
 
 pytest.importorskip("triton")
 
-from cgist.stage.pytorch.maxsim import (  # noqa: E402
-    GUIDE_COUNTERS,
-    MaxSimCall,
-    MaxSimGuide,
-    block_softmax,
-    folded,
-    maxsim_backward,
-    maxsim_forward,
-)
+from cgist import GistOptions  # noqa: E402
+from cgist.stage.pytorch import maxsim as pytorch_maxsim  # noqa: E402
 from cgist.stage.reference import (  # noqa: E402
     maxsim_gist_loss_reference,
     maxsim_loss_reference,
     maxsim_scores_reference,
 )
+from cgist.stage.spec.maxsim import MaxSimCall, maxsim_call  # noqa: E402
+from cgist.stage.stats import COUNT_FIELDS  # noqa: E402
 from cgist.stage.triton.maxsim import (  # noqa: E402
     maxsim_backward_triton,
     maxsim_forward_triton,
-    maxsim_guided_triton,
+    maxsim_held_triton,
 )
 
 #: The incoming gradient of the loss in every backward (not 1, so that its factor is checked).
@@ -137,11 +132,17 @@ def _problem(case: Case):
                               for d, m in zip(documents, document_masks)))
     for column, row in case.masked_head:  # still a real token after the masked chunk, within the chunk's width
         assert bool(document_masks[column][row, BLOCK_TOKENS:].any())
-    device = [[t.to(DEVICE) for t in chunks] for chunks in (q_chunks, q_masks)]
-    call = MaxSimCall(device[0], device[1], [[t.to(DEVICE) for t in c] for c in d_chunks],
-                      [[t.to(DEVICE) for t in c] for c in d_masks], case.scale, case.length_normalize, case.offset,
-                      budget_bytes=2**20)
-    return call, (queries, query_mask, documents, document_masks)
+    return _call(case, q_chunks, q_masks, d_chunks, d_masks), (queries, query_mask, documents, document_masks)
+
+
+def _call(case: Case, q_chunks, q_masks, d_chunks, d_masks, **guide) -> MaxSimCall:
+    """The call of these chunks on the test device (``maxsim_call``, the door every caller goes through)."""
+    options = GistOptions(similarity="mean_maxsim" if case.length_normalize else "maxsim", temperature=1 / case.scale,
+                          offset=case.offset, block_bytes=2**20, contrast_anchors=False, contrast_positives=False,
+                          margin=guide.pop("margin", 0.0))
+    return maxsim_call([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],
+                       [[t.to(DEVICE) for t in c] for c in d_chunks], [[t.to(DEVICE) for t in c] for c in d_masks],
+                       options, **guide)
 
 
 def _oracle(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -154,15 +155,29 @@ def _oracle(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor, list[torch.T
     return loss.detach(), grads[0], list(grads[1:])
 
 
-def _flat(call: MaxSimCall, q_grads, d_grads) -> list[torch.Tensor]:
-    """The gradients of every chunk, padded back to the dense widths and concatenated per column, on the CPU:
-    ``[queries, column 0, column 1, ...]``."""
+def _columns(call: MaxSimCall, flat: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Gradients given one per chunk (the backend contract's), as the call's columns."""
+    out, start = [], 0
+    for column in call.columns:
+        out.append(list(flat[start:start + len(column)]))
+        start += len(column)
+    return out
+
+
+def _flat(call: MaxSimCall, grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The gradients of every chunk (the call's columns' layout), padded back to the dense widths and concatenated
+    per column, on the CPU: ``[queries, column 0, column 1, ...]``."""
     def pad(chunks, width):
         return torch.cat([torch.nn.functional.pad(g.cpu(), (0, 0, 0, width - g.shape[1])) for g in chunks])
 
-    lq = max(q.shape[1] for q in call.queries)
-    ld = max(d.shape[1] for column in call.documents for d in column)
-    return [pad(q_grads, lq), *(pad(column, ld) for column in d_grads)]
+    return [pad(column, max(t.shape[1] for t in chunks)) for column, chunks in zip(grads, call.columns)]
+
+
+def _stage(call: MaxSimCall, need_stats: bool = False):
+    """The PyTorch stage's loss, gradients (times ``GRAD_OUTPUT``, the call's columns' layout) and counters."""
+    loss, state, counters = pytorch_maxsim.forward(call, True, need_stats)
+    grads, _ = pytorch_maxsim.backward(call, state, torch.tensor(GRAD_OUTPUT, dtype=torch.float64))
+    return loss, _columns(call, grads), counters
 
 
 def _normaliser(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,23 +196,21 @@ def _run(case: Case):
     call, dense = _problem(case)
     kw = case.tiles
     loss, peak, total = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
-    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
+    grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
     acc = torch.promote_types(case.dtype, torch.float32)
     assert loss.dtype == peak.dtype == total.dtype == acc and loss.dim() == 0
     assert peak.shape == total.shape == (case.batch,)
-    assert [(g.shape, g.dtype) for g in q_grads] == [(q.shape, acc) for q in call.queries]
-    assert [[(g.shape, g.dtype) for g in column] for column in d_grads] == \
-        [[(d.shape, acc) for d in column] for column in call.documents]
+    assert [[(g.shape, g.dtype) for g in column] for column in grads] == \
+        [[(t.shape, acc) for t in column] for column in call.columns]
     if CUDA:  # no atomics: a second run is bitwise the same
         again = maxsim_forward_triton(call, block_docs=case.block_docs, **kw)
         assert all(torch.equal(a, b) for a, b in zip((loss, peak, total), again))
-        q2, d2 = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(_flat(call, q_grads, d_grads), _flat(call, q2, d2)))
+        grads2 = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=case.block_queries, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(_flat(call, grads), _flat(call, grads2)))
 
-    stage_loss, stage_grads = maxsim_forward(call, True)
-    stage_grads = maxsim_backward(call, stage_grads, GRAD_OUTPUT)
-    triton_run = (loss.cpu(), peak.cpu(), total.cpu(), _flat(call, q_grads, d_grads))
-    stage_run = (stage_loss.cpu(), *_normaliser(case, dense), _flat(call, *stage_grads))
+    stage_loss, stage_grads, _ = _stage(call)
+    triton_run = (loss.cpu(), peak.cpu(), total.cpu(), _flat(call, grads))
+    stage_run = (stage_loss.cpu(), *_normaliser(case, dense), _flat(call, stage_grads))
     oracle_loss, *oracle_grads = _oracle(case, dense)
     return triton_run, stage_run, (oracle_loss, [oracle_grads[0], *oracle_grads[1]])
 
@@ -272,19 +285,20 @@ def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
     """GIST's mask from the student's own scores (margin 0.1): the guided launcher (``maxsim_scores_kernel`` per slab,
     the mask and softmax on the host, the gradient kernels) against the PyTorch stage, its mask's counts exactly, and
     the oracle with the same guide."""
-    call, dense = _problem(case)
+    _, dense = _problem(case)
     acc = torch.promote_types(case.dtype, torch.float32)
-    calls = [dataclasses.replace(call, guide=MaxSimGuide(
-        "self", 0.1, False, counters=torch.zeros(len(GUIDE_COUNTERS), dtype=torch.int64, device=DEVICE),
-        sums=torch.zeros(2, dtype=acc, device=DEVICE))) for _ in range(2)]
-    loss, grads = maxsim_guided_triton(calls[0], True, block_softmax, block_docs=case.block_docs,
-                                       block_queries=case.block_queries, **case.tiles)
-    grads = _flat(call, *maxsim_backward(calls[0], folded(calls[0], grads), GRAD_OUTPUT))
-    s_loss, s_grads = maxsim_forward(calls[1], True)
-    s_grads = _flat(call, *maxsim_backward(calls[1], s_grads, GRAD_OUTPUT))
-    assert loss.dtype == acc and all(g.dtype == acc for g in grads)
-    assert torch.equal(calls[0].guide.counters, calls[1].guide.counters)
     queries, query_mask, documents, document_masks = dense
+    q_chunks, q_masks = _chunked(queries, query_mask, case.query_chunks, case.query_widths)
+    d_chunks, d_masks = zip(*(_chunked(d, m, case.doc_chunks, case.doc_widths)
+                              for d, m in zip(documents, document_masks)))
+    call = _call(case, q_chunks, q_masks, d_chunks, d_masks, guide="self", margin=0.1)
+    loss, grads, masks = maxsim_held_triton(call, True, block_docs=case.block_docs, block_queries=case.block_queries,
+                                            **case.tiles)
+    grads = _flat(call, [[g * GRAD_OUTPUT for g in column] for column in grads])
+    s_loss, s_grads, s_counters = _stage(call, need_stats=True)
+    s_grads = _flat(call, s_grads)
+    assert loss.dtype == acc and all(g.dtype == acc for g in grads)
+    assert torch.equal(masks.counts, s_counters[0])
     leaves = [t.double().requires_grad_() for t in (queries, *documents)]
     o_loss, o_mask = maxsim_gist_loss_reference(leaves[0], query_mask, leaves[1:], document_masks, "self",
                                                 scale=case.scale, length_normalize=case.length_normalize,
@@ -293,7 +307,8 @@ def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
     # The oracle's mask is float64's: in fp32 a score within rounding of its threshold may fall the other way.
     exact = case.dtype == torch.float64
     if exact:
-        assert int(calls[0].guide.counters[:2].sum()) == int(o_mask.sum())
+        ap, an = COUNT_FIELDS.index("masked_ap"), COUNT_FIELDS.index("masked_an")
+        assert int(masks.counts[ap] + masks.counts[an]) == int(o_mask.sum())
     rel = REL[case.dtype]
     _close("loss vs stage", loss.cpu(), s_loss.cpu(), rel)
     if exact:
@@ -324,15 +339,14 @@ def test_a_tie_sends_the_gradient_to_the_first_token(token, first, second):
     for m, i in enumerate([1, 0]):
         documents[0][m, first] = documents[0][m, second] = 2.0 * queries[i, token]
         document_masks[0][m, [first, second]] = True
-    call = dataclasses.replace(call, query_masks=[query_mask.to(DEVICE)], documents=[[documents[0].to(DEVICE)]],
-                               document_masks=[[document_masks[0].to(DEVICE)]])
+    call = _call(case, [queries], [query_mask], [[documents[0]]], [[document_masks[0]]])
     loss, peak, total = maxsim_forward_triton(call, block_docs=1, **case.tiles)
-    q_grads, d_grads = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=1, **case.tiles)
+    (q_grad,), (d_grad,) = maxsim_backward_triton(call, peak, total, GRAD_OUTPUT, block_queries=1, **case.tiles)
     oracle_loss, oracle_q, (oracle_d,) = _oracle(case, dense)
-    got_d = d_grads[0][0].cpu()
+    got_d = d_grad.cpu()
     rel = REL[torch.float64]
     _close("loss", loss.cpu(), oracle_loss, rel)
-    _close("query gradient", q_grads[0].cpu(), oracle_q, rel)
+    _close("query gradient", q_grad.cpu(), oracle_q, rel)
     for m in range(2):
         # the oracle's two copies share the gradient (evenly, where its products tie bitwise)
         assert bool((oracle_d[m, first] + oracle_d[m, second] != 0).all())
@@ -404,52 +418,90 @@ def test_backend_triton_runs_the_kernels_through_maxsim_loss():
 @pytest.fixture
 def kernels_routed(monkeypatch):
     """``"auto"`` routed to the kernels on the test device (the interpreter on a CPU), as on a GPU they serve; the
-    verdicts forgotten."""
-    from cgist.stage.dispatch import route
+    verdicts forgotten before and after; returns the first-use checks run."""
+    from cgist.stage.dispatch import route, selfcheck
 
     route.reset()
-    monkeypatch.setattr(route, "auto_route", lambda device, dtype, guide_dtype: ("triton", "test"))
-    yield route
+    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "test"))
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(selfcheck.ENV, raising=False)
+    checks = []
+    check_call = selfcheck.check_call
+    monkeypatch.setattr(selfcheck, "check_call", lambda *a: checks.append(check_call(*a)) or checks[-1])
+    yield checks
     route.reset()
 
 
 def test_auto_takes_the_kernels_once_their_first_use_check_passes(kernels_routed, monkeypatch):
-    from cgist.stage.pytorch import maxsim
-
-    checked = []
-    check = kernels_routed.check_maxsim_kernels
-    monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", lambda *a: checked.append(a) or check(*a))
-    stage = kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
-    kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32)
-    assert stage[0] is not maxsim.maxsim_forward and len(checked) == 1  # checked once per device and dtype
+    """One check per variant (the unguided kernels, the held ones), then the kernels run: the PyTorch stage's
+    results, to rounding."""
     from cgist.stage.triton import maxsim as launcher
 
     launched = []
-    guided = launcher.maxsim_guided_triton
-    monkeypatch.setattr(launcher, "maxsim_guided_triton", lambda *a, **k: launched.append(1) or guided(*a, **k))
+    for name in ("maxsim_forward_triton", "maxsim_held_triton"):
+        real = getattr(launcher, name)
+        monkeypatch.setattr(launcher, name,
+                            lambda *a, real=real, name=name, **k: launched.append(name) or real(*a, **k))
     problem = _small_problem()
-    got, expected = (_loss_and_grads(backend, problem, guide="self") for backend in ("auto", "torch"))
-    assert launched and len(checked) == 1  # a guided call takes the guided kernels, after the same one check
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(_loss_and_grads("auto", _small_problem()), _loss_and_grads("torch", _small_problem())):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for guide in ({}, {}, {"guide": "self"}, {"guide": "self"}):
+        got, expected = (_loss_and_grads(backend, problem, **guide) for backend in ("auto", "torch"))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert [c.variant.held for c in kernels_routed] == [False, True] and all(c.ok for c in kernels_routed)
+    # the checks' own runs, then each call's
+    assert launched.count("maxsim_held_triton") >= 2 and launched.count("maxsim_forward_triton") >= 2
 
 
 @pytest.mark.parametrize("failure", ["raises", "disagrees"])
-def test_auto_falls_back_to_the_pytorch_stage_with_one_notice(kernels_routed, monkeypatch, caplog, failure):
-    from cgist.stage.pytorch import maxsim
+def test_a_failing_first_use_check_keeps_the_pytorch_stage_with_one_warning(kernels_routed, monkeypatch, caplog,
+                                                                             failure):
+    from cgist.stage.triton import maxsim as launcher
 
-    def check(device, dtype):
+    real = launcher.maxsim_forward_triton
+
+    def kernels(*args, **kwargs):
         if failure == "raises":
             raise RuntimeError("no kernel here")
-        return 1.0  # a relative difference far beyond any tolerance
+        loss, peak, total = real(*args, **kwargs)
+        return loss * 1.01, peak, total
 
-    monkeypatch.setattr(kernels_routed, "check_maxsim_kernels", check)
+    monkeypatch.setattr(launcher, "maxsim_forward_triton", kernels)
+    problem = _small_problem()
     with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
-        stages = [kernels_routed.select_maxsim_stage("auto", torch.device(DEVICE), torch.float32) for _ in range(2)]
-    assert all(stage[0] is maxsim.maxsim_forward for stage in stages)
-    notices = [r.getMessage() for r in caplog.records if "MaxSim kernels are not used" in r.getMessage()]
-    assert len(notices) == 1 and ("no kernel here" if failure == "raises" else "disagree") in notices[0]
+        results = [_loss_and_grads("auto", problem) for _ in range(2)]
+    for got in results:
+        for a, b in zip(got, _loss_and_grads("torch", problem)):
+            assert torch.equal(a, b)  # the PyTorch stage's, exactly
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(warnings) == 1, warnings
+    assert ("no kernel here" if failure == "raises" else "disagree") in warnings[0] and len(kernels_routed) <= 1
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_kernel_failing_after_its_check_falls_back_with_one_warning(kernels_routed, monkeypatch, caplog, where):
+    """A MaxSim kernel that fails after its first-use check passed (in the forward, or in the backward of an unguided
+    call, which recomputes): that call, and every later one with these dtypes on this device, runs on the PyTorch
+    stage, with one warning naming the score and the error; ``backend="triton"`` raises instead."""
+    from cgist.stage.dispatch import route
+    from cgist.stage.triton import maxsim as launcher
+
+    problem = _small_problem()
+    expected = _loss_and_grads("torch", problem)
+    _loss_and_grads("auto", problem)  # the first-use check passes, and the kernels run
+    assert len(kernels_routed) == 1 and kernels_routed[0].ok
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("an illegal memory access was encountered")
+
+    name = "maxsim_forward_triton" if where == "forward" else "maxsim_backward_triton"
+    monkeypatch.setattr(launcher, name, fail)
+    with caplog.at_level("WARNING", logger="cgist.stage.dispatch.route"):
+        for _ in range(2):
+            for a, b in zip(_loss_and_grads("auto", problem), expected):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(warnings) == 1, warnings
+    assert "maxsim score" in warnings[0] and "an illegal memory access" in warnings[0]
+    assert list(route.kernel_failures()) == [("maxsim", DEVICE, torch.float32, None)]
+    with pytest.raises(RuntimeError, match="an illegal memory access"):
+        _loss_and_grads("triton", problem)

@@ -28,8 +28,9 @@ from interpreter_dot import emulated_tf32_dot
 
 from cgist.kernels.gist import _round_tf32
 from cgist.stage.devices import KNOWN_ARCHS, arch_for, gpu_arch
-from cgist.stage.triton import launch
-from cgist.stage.triton.launch import input_precision, split_tf32
+from cgist.stage.triton import dense as triton_dense
+from cgist.stage.triton.common import input_precision
+from cgist.stage.triton.dense import split_tf32
 from cgist.stage.triton.tiles import (
     gemm_configs,
     gemm_shared_memory_estimate,
@@ -129,7 +130,7 @@ def test_tf32x3_products_meet_the_bound(mode):
 
     out = torch.zeros(64, 48, device=DEVICE)
     with _tensor_cores(mode):
-        launch._gemm_acc(out, split_tf32(a.to(DEVICE)), split_tf32(b.to(DEVICE)))
+        triton_dense._gemm_acc(out, split_tf32(a.to(DEVICE)), split_tf32(b.to(DEVICE)))
     want, slack = (exact, BOUND * scale) if CUDA else (three, 0.0)
     assert bool(((out.cpu().double() - want).abs() <= slack + _accumulation_bound(torch.zeros(64, 48), a, b)).all())
 
@@ -152,7 +153,7 @@ def test_tf32x3_gemm_reads_strided_views_across_tiles():
     split_a = tuple(part.T for part in split_tf32(a.T.to(DEVICE)))  # parts with a's strides, as the launcher's F^T
     assert split_a[0].stride() == split_a[1].stride() == a.stride()
     with _tensor_cores("rn"):
-        launch.tf32x3_addmm_(target[:, 2 : 2 + n], split_a, split_tf32(b.to(DEVICE)))
+        triton_dense.tf32x3_addmm_(target[:, 2 : 2 + n], split_a, split_tf32(b.to(DEVICE)))
     got = target.cpu()
     assert torch.equal(got[:, :2], wide[:, :2]) and torch.equal(got[:, 2 + n :], wide[:, 2 + n :])
     slack = BOUND * (a.double().abs() @ b.double().abs()) if CUDA else 0.0  # a GPU's own rounding of the low parts
@@ -164,7 +165,7 @@ def test_tf32x3_gemm_needs_its_parts_alike():
     a = torch.randn(8, 16, device=DEVICE)
     hi, lo = split_tf32(a)
     with pytest.raises(ValueError, match="share their strides"):
-        launch.tf32x3_addmm_(torch.zeros(8, 8, device=DEVICE), (hi, lo.T.contiguous().T),
+        triton_dense.tf32x3_addmm_(torch.zeros(8, 8, device=DEVICE), (hi, lo.T.contiguous().T),
                              split_tf32(torch.randn(16, 8, device=DEVICE)))
 
 

@@ -24,7 +24,7 @@ from helpers import (  # noqa: F401  (one_thread: autouse)
 
 from cgist import GistOptions
 from cgist.stage.numerics import compute_dtype
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.stats import COUNT_FIELDS, SUM_FIELDS
 from cgist.stage.triton import gist_loss_and_grads
 
@@ -67,7 +67,7 @@ def test_counters_match_oracle_and_streaming(case):
 
     _, _, counters = gist_loss_and_grads([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
                                          need_grads=False, need_stats=True)
-    _, _, torch_counters = streaming.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)
+    _, _, torch_counters = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)
     for pair in (counters, torch_counters):
         assert pair[0].dtype == torch.int64 and pair[0].shape == (len(COUNT_FIELDS),)
         assert pair[1].dtype == compute_dtype(student[0].dtype) and pair[1].shape == (len(SUM_FIELDS),)

@@ -204,13 +204,15 @@ def test_an_empty_positive_is_a_constant_score(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_row_blocks_are_really_split(backend, monkeypatch):
     """The small budget of the test above makes several row blocks (else it tests one block twice)."""
-    from cgist.stage.pytorch import maxsim
+    import importlib
+
+    from cgist.stage.spec.block import block_softmax
 
     queries, query_mask, documents, document_masks, *_ = _problem(0)
     firsts = []
-    softmax = maxsim.block_softmax
-    monkeypatch.setattr(maxsim, "block_softmax",
-                        lambda call, first, *args: firsts.append(first) or softmax(call, first, *args))
+    stage = importlib.import_module(f"cgist.stage.{'pytorch' if backend == 'torch' else 'triton'}.maxsim")
+    monkeypatch.setattr(stage, "block_softmax",
+                        lambda call, first, *args: firsts.append(first) or block_softmax(call, first, *args))
     q, *docs = _leaves([queries, *documents])  # with gradients, as the test above
     cgist.maxsim_loss(q, query_mask, docs, document_masks, guide="self", offset=1,
                       block_bytes=ROW_BLOCK_BYTES[backend], backend=backend)
@@ -276,7 +278,7 @@ def test_no_guide_is_the_ranking_loss():
     (dict(guide="self", margin_strategy="lower"), ValueError, "margin_strategy"),
     (dict(guide="self", margin=float("nan")), ValueError, "margin must be a finite"),
     (dict(guide="self", mask_duplicates=True), ValueError, "mask_duplicates needs text_ids"),
-    (dict(guide="self", text_ids="ids"), ValueError, "text_ids must be a list"),
+    (dict(guide="self", text_ids="ids"), TypeError, "text_ids must be a list"),
     (dict(guide="vectors-short"), ValueError, r"guide\[2\] must have shape"),
     (dict(guide="vectors-nan"), ValueError, "NaN"),
     (dict(guide="tokens-no-masks"), ValueError, "needs guide_masks"),
@@ -340,19 +342,19 @@ def _step(loss, labels=None):
     model.eval()  # no dropout: two passes see the same vectors
     model.zero_grad()
     captured = {}
-    original = cgist.losses.multi_vector.maxsim_loss
+    original = cgist.losses.columns.maxsim_call
 
-    def capture(queries, query_masks, documents, document_masks, **kwargs):
+    def capture(queries, query_masks, documents, document_masks, options, **kwargs):
         captured.update(queries=queries, query_masks=query_masks, documents=documents, masks=document_masks,
-                        kwargs=kwargs)
-        return original(queries, query_masks, documents, document_masks, **kwargs)
+                        options=options, kwargs=kwargs)
+        return original(queries, query_masks, documents, document_masks, options, **kwargs)
 
-    cgist.losses.multi_vector.maxsim_loss = capture
+    cgist.losses.columns.maxsim_call = capture
     try:
         value = loss(_features(model), labels)
         value.backward()
     finally:
-        cgist.losses.multi_vector.maxsim_loss = original
+        cgist.losses.columns.maxsim_call = original
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return value.detach(), grads, captured
 
@@ -445,7 +447,7 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached, contrast):
     expected, mask = maxsim_gist_loss_reference(
         queries, query_mask, list(documents), list(masks), guide_args.pop("guide"), scale=5.0, margin=0.05,
         text_ids=captured["kwargs"]["text_ids"], mask_duplicates=source == "self",
-        guide_length_normalize=captured["kwargs"]["guide_length_normalize"], contrast_anchors=contrast,
+        guide_length_normalize=captured["options"].guide_similarity == "mean_maxsim", contrast_anchors=contrast,
         contrast_positives=contrast, **guide_args)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     first = len(QUERIES)

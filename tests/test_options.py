@@ -22,8 +22,13 @@ def test_rejects_bad_options(overrides, error, match):
 
 def test_defaults_are_those_of_gist_loss():
     """The same defaults, but for the masks: gist_loss decides those by its guide (None), and with the guide's own
-    embeddings that gives the options' defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GistOptions)}
+    embeddings that gives the options' defaults. gist_loss takes every field but those of the token scores alone
+    (``cgist.stage.spec.scores``: the dense score's call)."""
+    from cgist.stage.spec.scores import DENSE, SCORES
+
+    tokens_only = {name for score in SCORES for name in score.options} - set(DENSE.options)
+    assert tokens_only == {"guide_similarity"}
+    defaults = {f.name: f.default for f in dataclasses.fields(GistOptions) if f.name not in tokens_only}
     keywords = {name: p.default for name, p in inspect.signature(cgist.gist_loss).parameters.items() if name in defaults}
     assert set(keywords) == set(defaults)
     masks = ("mask_self", "mask_duplicates")

@@ -30,7 +30,7 @@ from sentence_transformers.sentence_transformer.training_args import SentenceTra
 from sentence_transformers.util import dot_score
 
 import cgist
-import cgist.losses.base
+import cgist.losses.columns
 from cgist.compat import release_rules
 from cgist import FusedGISTEmbedLoss, FusedMultipleNegativesRankingLoss, FusedMultipleNegativesSymmetricRankingLoss
 from cgist.losses.matryoshka import FusedMatryoshka
@@ -228,11 +228,11 @@ def test_gathered_candidates_on_another_rank(student, guide, monkeypatch):
         other = others.setdefault((index, local.shape), torch.randn(local.shape, dtype=local.dtype, generator=gen))
         return torch.cat([other, local])
 
-    for module in (st_gist_module, cgist.losses.base):
+    for module in (st_gist_module, cgist.losses.columns):
         monkeypatch.setattr(module, "all_gather_with_grad", fake_gather)
         monkeypatch.setattr(module, "get_rank", lambda: 1)
     # The other rank's texts: ids of their own (no duplicates of this rank's texts among them).
-    monkeypatch.setattr(cgist.losses.base, "all_gather", lambda ids: torch.cat([ids + 2**40, ids]))
+    monkeypatch.setattr(cgist.losses.columns, "all_gather", lambda ids: torch.cat([ids + 2**40, ids]))
     _compare(lambda fused: (FusedGISTEmbedLoss if fused else GISTEmbedLoss)(student, guide, margin=0.1,
                                                                             gather_across_devices=True),
              student, columns)

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from cgist import GistOptions
 from cgist.stage import ties
 from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for
 from cgist.stage.dispatch import route
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 
 # No float64 unless the inputs are float64 ------------------------------------------------------------------------
 
@@ -175,27 +176,32 @@ def test_auto_route_by_capability(fake_gpu, capability, expected):
         assert "below sm_80" in why
 
 
+def _call_on(device: torch.device, dtype: torch.dtype = torch.float32) -> types.SimpleNamespace:
+    """What the router reads of a dense call (its score, device and dtypes), on ``device`` (no tensor is made there)."""
+    return types.SimpleNamespace(options=GistOptions(), device=device, dtype=dtype, guide_dtype=dtype)
+
+
 def test_auto_route_on_rocm_and_other_devices(fake_gpu):
     fake_gpu((9, 0), hip="6.2")
     assert route.auto_route(CUDA0, torch.float32, torch.float32) == (
         "torch", "ROCm: the Triton kernels are untested on AMD GPUs")
-    assert route.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
+    assert route.select_stage(_call_on(CUDA0), "auto") is pytorch_dense
     for device in ("cpu", "mps"):
         assert route.auto_route(torch.device(device), torch.float32, torch.float32)[0] == "torch"
 
 
 def test_cgist_backend_overrides_auto(fake_gpu, monkeypatch):
-    import cgist.stage.triton
+    from cgist.stage.triton import dense as triton_dense
 
     fake_gpu((9, 0))
     monkeypatch.setenv(route.BACKEND_ENV, "torch")
-    assert route.select_backend("auto", CUDA0) is streaming.gist_loss_and_grads
+    assert route.select_stage(_call_on(CUDA0), "auto") is pytorch_dense
     monkeypatch.setenv(route.BACKEND_ENV, "triton")
-    assert route.select_backend("auto", CUDA0) is cgist.stage.triton.gist_loss_and_grads
-    assert route.select_backend("torch", CUDA0) is streaming.gist_loss_and_grads  # only "auto" is overridden
+    assert route.select_stage(_call_on(CUDA0), "auto") is triton_dense
+    assert route.select_stage(_call_on(CUDA0), "torch") is pytorch_dense  # only "auto" is overridden
     monkeypatch.setenv(route.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match=r"CGIST_BACKEND must be one of \('auto', 'torch', 'triton'\) .*got 'cuda'"):
-        route.select_backend("auto", CUDA0)
+        route.select_stage(_call_on(CUDA0), "auto")
 
 
 def _import_error(name: str) -> str:
@@ -221,17 +227,17 @@ def test_auto_says_once_why_the_kernels_cannot_be_imported(fake_gpu, monkeypatch
 
     with caplog.at_level(logging.WARNING, logger="cgist"):
         for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
-            assert route.select_backend("auto", CUDA0, dtype) is streaming.gist_loss_and_grads
+            assert route.select_stage(_call_on(CUDA0, dtype), "auto") is pytorch_dense
         chosen, why = route.auto_route(CUDA0, torch.float16, torch.float16)
         assert chosen == "torch" and no_triton in why
         assert len(notices()) == 1, notices()
         assert notices()[0].startswith(f"cgist: the Triton kernels cannot be imported ({no_triton})")
-        assert "backend='auto' runs the PyTorch streaming path" in notices()[0]
+        assert "backend='auto' runs the PyTorch path" in notices()[0]
         assert f"pip install 'triton>={oldest}'" in notices()[0] and "\n" not in notices()[0]
 
         # another cause: Triton imports, the backend does not
         monkeypatch.setitem(sys.modules, "cgist.stage.triton", None)
-        no_backend = _import_error("cgist.stage.triton")
+        no_backend = _import_error("cgist.stage.triton.dense")
         for _ in range(2):
             assert route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)[0] == "torch"
         assert len(notices()) == 2 and f"({no_backend})" in notices()[1]
@@ -263,10 +269,10 @@ class _FailingKernel:
 def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, caplog, fresh_route):
     """With "auto", a launch error runs the streaming path instead, logs once (device, dtypes, error) and is
     remembered for that device and dtype pair; "triton" raises it."""
-    from cgist.stage.triton import launch
+    from cgist.stage.triton import dense as triton_dense
 
     kernel = _FailingKernel()
-    monkeypatch.setattr(launch, "tuned_fwd_kernel", kernel)
+    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", kernel)
     # CPU tensors stand in for the GPU's (the launcher runs on them under the interpreter)
     monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
@@ -285,7 +291,7 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
     assert len(warnings) == 1
     message = warnings[0].getMessage()
     assert "cpu" in message and "float32 embeddings with a float32 guide" in message and "OutOfResources" in message
-    assert list(route.kernel_failures()) == [("cpu", torch.float32, torch.float32)]
+    assert list(route.kernel_failures()) == [("dense", "cpu", torch.float32, torch.float32)]
 
     # another dtype pair is tried on its own
     cgist.gist_loss([s.double() for s in student], [g.double() for g in guide], backend="auto", **options)
@@ -299,9 +305,9 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
 
 def test_the_fallback_keeps_every_argument(monkeypatch, fresh_route):
     """A call with text ids (duplicates masked, no guide) falls back with them: the streaming path's result."""
-    from cgist.stage.triton import launch
+    from cgist.stage.triton import dense as triton_dense
 
-    monkeypatch.setattr(launch, "tuned_fwd_kernel", _FailingKernel())
+    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", _FailingKernel())
     monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
     monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     student, _ = make_inputs(4, 8, 6, 6, 1, torch.float32, seed=5)
@@ -316,10 +322,17 @@ def test_out_of_memory_is_not_a_kernel_failure(fresh_route):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    run = route._with_fallback(out_of_memory, torch.device("cpu"), torch.float32, torch.float32)
-    student, guide = make_inputs(3, 3, 4, 4, 0, torch.float32)
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        run(student, guide, GistOptions(), need_grads=False, need_stats=False)
+    from cgist.stage.spec.dense import dense_call
+
+    stage = route._WithFallback(types.SimpleNamespace(forward=out_of_memory, backward=out_of_memory), pytorch_dense)
+    call = dense_call(*make_inputs(3, 3, 4, 4, 0, torch.float32), GistOptions())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CGIST_SELF_CHECK", "0")
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            stage.forward(call, False, False)
+        state = (stage.kernels, None)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            stage.backward(call, state, torch.ones(()))
     assert route.kernel_failures() == {}
 
 

@@ -237,7 +237,7 @@ def _chunk_budget(draw, dtype: str, options: GistOptions, rows: list[int], top: 
     autotuner picks at run time, a small budget drawn log-uniformly."""
     if tiles is None:
         return 2 ** draw(st.integers(12, 24)), "gpu budget"
-    from cgist.stage.triton.launch import input_precision
+    from cgist.stage.triton.common import input_precision
 
     batch, widest, n_dims = rows[0], max(_widths(options, rows)), len(options.dims(top))
     parts = 2 if input_precision(DTYPES[dtype]) == "tf32x3" else 1  # fp32 operands split for tf32x3 products

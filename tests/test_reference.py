@@ -22,10 +22,10 @@ from helpers_models import computed_on
 from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.sentence_transformer.losses import cached_gist_embed as st_module
 
-import cgist.losses.base
+import cgist.losses.columns
 from cgist import FusedCachedGISTLoss, GistOptions, gist_loss
 from cgist.compat import release_rules
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.reference import gist_loss_reference
 
 D, DG = 24, 16
@@ -164,7 +164,7 @@ def _check(case: Case, models, monkeypatch) -> None:
 
     fused_loss, fused_grads = _run_loss_object(
         FusedCachedGISTLoss(*models, mini_batch_size=MINI_BATCH, gather_across_devices=case.gather, **loss_kwargs(case.options)),
-        cgist.losses.base, monkeypatch, case, local, local_guide, gathered, gathered_guide,
+        cgist.losses.columns, monkeypatch, case, local, local_guide, gathered, gathered_guide,
     )
     assert all(torch.isfinite(fused).all() for fused in fused_grads)
     assert_close("fused vs ST", (st_loss, dict(zip(names, st_grads))), (fused_loss, dict(zip(names, fused_grads))),
@@ -176,7 +176,7 @@ def _check(case: Case, models, monkeypatch) -> None:
     functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", mask_self=mask_self,
                            **loss_kwargs(case.options))
     assert_close("functional vs ST", st_loss, functional, tol[0])
-    stream_loss, stream_grads, _ = streaming.gist_loss_and_grads(
+    stream_loss, stream_grads, _ = pytorch_dense.gist_loss_and_grads(
         [local[0], *candidates], guide, options.replace(block_bytes=1), need_grads=True
     )
     lo, hi = offset, offset + case.batch

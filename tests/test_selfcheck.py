@@ -18,8 +18,10 @@ from test_kernels import _HostReads
 import cgist
 from cgist import GistOptions
 from cgist.stage.dispatch import route, selfcheck
-from cgist.stage.pytorch import streaming
-from cgist.stage.triton import gist_loss_and_grads, launch
+from cgist.stage.pytorch import dense as pytorch_dense
+from cgist.stage.spec import dense
+from cgist.stage.spec.dense import dense_call
+from cgist.stage.triton import dense as triton_dense
 
 ROWS_HERE = 24
 OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
@@ -46,6 +48,14 @@ def auto_runs_kernels(monkeypatch):
     route.reset()
 
 
+def _check(variant: dense.Variant, options: GistOptions, n_columns: int) -> selfcheck.Check:
+    """The first-use check of ``variant`` (the dense score's check problem) on the interpreted kernels."""
+    student, guide, checked, text_ids = dense.check_inputs(variant, options, n_columns, torch.device("cpu"),
+                                                           ROWS_HERE)
+    problem = dense_call(student, guide, checked, text_ids=text_ids)
+    return selfcheck.check_call(triton_dense, pytorch_dense, problem, variant)
+
+
 def _inputs(dtype=torch.float32):
     return make_inputs(5, 10, 12, 8, 1, dtype, seed=3, requires_grad=True)
 
@@ -61,31 +71,31 @@ def _same(a, b) -> bool:
 
 
 def _wrong_loss(monkeypatch):
-    loss = launch.ForwardState.loss
-    monkeypatch.setattr(launch.ForwardState, "loss", lambda self: loss(self) * 1.01)
+    loss = triton_dense.ForwardState.loss
+    monkeypatch.setattr(triton_dense.ForwardState, "loss", lambda self: loss(self) * 1.01)
 
 
 def _wrong_gradient(monkeypatch):
     """The first negative's gradient 1% too large."""
-    gradients = launch.BackwardWork.gradients
+    gradients = triton_dense.BackwardWork.gradients
 
     def wrong(self):
         grads = gradients(self)
         grads[2] = grads[2] * 1.01
         return grads
 
-    monkeypatch.setattr(launch.BackwardWork, "gradients", wrong)
+    monkeypatch.setattr(triton_dense.BackwardWork, "gradients", wrong)
 
 
 def _wrong_count(monkeypatch):
     """One masked entry too many in the anchor-negative block."""
-    counters = launch.ForwardState.counters
+    counters = triton_dense.ForwardState.counters
 
     def wrong(self):
         counts, sums = counters(self)
         return counts + (torch.arange(len(counts)) == 3), sums
 
-    monkeypatch.setattr(launch.ForwardState, "counters", wrong)
+    monkeypatch.setattr(triton_dense.ForwardState, "counters", wrong)
 
 
 WRONG = {"loss": (_wrong_loss, "loss 1.0e-02"), "gradient": (_wrong_gradient, "gradients 1.0e-02"),
@@ -116,7 +126,7 @@ def test_a_wrong_kernel_is_caught_falls_back_and_is_logged_once(auto_runs_kernel
     assert numbers in message and "run `cgist doctor`" in message
     assert route.kernel_failures() == {}  # a disagreement is remembered per variant, not as a build failure
     (variant, check), = route.first_use_checks().items()
-    assert variant == selfcheck.variant_of("cpu", student, guide, GistOptions(**OPTIONS)) and not check.ok
+    assert variant == dense.variant_of(dense_call(student, guide, GistOptions(**OPTIONS)), "cpu") and not check.ok
 
 
 def test_the_count_check_compares_every_field(auto_runs_kernels, monkeypatch):
@@ -161,7 +171,7 @@ def test_a_kernel_failing_in_the_check_falls_back_as_a_build_failure(auto_runs_k
     def fail(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")
 
-    monkeypatch.setattr(launch, "gist_backward", fail)
+    monkeypatch.setattr(triton_dense.BackwardWork, "run", fail)
     student, guide = _inputs()
     want = _loss_and_grads(student, guide, "torch")
     with caplog.at_level(logging.WARNING, logger="cgist.function"):
@@ -169,28 +179,26 @@ def test_a_kernel_failing_in_the_check_falls_back_as_a_build_failure(auto_runs_k
         assert _same(_loss_and_grads(student, guide, "auto"), want)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: PassManager::run failed" in warnings[0]
-    assert list(route.kernel_failures()) == [("cpu", torch.float32, torch.float32)]
+    assert list(route.kernel_failures()) == [("dense", "cpu", torch.float32, torch.float32)]
 
 
 def test_a_warm_call_reads_no_value_on_the_host(auto_runs_kernels):
     """After its check, a variant's call runs the kernels alone: nothing waits for the device."""
     student, guide = make_inputs(13, 26, 40, 24, 1, torch.float32, 0)
-    options = GistOptions(margin=0.1, offset=5, matryoshka_dims=(40, 20))
-    run = route.select_backend("auto", torch.device("cpu"), torch.float32, torch.float32)
-    run(student, guide, options, need_grads=True, need_stats=True)
+    call = dense_call(student, guide, GistOptions(margin=0.1, offset=5, matryoshka_dims=(40, 20)))
+    stage = route.select_stage(call, "auto")
+    stage.forward(call, True, True)
     assert len(auto_runs_kernels) == 1
     with _HostReads() as probe:
-        run(student, guide, options, need_grads=True, need_stats=True)
+        stage.forward(call, True, True)
     assert probe.ops == [] and len(auto_runs_kernels) == 1
 
 
 def test_the_check_reports_its_cost():
     """The check times itself: under the interpreter, all of it is running (nothing compiles)."""
-    options = GistOptions()
-    variant = selfcheck.make_variant("cpu", torch.float32, torch.float32, 40, 24, options)
+    variant = dense.make_variant("cpu", torch.float32, torch.float32, 40, 24, GistOptions())
     start = time.perf_counter()
-    check = selfcheck.check_call(gist_loss_and_grads, streaming.gist_loss_and_grads, variant, options, 3,
-                                 torch.device("cpu"), ROWS_HERE)
+    check = _check(variant, GistOptions(), 3)
     assert 0 < check.seconds <= time.perf_counter() - start
     assert check.ok, check.numbers()
 
@@ -204,37 +212,40 @@ def test_right_kernels_pass_in_every_dtype_pair(pair):
     options = GistOptions(matryoshka_dims=(40, 16), mask_duplicates=True, all_anchors=True, contrast_anchors=False,
                           directions=("query_to_doc", "doc_to_query"), hardness_mode="all_negatives",
                           hardness_strength=2.0)
-    variant = selfcheck.make_variant("cpu", pair[0], pair[1], 40, 24, options)
-    check = selfcheck.check_call(gist_loss_and_grads, streaming.gist_loss_and_grads, variant, options, 4,
-                                 torch.device("cpu"), ROWS_HERE)
+    variant = dense.make_variant("cpu", pair[0], pair[1], 40, 24, options)
+    check = _check(variant, options, 4)
     assert check.ok, check.numbers()
     assert check.counts["masked_dq"][1] > 0 and check.counts["masked_an"][1] > 0
 
 
+def _variant(device: str, student, guide, options: GistOptions) -> dense.Variant:
+    return dense.variant_of(dense_call(student, guide, options), device)
+
+
 def test_the_variant_is_what_selects_the_kernels():
     student, guide = _inputs()
-    base = selfcheck.variant_of("cuda:0", student, guide, GistOptions())
+    base = _variant("cuda:0", student, guide, GistOptions())
     same = [GistOptions(offset=5, margin=0.3, temperature=0.1, contrast_anchors=False, mask_self=True)]
-    assert all(selfcheck.variant_of("cuda:0", student, guide, o) == base for o in same)
-    assert selfcheck.variant_of("cuda:0", [list(s.split(2)) for s in student], guide, GistOptions()) == base
-    assert selfcheck.variant_of("cuda:0", student[:2], guide[:2], GistOptions()) == base  # negatives: runtime
+    assert all(_variant("cuda:0", student, guide, o) == base for o in same)
+    assert _variant("cuda:0", [list(s.split(2)) for s in student], guide, GistOptions()) == base
+    assert _variant("cuda:0", student[:2], guide[:2], GistOptions()) == base  # negatives: runtime
     others = [
-        selfcheck.variant_of("cuda:1", student, guide, GistOptions()),
-        selfcheck.variant_of("cuda:0", student, None, GistOptions()),
-        selfcheck.variant_of("cuda:0", student, [g.bfloat16() for g in guide], GistOptions()),
-        selfcheck.variant_of("cuda:0", student, guide, GistOptions(matryoshka_dims=(12, 6))),
-        selfcheck.variant_of("cuda:0", student, guide, GistOptions(directions=("query_to_doc", "doc_to_query"),
-                                                                   contrast_anchors=False)),
-        selfcheck.variant_of("cuda:0", [s[:, :8] for s in student], guide, GistOptions()),
+        _variant("cuda:1", student, guide, GistOptions()),
+        _variant("cuda:0", student, None, GistOptions()),
+        _variant("cuda:0", student, [g.bfloat16() for g in guide], GistOptions()),
+        _variant("cuda:0", student, guide, GistOptions(matryoshka_dims=(12, 6))),
+        _variant("cuda:0", student, guide, GistOptions(directions=("query_to_doc", "doc_to_query"),
+                                                        contrast_anchors=False)),
+        _variant("cuda:0", [s[:, :8] for s in student], guide, GistOptions()),
     ]
     assert len({base, *others}) == 1 + len(others)
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        assert selfcheck.variant_of("cuda:0", student, guide, GistOptions()) != base
+        assert _variant("cuda:0", student, guide, GistOptions()) != base
         assert selfcheck.score_precision(torch.float32) == "tf32"
         half = [s.bfloat16() for s in student], [g.bfloat16() for g in guide]
-        assert selfcheck.variant_of("cuda:0", *half, GistOptions()).precision == ""
+        assert _variant("cuda:0", *half, GistOptions()).precision == ""
     finally:
         torch.set_float32_matmul_precision(previous)
 
@@ -248,13 +259,13 @@ def test_no_guide_score_of_the_problem_is_near_its_threshold(dim_g, strategy, gu
     every block is masked."""
     options = GistOptions(margin_strategy=strategy, directions=("query_to_doc", "doc_to_query"),
                           contrast_anchors=False, all_anchors=True, mask_duplicates=True)
-    variant = selfcheck.make_variant("cpu", torch.float32, guide_dtype, 16, dim_g, options)
-    _, guide, checked, text_ids = selfcheck.check_inputs(variant, options, 4, torch.device("cpu"))
-    assert checked.margin == selfcheck.MARGIN and checked.offset == 0 and checked.temperature == 0.05
+    variant = dense.make_variant("cpu", torch.float32, guide_dtype, 16, dim_g, options)
+    _, guide, checked, text_ids = dense.check_inputs(variant, options, 4, torch.device("cpu"))
+    assert checked.margin == dense.MARGIN and checked.offset == 0 and checked.temperature == 0.05
     assert len(guide) == 4 and torch.equal(guide[3], guide[0]) and len(text_ids) == 4
     unit = [torch.nn.functional.normalize(g.double(), dim=1) for g in guide]
     theta = (unit[0] * unit[1]).sum(1, keepdim=True)
-    threshold = theta - selfcheck.MARGIN * (theta.abs() if strategy == "relative" else 1.0)
+    threshold = theta - dense.MARGIN * (theta.abs() if strategy == "relative" else 1.0)
     for rows in (unit[0], unit[1]):  # anchor rows and positive rows (offset 0)
         for column in unit:
             scores = rows @ column.T

@@ -1,4 +1,4 @@
-"""cgist.stage.pytorch.streaming: the PyTorch streaming path against the dense float64 oracle."""
+"""cgist.stage.pytorch.dense: the PyTorch streaming path against the dense float64 oracle."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cgist import GistOptions
 from cgist.stage import budget
-from cgist.stage.pytorch import streaming, workspace
-from cgist.stage.pytorch.streaming import gist_loss_and_grads
+from cgist.stage.pytorch import dense as pytorch_dense, workspace
+from cgist.stage.pytorch.dense import gist_loss_and_grads
 from cgist.stage.reference import gist_loss_reference, gist_scores
 
 
@@ -242,12 +242,12 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     student[2][2] = student[0][2]  # a negative equal to anchor 2
     guide[2][2] = -guide[0][2]  # that the guide does not mask
     calls = []
-    real = streaming._RowBlock.masked_logits
-    monkeypatch.setattr(streaming._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = pytorch_dense._RowBlock.masked_logits
+    monkeypatch.setattr(pytorch_dense._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
     assert float(expected.detach()) > 100  # the case is what it claims
-    problem = streaming._StreamingCall(student, guide, GistOptions(offset=6), True, False)
-    n_tiles = len(streaming._tiles(problem, budget.TILE_COLS if block_bytes is None else 1))
+    problem = pytorch_dense._StreamingCall(student, guide, GistOptions(offset=6), True, False)
+    n_tiles = len(pytorch_dense._tiles(problem, budget.TILE_COLS if block_bytes is None else 1))
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from cgist import GistOptions
 from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for, triton_release
 from cgist.stage.dispatch import route
-from cgist.stage.pytorch import streaming
+from cgist.stage.pytorch import dense as pytorch_dense
 
 triton = pytest.importorskip("triton")
 
@@ -62,7 +64,8 @@ def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hoppe
     hopper(older)
     with caplog.at_level(logging.WARNING, logger="cgist"):
         for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
-            assert route.select_backend("auto", CUDA0, dtype) is streaming.gist_loss_and_grads
+            call = types.SimpleNamespace(options=GistOptions(), device=CUDA0, dtype=dtype, guide_dtype=dtype)
+            assert route.select_stage(call, "auto") is pytorch_dense
         chosen, why = route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
     assert chosen == "torch"
     notices = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -81,10 +84,11 @@ def test_auto_runs_the_kernels_under_a_checked_triton(hopper, caplog, version):
 
 
 def test_an_explicit_triton_backend_is_not_gated(hopper):
-    import cgist.stage.triton
+    from cgist.stage.triton import dense as triton_dense
 
     hopper("3.0.0")
-    assert route.select_backend("triton", CUDA0) is cgist.stage.triton.gist_loss_and_grads
+    call = types.SimpleNamespace(options=GistOptions(), device=CUDA0, dtype=torch.float32, guide_dtype=torch.float32)
+    assert route.select_stage(call, "triton") is triton_dense
 
 
 def test_triton_release():
@@ -138,7 +142,7 @@ def test_a_changed_tile_table_fails_the_hash_test(tmp_path):
 
 
 @pytest.mark.parametrize(("file", "old", "new"), [
-    ("cgist/stage/triton/launch.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
+    ("cgist/stage/triton/common.py", '"tf32x3" if', '"tf32" if'),  # the launcher's input precision of fp32
     ("cgist/stage/devices.py", "(8, 6): (86, 99)", "(8, 6): (80, 99)"),  # the tile family of sm_86
     # which release takes which tables
     ("cgist/stage/triton/tiles.py", "_OLDER_TRITON.get(release, {})", "_OLDER_TRITON.get((3, 8), {})"),

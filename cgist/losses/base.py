@@ -4,6 +4,7 @@
 A drop-in is one class over three pieces and sentence-transformers' own loss class, which it replaces::
 
     class FusedCachedGISTLoss(GistFamily, CachedStep, CachedGISTEmbedLoss): ...
+    class FusedMultiVectorGISTLoss(MultiVectorGistFamily, PlainStep, MultiVectorMultipleNegativesRankingLoss): ...
 
 * ``FusedDropIn`` (here) owns what every drop-in does: its constructor (sentence-transformers' arguments, checked and
   handed to its constructor, then cgist's own options of ``cgist.losses.options``, keyword-only), the options read off
@@ -13,8 +14,10 @@ A drop-in is one class over three pieces and sentence-transformers' own loss cla
 * The step (``cgist.losses.steps``): how a batch is embedded, GradCache's mini-batches (``CachedStep``) or one
   forward pass (``PlainStep``): its attributes and their checks, ``forward``, and sentence-transformers' own loss over
   a step's embeddings.
-* The family (``cgist.losses.gist``, ``cgist.losses.ranking``): its hyperparameters checked and turned into the
-  loss stage's ``GistOptions``, and its guide, if any.
+* The family (``cgist.losses.gist``, ``cgist.losses.ranking``, ``cgist.losses.multi_vector``,
+  ``cgist.losses.multi_vector_gist``): its hyperparameters checked and turned into the loss stage's ``GistOptions``
+  (one options object for every family and score), its guide, if any, and its score's columns
+  (``cgist.losses.columns``: the loss stage's call over a step's embeddings).
 
 Each piece declares its hooks here, with what they must do. This module imports no family.
 """
@@ -32,18 +35,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.util import all_gather, all_gather_with_grad, get_rank
 from torch import Tensor
 
 from ..compat import note_untested_release
-from ..function import gist_loss_with_options
+from ..stage.node import run
+from ..stage.spec.call import StageCall
 from ..stage.spec.options import GistOptions
 from ..stage.stats import GistStats
 from ..stage.ties import token_fingerprints
 from .matryoshka import FusedMatryoshka
 from .options import Option, options_of
 
-__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "StepInputs"]
+__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "StepInputs", "backward_if"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,51 +91,21 @@ def _column_fingerprints(feature: dict[str, Tensor]) -> Tensor:
     return token_fingerprints(input_ids, feature.get("attention_mask"))
 
 
-def fused_loss_stage(
-    reps: list[list[Tensor]], guide: list | str | None, text_ids: list[Tensor] | None, options: GistOptions, *,
-    backend: str, gather: bool, with_backward: bool, dims: tuple[tuple[int, float], ...] | None = None,
-) -> tuple[Tensor, GistStats]:
-    """The loss stage of a step: the loss over a step's embeddings ``reps`` (a cached step's mini-batches, or a plain
-    step's one chunk per column) and its statistics.
-
-    Each column stays a list of its mini-batches (the loss stage takes them as row chunks, so the embeddings are not
-    concatenated into a copy). With ``gather`` the candidates are gathered with gradients from every rank, as
-    sentence-transformers does, and so are the anchors when a direction scores against them; the guide's columns
-    (``guide``: a list of the guide's columns, "self" or None) and the text ids go with them. ``dims`` are Matryoshka
-    ``(d, w_d)`` pairs. With ``with_backward`` the embedding gradients are accumulated into the leaves' ``.grad``
-    and the loss is returned detached.
-    """
-    anchors, *candidates = (list(r) for r in reps)
-    if gather:
-        batch = sum(r.shape[0] for r in anchors)
-        check_equal_batches(batch, anchors[0].device)
-        everyone = options.reads_anchors
-        candidates = [all_gather_with_grad(torch.cat(c)) for c in candidates]
-        if everyone:  # every rank's anchors, as one more column
-            candidates.append(all_gather_with_grad(torch.cat(anchors)))
-        if isinstance(guide, list):  # the guide model's mini-batches, or the label column's whole columns
-            whole = [torch.cat(c) if isinstance(c, (list, tuple)) else c for c in guide]
-            gathered = [all_gather_with_grad(c) for c in whole[1:]]
-            guide = [guide[0], *gathered, *([all_gather_with_grad(whole[0])] if everyone else [])]
-        if text_ids is not None:
-            text_ids = [text_ids[0], *(all_gather(t) for t in text_ids[1:]), *([all_gather(text_ids[0])] if everyone else [])]
-        options = options.replace(offset=get_rank() * batch, all_anchors=everyone)
-    if dims is not None:
-        # MatryoshkaLoss scores normalised prefixes (its ``shrink``), so even a dot-product loss scores cosines.
-        options = options.replace(matryoshka_dims=tuple(d for d, _ in dims), matryoshka_weights=tuple(w for _, w in dims),
-                                  similarity="cos")
-    loss, stats = gist_loss_with_options([anchors, *candidates], guide, options, backend=backend, return_stats=True,
-                                         text_ids=text_ids)
-    if with_backward:
-        loss.backward()
-        loss = loss.detach()
-    return loss, stats
+def backward_if(loss: Tensor, with_backward: bool) -> Tensor:
+    """A loss-stage call's end under GradCache's ``with_backward``: its gradients accumulated into the leaves'
+    ``.grad`` and the loss detached; without, the loss as it is."""
+    if not with_backward:
+        return loss
+    loss.backward()
+    return loss.detach()
 
 
 def attribute_key(obj: object, names: Iterable[str]) -> tuple:
     """The values of the attributes ``names`` of ``obj`` (None where one is missing), each with its type, so that
-    ``1`` and ``True`` or ``0`` and ``0.0`` differ: what a drop-in's options are rebuilt on."""
-    return tuple((type(value), value) for value in (getattr(obj, name, None) for name in names))
+    ``1`` and ``True`` or ``0`` and ``0.0`` differ: what a drop-in's options are rebuilt on. A tensor (a learned
+    ``scale`` or ``temperature``) counts by its identity: its value is read at each call (``temperature_tensor``)."""
+    return tuple((type(value), id(value) if isinstance(value, Tensor) else value)
+                 for value in (getattr(obj, name, None) for name in names))
 
 
 
@@ -169,9 +142,11 @@ class FusedDropIn:
 
     * the family: ``family`` (its name in the options table), ``family_attributes``, ``_check_arguments``,
       ``_family_key``, ``_family_options``; optionally ``_for_sentence_transformers``, ``_keep_arguments``,
-      ``_step_inputs``, ``_guide_columns``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``;
+      ``_step_inputs``, ``temperature_tensor``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``;
+    * the columns (``cgist.losses.columns``, by the family's score): ``_stage_call``, and the family's guide for it
+      (``_guide_columns`` or ``_guide_arguments``);
     * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``; a plain
-      step asks its family for ``_plain_reps_guided``, ``_embeddings_loss`` and ``_st_forward_computes``
+      step asks its columns for ``_embed`` and its family for ``_embeddings_loss`` and ``_st_forward_computes``
       (``cgist.losses.steps.PlainStep``);
     * the class: its sentence-transformers base (``replaces``, found from the bases) and ``deprecation``.
 
@@ -184,6 +159,8 @@ class FusedDropIn:
     family: str = ""
     #: sentence-transformers' attributes the family reads besides its constructor's parameters.
     family_attributes: tuple[str, ...] = ()
+    #: The family's embedding-stage attributes beyond the step's (checked with them, ``_check_embedding_stage``).
+    family_embedding_attributes: tuple[str, ...] = ()
     # -- declared by the step -----------------------------------------------------------------------------------------
     #: The embedding stage's attributes.
     embedding_attributes: tuple[str, ...] = ()
@@ -287,7 +264,8 @@ class FusedDropIn:
         """The attribute values the options are built from (``attribute_key``): sentence-transformers' constructor
         parameters, the family's and the step's attributes, cgist's own options, and the family's settings of
         objects held as attributes (``_family_key``)."""
-        names = dict.fromkeys([*_parameter_names(self.replaces, self.added_parameters), *self.family_attributes, *self.embedding_attributes,
+        names = dict.fromkeys([*_parameter_names(self.replaces, self.added_parameters), *self.family_attributes,
+                               *self.embedding_attributes, *self.family_embedding_attributes,
                                *(option.name for option in self.own_options())])
         return (*attribute_key(self, names), *self._family_key())
 
@@ -297,7 +275,8 @@ class FusedDropIn:
 
     def build_options(self) -> tuple[GistOptions | None, str | None]:
         """The attributes checked: the fused stage's options, or None and the reason it does not compute them."""
-        self._check_embedding_stage({name: getattr(self, name) for name in self.embedding_attributes})
+        self._check_embedding_stage({name: getattr(self, name, None)
+                                     for name in (*self.embedding_attributes, *self.family_embedding_attributes)})
         for option in self.own_options():
             if option.check is not None:
                 option.check(option.name, getattr(self, option.name))
@@ -371,29 +350,39 @@ class FusedDropIn:
 
     def loss_stage(self, reps: list[list[Tensor]], reps_guided: object, *, with_backward: bool,
                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
-        """``calculate_loss`` over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given: the fused loss stage, or
-        sentence-transformers' own computation where it does not run (``resolve``)."""
+        """``calculate_loss`` over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given: the fused loss stage
+        (``cgist.stage.node.run`` over the family's call, ``_stage_call``), or sentence-transformers' own computation
+        where it does not run (``resolve``). With ``with_backward`` the embedding gradients are accumulated into the
+        leaves' ``.grad`` and the loss is returned detached."""
         options = self.resolve()
-        guide = self._guide_columns(reps, reps_guided)
         if options is None:
             self.record_path(UNFUSED)
-            return self._unfused_loss(reps, self._unfused_reps_guided(reps_guided, guide), with_backward)
-        text_ids = self.step_inputs.text_ids
-        if options.mask_duplicates and text_ids is None:
-            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
-                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        loss, stats = fused_loss_stage(reps, guide, text_ids, options, backend=self.backend,
-                                       gather=self.gather_across_devices, with_backward=with_backward, dims=dims)
+            return self._unfused_loss(reps, self._unfused_reps_guided(reps_guided, reps), with_backward)
+        temperature = self.temperature_tensor()
+        if temperature is not None:  # its value now: the options were made with the attribute's identity
+            options = options.replace(temperature=float(temperature.detach()))
+            if not (temperature.requires_grad and torch.is_grad_enabled()):
+                temperature = None
+        call = self._stage_call(reps, reps_guided, options, dims, temperature)
+        loss, stats = run(call, self.backend, return_stats=True)
         self.record_path(FUSED, stats)
         self._after_fused(reps, stats, options)
-        return loss
+        return backward_if(loss, with_backward)
 
-    def _guide_columns(self, reps: list[list[Tensor]], reps_guided: object) -> list | str | None:
-        """The family: the guide the fused stage takes (``gist_loss``'s ``guide_embeddings``), checked; default
-        None (no guide)."""
+    def temperature_tensor(self) -> Tensor | None:
+        """The family: the temperature as a 0-dim tensor where the family's temperature (or scale) attribute is a
+        tensor (a learned one, an ``nn.Parameter``: it then gets the loss's derivative), checked as the family checks
+        it; else None (default)."""
         return None
 
-    def _unfused_reps_guided(self, reps_guided: object, guide: object) -> object:
+    def _stage_call(self, reps: list[list[Tensor]], reps_guided: object, options: GistOptions,
+                    dims: tuple[tuple[int, float], ...] | None, temperature: Tensor | None) -> StageCall:
+        """The score's columns (``cgist.losses.columns``): the loss stage's call over a step's embeddings ``reps``
+        (each column's mini-batches, taken as row chunks, never concatenated) and what the family passes beside them
+        (``reps_guided``), gathered across ranks with ``gather_across_devices``, with Matryoshka's ``dims``."""
+        raise NotImplementedError
+
+    def _unfused_reps_guided(self, reps_guided: object, reps: list[list[Tensor]]) -> object:
         """The family: ``reps_guided`` as sentence-transformers' own computation takes it (default: as given)."""
         return reps_guided
 

@@ -17,9 +17,10 @@ from torch import Tensor
 
 from ..compat import release_rules
 from ..stage.spec.guide import NONE, SELF
-from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real, check_margin
+from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real, check_margin, real_number
 from ..stage.stats import GistStats
 from .base import StepInputs, attribute_key, text_fingerprints
+from .columns import DenseColumns
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
 from .steps import CachedStep, PlainStep
 
@@ -43,9 +44,9 @@ def check_scalars(temperature: object, margin: object, margin_strategy: object) 
     """GIST's scalar hyperparameters, checked: a temperature other than a positive finite number makes
     sentence-transformers' loss NaN (its masked similarities are -inf before the division), and a NaN margin
     silently masks nothing, so both are errors. An infinite margin is sentence-transformers' to run (the fused stage
-    takes finite ones)."""
+    takes finite ones). The temperature may be a learned one (a 0-dim tensor, an ``nn.Parameter``): its value now."""
     _check_strategy(margin_strategy)
-    _check_real("temperature", temperature)
+    temperature = real_number("temperature", temperature)
     _check_real("margin", margin)
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}: the loss would be NaN")
@@ -73,7 +74,7 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
     return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
 
 
-class GistFamily(GuidedFamily):
+class GistFamily(GuidedFamily, DenseColumns):
     """The GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``): the guide's source, the options from
     sentence-transformers' GIST attributes and cgist's own, the guide's columns and the texts' ids read off a batch,
     the guide's statistics and the citations."""
@@ -117,7 +118,7 @@ class GistFamily(GuidedFamily):
                   or _unfused_cross_entropy(getattr(self, "cross_entropy_loss", None))
                   or (None if math.isfinite(self.margin) else f"margin={self.margin!r} (the fused stage takes a finite margin)"))
         if reason is None:
-            return options.replace(temperature=self.temperature, margin=self.margin), None
+            return options.replace(temperature=real_number("temperature", self.temperature), margin=self.margin), None
         defaults = {option.name: option.default for option in self.own_options()}
         beyond = [f"guide={self.guide!r}"] if source is NONE else []
         beyond += [f"mask_self={options.mask_self}"] if options.mask_self != release_excludes else []
@@ -154,9 +155,18 @@ class GistFamily(GuidedFamily):
             return list(self.step_inputs.guide)
         return self.guide_source.kind
 
-    def _unfused_reps_guided(self, reps_guided: object, guide: object) -> object:
+    def _unfused_reps_guided(self, reps_guided: object, reps: list[list[Tensor]]) -> object:
         # sentence-transformers' own computation takes the label column's guide as mini-batches of the guide's.
-        return [[column] for column in guide] if self.guide_source.reads_labels else reps_guided
+        if self.guide_source.reads_labels:
+            return [[column] for column in self._guide_columns(reps, reps_guided)]
+        return reps_guided
+
+    def temperature_tensor(self) -> Tensor | None:
+        """``temperature`` where it is a tensor (a learned one), checked as the constructor checks it."""
+        if not isinstance(self.temperature, Tensor):
+            return None
+        check_scalars(self.temperature, self.margin, self.margin_strategy)
+        return self.temperature
 
     @property
     def citation(self) -> str:

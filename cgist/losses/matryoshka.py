@@ -4,19 +4,16 @@ dimension of a step in one loss stage (docs/design.md#the-drop-in-protocol, docs
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .base import FusedDropIn
 
 __all__ = ["FusedMatryoshka"]
 
 
 class FusedMatryoshka:
-    """``calculate_loss`` of a fused drop-in under ``MatryoshkaLoss``: every dimension in one pass.
+    """``calculate_loss`` of a fused drop-in (``cgist.losses.base.FusedDropIn``, which installs it; this module imports
+    no drop-in) under ``MatryoshkaLoss``: every dimension in one pass.
 
     It stands in for sentence-transformers' ``CachedLossDecorator`` and reads its attributes (``fn``,
     ``matryoshka_dims``, ``matryoshka_weights``, ``n_dims_per_step``) at each call. Each call picks the dimensions
@@ -26,7 +23,7 @@ class FusedMatryoshka:
     loss per dimension, as in sentence-transformers.
     """
 
-    def __init__(self, loss: FusedDropIn, decorator: object) -> None:
+    def __init__(self, loss: torch.nn.Module, decorator: object) -> None:
         self.loss = loss
         self.decorator = decorator
 
@@ -36,7 +33,7 @@ class FusedMatryoshka:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
-    def take_over(loss: FusedDropIn, value: object) -> object:
+    def take_over(loss: torch.nn.Module, value: object) -> object:
         """``value`` replaced by a ``FusedMatryoshka`` if it is the Matryoshka decoration of ``loss``'s own method.
 
         Anything else (another wrapper, or a decorator whose shape has changed) is kept as it is: the loss then

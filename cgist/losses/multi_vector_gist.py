@@ -1,34 +1,31 @@
 """The guided multi-vector family: GIST's guide over MaxSim scores, ``FusedCachedMultiVectorGISTLoss`` and
-``FusedMultiVectorGISTLoss``, each one class over the drop-in protocol (``cgist.losses.base``): sentence-transformers'
-multi-vector ranking classes, which it subclasses, with GIST's ``guide``, ``margin_strategy`` and ``margin``
-(docs/design.md#the-guide-for-late-interaction). sentence-transformers has no guided multi-vector loss: with
-``guide=None`` these are its multi-vector ranking losses.
+``FusedMultiVectorGISTLoss``, each one class over the drop-in protocol (``cgist.losses.base``), a step and
+``MultiVectorGistFamily``: sentence-transformers' multi-vector ranking classes, which they replace, with GIST's
+``guide``, ``margin_strategy``, ``margin`` and contrast blocks (docs/design.md#the-guide-for-late-interaction).
+sentence-transformers has no guided multi-vector loss: with ``guide=None`` these are its multi-vector ranking losses.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Mapping
 
 import torch
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.multi_vector_encoder.losses import (
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
 from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 from torch import Tensor
 
 from ..stage.spec.guide import NONE, SELF
-from ..stage.spec.options import check_bools
+from ..stage.spec.options import GistOptions, check_bools
 from .base import StepInputs, text_fingerprints
 from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
-from .steps import CachedStep
-from .multi_vector import (
-    FusedCachedMultiVectorMultipleNegativesRankingLoss,
-    FusedMultiVectorMultipleNegativesRankingLoss,
-    MaxSimOptions,
-    MultiVectorFamily,
-    maxsim_normalization,
-)
+from .multi_vector import MultiVectorFamily, maxsim_normalization
+from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
 
@@ -87,34 +84,41 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         return (*super()._family_key(), self.guide_source, getattr(guide, "similarity_fn_name", None), type(scorer),
                 getattr(scorer, "length_normalize", None))
 
-    def _family_options(self) -> tuple[MaxSimOptions | None, str | None]:
+    def _family_options(self) -> tuple[GistOptions | None, str | None]:
         check_guide_scalars(self.margin, self.margin_strategy)
         check_bools(contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives)
-        source = self.guide_source
-        mask_duplicates = source is SELF if self.mask_duplicates is None else self.mask_duplicates
         options, reason = super()._family_options()
         if options is None:
-            contrast = self.contrast_anchors or self.contrast_positives
-            if source is not NONE or mask_duplicates or contrast:
+            source, mask_duplicates = self.guide_source, self._option_fields()["mask_duplicates"]
+            if source is not NONE or mask_duplicates or self.contrast_anchors or self.contrast_positives:
                 asked = "a guide" if source is not NONE else "mask_duplicates=True" if mask_duplicates else \
                     "contrast blocks"
                 raise ValueError(f"{reason}, which the fused loss stage does not compute; sentence-transformers has no "
                                  f"multi-vector loss with {asked} to compute it instead")
-            return None, reason
-        guide_length_normalize = False
+        return options, reason
+
+    def _option_fields(self) -> dict[str, object]:
+        """GIST's options over the multi-vector loss: the margin, the contrast blocks, the masks' defaults
+        (``mask_duplicates`` on with ``"self"``, off otherwise; ``mask_self`` on unless False) and a multi-vector
+        guide's score."""
+        own = self.own_fields()
+        if own["mask_duplicates"] is None:
+            own["mask_duplicates"] = self.guide_source is SELF
+        own["mask_self"] = own["mask_self"] is not False
+        guide_similarity = "cos"
         if isinstance(getattr(self, "guide", None), MultiVectorEncoder):
             guide_length_normalize = maxsim_normalization(None, self.guide)
             if guide_length_normalize is None:
                 raise ValueError(f"guide: a MultiVectorEncoder guide scores with MaxSim or MeanMaxSim (its "
                                  f"similarity_fn_name 'maxsim' or 'meanmaxsim'), got "
                                  f"{getattr(self.guide, 'similarity_fn_name', None)!r}")
-        return dataclasses.replace(options, margin=float(self.margin), margin_strategy=self.margin_strategy,
-                                   mask_duplicates=mask_duplicates, mask_self=self.mask_self is not False,
-                                   contrast_anchors=self.contrast_anchors, contrast_positives=self.contrast_positives,
-                                   guide_length_normalize=guide_length_normalize), None
+            guide_similarity = "mean_maxsim" if guide_length_normalize else "maxsim"
+        return {**own, "margin": self.margin, "margin_strategy": self.margin_strategy,
+                "contrast_anchors": self.contrast_anchors, "contrast_positives": self.contrast_positives,
+                "guide_similarity": guide_similarity}
 
     def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
-                     options: MaxSimOptions | None) -> StepInputs:
+                     options: GistOptions | None) -> StepInputs:
         """The texts' ids, and the guide's columns: the label column's (``"labels"``) or the guide model's
         embeddings of the batch (read before the student embeds it)."""
         if options is None:
@@ -150,7 +154,13 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
     def _run_guide(self, features: list[dict[str, Tensor]]) -> dict[str, object]:
         guide, device = self.guide, features[0]["input_ids"].device
         batch_size = getattr(self, "mini_batch_size", None) or 32
-        texts = [decoded_texts(self.model.tokenizer, feature) for feature in features]
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"guide={type(guide).__name__}: a guide model reads the batch's texts, decoded from the "
+                             "student's token ids by the student's tokenizer, but the model "
+                             f"({type(self.model).__name__}) has no tokenizer; give the model one, or precompute the "
+                             "guide's embeddings (guide='labels')")
+        texts = [decoded_texts(tokenizer, feature) for feature in features]
         with torch.no_grad():
             if not isinstance(guide, MultiVectorEncoder):
                 return {"guide": [guide.encode(t, batch_size=batch_size, convert_to_tensor=True,
@@ -160,17 +170,11 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         padded = [_padded([torch.as_tensor(x) for x in column], device) for column in columns]
         return {"guide": [e for e, _ in padded], "guide_masks": [m for _, m in padded]}
 
-    def _guide_arguments(self, reps: list[list[Tensor]], options: MaxSimOptions) -> dict[str, object]:
-        """``maxsim_loss``'s guide arguments: what this step's ``forward`` read (``_step_inputs``), or the student's
-        own scores (``"self"``)."""
+    def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
+        """``maxsim_call``'s guide and texts' ids: what this step's ``forward`` read (``_step_inputs``), or the
+        student's own scores (``"self"``)."""
         source, inputs = self.guide_source, self.step_inputs
-        if options.mask_duplicates and inputs.text_ids is None:
-            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
-                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
-        arguments = {"margin": options.margin, "margin_strategy": options.margin_strategy,
-                     "mask_duplicates": options.mask_duplicates, "text_ids": inputs.text_ids,
-                     "guide_length_normalize": options.guide_length_normalize, "mask_self": options.mask_self,
-                     "contrast_anchors": options.contrast_anchors, "contrast_positives": options.contrast_positives}
+        arguments = {"text_ids": inputs.text_ids}
         if source is SELF:
             return {**arguments, "guide": "self"}
         if source is NONE:
@@ -192,7 +196,8 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         return _GISTEMBED_CITATION + (_GRADCACHE_CITATION if isinstance(self, CachedStep) else "")
 
 
-class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, FusedCachedMultiVectorMultipleNegativesRankingLoss):
+class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, CachedStep,
+                                     CachedMultiVectorMultipleNegativesRankingLoss):
     """A GIST loss over MaxSim scores, with GradCache: ``CachedMultiVectorMultipleNegativesRankingLoss`` with GIST's
     guide masking each query's in-batch candidates.
 
@@ -238,7 +243,7 @@ class FusedCachedMultiVectorGISTLoss(MultiVectorGistFamily, FusedCachedMultiVect
     """
 
 
-class FusedMultiVectorGISTLoss(MultiVectorGistFamily, FusedMultiVectorMultipleNegativesRankingLoss):
+class FusedMultiVectorGISTLoss(MultiVectorGistFamily, PlainStep, MultiVectorMultipleNegativesRankingLoss):
     """A GIST loss over MaxSim scores: ``MultiVectorMultipleNegativesRankingLoss`` with GIST's guide masking each
     query's in-batch candidates.
 

@@ -23,8 +23,8 @@ from sentence_transformers.sentence_transformer.losses import (
 from sentence_transformers.util import cos_sim, dot_score, similarity_fct_name
 from torch import Tensor
 
-from ..stage.spec.options import GistOptions, _check_real
-from .base import FusedDropIn
+from ..stage.spec.options import GistOptions, check_scale, real_number
+from .columns import DenseColumns
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultipleNegativesRankingLoss", "FusedCachedMultipleNegativesSymmetricRankingLoss",
@@ -56,7 +56,7 @@ def _deprecation(replaced: str, instead: str) -> str:
             "directions=('query_to_doc', 'doc_to_query'), partition_mode='per_direction'), which computes the same loss")
 
 
-class RankingFamily(FusedDropIn):
+class RankingFamily(DenseColumns):
     """The ranking family: the fused loss stage's options from sentence-transformers' ranking hyperparameters (no
     guide, no contrast blocks)."""
 
@@ -66,30 +66,37 @@ class RankingFamily(FusedDropIn):
                          "hardness_strength")
 
     def _check_arguments(self, arguments: Mapping[str, object]) -> None:
-        _check_real("scale", arguments["scale"])
+        real_number("scale", arguments["scale"])
 
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
-        _check_real("scale", self.scale)
+        scale = real_number("scale", self.scale)
         # sentence-transformers' own checks of the ranking hyperparameters, with their messages: its constructor's
         # (its warnings were given when this loss was built).
         with _quiet(MultipleNegativesRankingLoss.__module__):
             MultipleNegativesRankingLoss(
-                getattr(self, "model", None), scale=self.scale, similarity_fct=self.similarity_fct,
+                getattr(self, "model", None), scale=scale, similarity_fct=self.similarity_fct,
                 gather_across_devices=self.gather_across_devices, directions=self.directions,
                 partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
                 hardness_strength=self.hardness_strength,
             )
-        if not math.isfinite(self.scale):
-            raise ValueError(f"scale must be finite, got {self.scale!r}: the scaled similarities would be infinite")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}: the scaled similarities would be infinite")
         similarity = similarity_name(self.similarity_fct)
         if similarity is None:
             return None, (f"similarity_fct={similarity_fct_name(self.similarity_fct)} (the fused stage computes "
                           "sentence-transformers' cos_sim and dot_score)")
         return GistOptions(
-            temperature=1.0 / self.scale, contrast_anchors=False, contrast_positives=False, directions=self.directions,
+            temperature=1.0 / scale, contrast_anchors=False, contrast_positives=False, directions=self.directions,
             partition_mode=self.partition_mode, hardness_mode=self.hardness_mode,
             hardness_strength=self.hardness_strength, similarity=similarity, **self.own_fields(),
         ), None
+
+    def temperature_tensor(self) -> Tensor | None:
+        """``1 / scale`` where ``scale`` is a tensor (a learned one, which gets its gradient through it)."""
+        if not isinstance(self.scale, Tensor):
+            return None
+        check_scale(self.scale)
+        return 1.0 / self.scale
 
     def _embeddings_loss(self, reps: list[list[Tensor]], labels: Tensor | None) -> Tensor:
         """The plain drop-ins' unfused loss (``PlainStep``): sentence-transformers' over the concatenated columns."""

@@ -3,8 +3,8 @@
 * ``CachedStep``: sentence-transformers' GradCache step (the cached losses): the student embeds the batch in
   mini-batches without gradients, the loss stage puts the embeddings' gradients into the cached leaves, and a second
   pass replays the mini-batches to take them into the model.
-* ``PlainStep``: the student embeds the batch once (sentence-transformers' ``embed_columns``) and autograd takes the
-  loss stage's gradients back into it.
+* ``PlainStep``: the student embeds the batch once (its columns' ``_embed``: sentence-transformers' ``embed_columns``,
+  or ``embed_columns_padded`` for token embeddings) and autograd takes the loss stage's gradients back into it.
 
 Each supplies the embedding stage's attributes and their checks, ``forward``, and sentence-transformers' own loss
 over a step's embeddings for where the fused stage does not run.
@@ -16,10 +16,9 @@ import numbers
 from collections.abc import Iterable, Mapping
 
 from sentence_transformers.base.losses.gradcache import _validate_mini_batch_num_tokens
-from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor
 
-from .base import UNFUSED, FusedDropIn
+from .base import UNFUSED, FusedDropIn, backward_if
 
 __all__ = ["CachedStep", "PlainStep", "check_embedding_stage", "check_gather"]
 
@@ -76,22 +75,28 @@ class CachedStep(FusedDropIn):
 class PlainStep(FusedDropIn):
     """The student embeds the batch once and autograd takes the fused loss stage's gradients back into it.
 
-    The family supplies ``_plain_reps_guided`` (what ``calculate_loss`` takes beside the embeddings: the guide's
-    embeddings, or the labels) and ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings).
-    Where the fused stage does not run, sentence-transformers' own ``forward`` runs instead, unless it cannot compute
-    the loss as configured (``_st_forward_computes``) or ``MatryoshkaLoss`` decorated ``calculate_loss``.
+    The columns (``cgist.losses.columns``) supply ``_embed`` (the batch's embeddings as the loss stage's columns, and
+    what ``calculate_loss`` takes beside them: the guide's embeddings, the labels, or the token embeddings' masks);
+    the family supplies ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings). Where the fused
+    stage does not run, sentence-transformers' own ``forward`` runs instead, unless it cannot compute the loss as
+    configured (``_st_forward_computes``) or ``MatryoshkaLoss`` decorated ``calculate_loss``.
     """
 
     embedding_attributes = ("gather_across_devices",)
-    #: What ``MatryoshkaLoss`` (and ``AdaptiveLayerLoss``) ask: with it, ``MatryoshkaLoss`` hands this loss the whole
-    #: batch and decorates ``calculate_loss``, which the drop-in takes over (every dimension in one loss stage),
-    #: instead of running the loss once per dimension on a patched model.
-    uses_gradient_cache = True
+
+    @property
+    def uses_gradient_cache(self) -> bool:
+        """What ``MatryoshkaLoss`` (and ``AdaptiveLayerLoss``) ask: where the drop-in computes every dimension in one
+        loss stage (``fuses_matryoshka``), ``MatryoshkaLoss`` hands this loss the whole batch and decorates
+        ``calculate_loss``, which the drop-in takes over, instead of running the loss once per dimension on a patched
+        model; elsewhere (the multi-vector drop-ins) the wrappers run it per dimension, as sentence-transformers'
+        plain class."""
+        return self.fuses_matryoshka
 
     def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
         check_gather(values["gather_across_devices"])
 
-    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         """The student's embeddings of the batch and the loss stage over them; sentence-transformers' own ``forward``
         where the fused stage does not run (but under ``MatryoshkaLoss``, whose decoration of ``calculate_loss`` then
         runs its computation once per dimension)."""
@@ -100,31 +105,24 @@ class PlainStep(FusedDropIn):
         if options is None and "calculate_loss" not in self.__dict__ and self._st_forward_computes():
             self.record_path(UNFUSED)
             return super().forward(features, labels)
-        # As sentence-transformers does: a guide reads copies made before the student writes its outputs into the
-        # features.
-        copies = [dict(feature) for feature in features]
-        embeddings = embed_columns(self.model, features)
-        reps_guided = self._plain_reps_guided(features, copies, embeddings, labels)
-        with self.reading(self._step_inputs(features, labels, options)):
-            return self.calculate_loss([[e] for e in embeddings], reps_guided)
+        inputs = self._step_inputs(features, labels, options)  # before the student writes its outputs into them
+        reps, reps_guided = self._embed(features, labels)
+        with self.reading(inputs):
+            return self.calculate_loss(reps, reps_guided)
+
+    def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:
+        """The columns: the batch embedded once, as the loss stage's columns (one chunk each), and what
+        ``calculate_loss`` takes beside them."""
+        raise NotImplementedError
 
     def _st_forward_computes(self) -> bool:
         """The family: whether sentence-transformers' own ``forward`` computes this loss as it is configured (default:
         yes). Where it does not, the unfused path is ``_embeddings_loss`` after this ``forward``'s own embedding."""
         return True
 
-    def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
-                           embeddings: list[Tensor], labels: Tensor | None) -> object:
-        """The family: what ``calculate_loss`` takes beside the student's embeddings (default: the labels)."""
-        return labels
-
     def _embeddings_loss(self, reps: list[list[Tensor]], reps_guided: object) -> Tensor:
         """The family: sentence-transformers' own loss over given embeddings, differentiable."""
         raise NotImplementedError
 
     def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
-        loss = self._embeddings_loss(reps, reps_guided)
-        if with_backward:
-            loss.backward()
-            loss = loss.detach()
-        return loss
+        return backward_if(self._embeddings_loss(reps, reps_guided), with_backward)

@@ -5,6 +5,8 @@ backend cuts its work to fit. This module is its only owner.
 * The PyTorch streaming path: ``row_blocks`` cuts a call into row blocks and column tiles (``RowBlocks``), sized
   by measurement (``ROW_TARGET``, ``ROW_FLOOR``, ``TILE_COLS``).
 * The Triton GEMM backward: ``backward_chunks`` cuts it into chunks of rows and columns (``Chunks``).
+* The MaxSim score: its default (``maxsim_block_bytes``), the PyTorch stage's tiles and row blocks (``split_budget``,
+  ``tile_rows``, ``kept_bytes``) and the Triton stage's slabs of queries (``slab_rows``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR", "ROW_TARGET", "TILE_COLS", "Chunks",
-    "RowBlocks", "available_bytes", "backward_chunks", "default_block_bytes", "row_blocks",
+    "BACKWARD_BYTES", "DOC_ROWS", "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR",
+    "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "Chunks", "RowBlocks", "argmax_dtype", "available_bytes",
+    "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks", "slab_rows",
+    "split_budget", "tile_rows",
 ]
 
 
@@ -163,3 +167,67 @@ def backward_chunks(batch: int, widest: int, tiles: dict, n_dims: int, entry_byt
     while cols > bn and size(bm, cols) > block_bytes:  # the partials' ceil makes size slightly superlinear
         cols -= bn
     return Chunks(bm, cols, size(bm, cols))
+
+
+# The MaxSim score (docs/design.md#late-interaction) ------------------------------------------------------------------
+
+#: Documents per tile of the PyTorch MaxSim stage: enough columns that the product is efficient, few enough that a
+#: tile of queries is tall.
+DOC_ROWS = 16
+#: The default budget of one tile's token products (more where one document tile of one query needs more); the
+#: default budget is twice it, the other half for what a row block of queries keeps between its sweeps. Measured:
+#: half of it costs 16% more time at ColBERT's shapes, for 4% less memory (docs/design.md#late-interaction).
+TILE_FLOOR_BYTES = 8 * 2**20
+#: Bytes per (query token, document) of a document tile's backward in the PyTorch MaxSim stage: the weight, the
+#: argmax as int64, the token row it reads, the gradient row it adds into, and ``embedding_bag``'s bag of each index.
+BACKWARD_BYTES = 4 + 8 + 8 + 8 + 8
+
+
+def maxsim_block_bytes(device: torch.device, query_tokens: int, document_tokens: int, itemsize: int) -> int:
+    """The MaxSim stage's budget when none is given: twice one tile's token products (``TILE_FLOOR_BYTES``, or what
+    one document tile of one query needs), below the dense stage's least default where the device has room."""
+    tile = max(TILE_FLOOR_BYTES, query_tokens * document_tokens * DOC_ROWS * itemsize)
+    return min(2 * tile, default_block_bytes(device, 2 * tile))
+
+
+def split_budget(block_bytes: int) -> tuple[int, int]:
+    """The MaxSim stage's budget in two halves: one tile's token products, and what a row block keeps."""
+    return block_bytes - block_bytes // 2, block_bytes // 2
+
+
+def tile_rows(query_tokens: int, document_tokens: int, itemsize: int, product_bytes: int, keep_bytes: int,
+              keep_per_query: int) -> tuple[int, int]:
+    """Rows per document tile and per query tile of the PyTorch MaxSim stage: one tile's product
+    ``(bd * Ld, bq * Lq)`` fits ``product_bytes``, and one query tile's kept scores and argmax
+    (``keep_per_query`` bytes a query) fit ``keep_bytes``."""
+    lq, ld = query_tokens, document_tokens
+    doc_rows = max(1, min(DOC_ROWS, product_bytes // max(1, lq * ld * itemsize)))
+    query_rows = max(1, product_bytes // max(1, lq * doc_rows * ld * itemsize))
+    return doc_rows, max(1, min(query_rows, keep_bytes // max(1, keep_per_query)))
+
+
+def argmax_dtype(width: int) -> torch.dtype:
+    """The narrowest integer dtype that holds a token position below ``width`` (the PyTorch MaxSim stage's argmax)."""
+    return torch.uint8 if width <= 256 else torch.int16 if width <= 2**15 else torch.int32
+
+
+def kept_bytes(n_queries: int, n_documents: int, query_tokens: int, document_tokens: int, dim: int,
+               acc_bytes: int, with_grad: bool, guide: str | None = None) -> int:
+    """The bytes that the PyTorch MaxSim stage holds for a row block of ``n_queries`` queries: a score per document
+    (which becomes its gradient), and with a guide of kind ``guide`` its mask and (but for ``"self"``) its scores;
+    ``with_grad`` also an argmax per query token and document, the block's query tokens and their gradient in the
+    compute dtype (``acc_bytes`` an element), and a document tile's backward temporaries (``BACKWARD_BYTES`` per
+    query token and document of the tile, and the gathered rows)."""
+    guided = 0 if guide is None else n_queries * n_documents * (1 + (0 if guide == "self" else acc_bytes))
+    if not with_grad:
+        return n_queries * n_documents * acc_bytes + guided
+    index = torch.empty(0, dtype=argmax_dtype(document_tokens)).element_size()
+    tile = query_tokens * (DOC_ROWS * BACKWARD_BYTES + dim * acc_bytes)
+    return n_queries * (n_documents * (query_tokens * index + acc_bytes) + 2 * query_tokens * dim * acc_bytes + tile) \
+        + guided
+
+
+def slab_rows(n_queries: int, per_query: int, block_bytes: int) -> int:
+    """Queries per slab of the Triton MaxSim stage: as many as keep ``per_query`` bytes each within ``block_bytes``,
+    at least one."""
+    return max(1, min(n_queries, block_bytes // max(1, per_query)))

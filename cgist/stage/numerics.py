@@ -16,7 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "EPS", "HalfRows", "addmm_", "compute_dtype", "copy_rows", "guide_mask", "half_accumulation", "half_products",
-    "half_rows", "normalize", "row_chunks", "row_dots", "stack_rows", "threshold",
+    "half_rows", "normalize", "row_chunks", "row_dots", "stack_rows", "theta_above", "threshold",
 ]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
@@ -61,6 +61,15 @@ def row_dots(a: Tensor, b: Tensor) -> Tensor:
 def threshold(theta: Tensor, margin: float, relative: bool) -> Tensor:
     """Guide threshold ``T_i`` above which a candidate is masked (strictly greater)."""
     return theta - theta.abs() * margin if relative else theta - margin
+
+
+def theta_above(theta: Tensor, margin: float, relative: bool) -> Tensor:
+    """Whether theta_i lies strictly above its own threshold ``T_i`` (``threshold``), so that a candidate tied with
+    theta_i is masked: at any positive margin (relative: and theta_i != 0), decided from the margin rather than from
+    the rounded comparison ``theta > T``, which a large ``|theta|`` rounds to equality (docs/design.md#ties)."""
+    if relative:
+        return (theta != 0) & (margin > 0)
+    return torch.full_like(theta, margin > 0, dtype=torch.bool)
 
 
 def guide_mask(guide: Tensor, limit: Tensor, theta_masked: Tensor, ties: tuple[Tensor, Tensor],

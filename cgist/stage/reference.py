@@ -75,7 +75,9 @@ def score_groups(
         ids = tie_ids(guide_embeddings, g[0].dtype, text_ids=text_ids)
         theta = (g[0] @ g[1].T)[rows, labels].unsqueeze(1)
         limit = threshold(theta, options.margin, options.relative)
-        theta_masked = theta > limit
+        # theta_i > T_i exactly when the margin lowers T_i below theta_i (docs/design.md#ties), whatever rounds
+        theta_masked = (theta.abs() * options.margin > 0) if options.relative else torch.full_like(
+            theta, options.margin > 0, dtype=torch.bool)
         partner = {"a": ids[1][labels], "p": ids[0]}  # anchor rows pair with their positive, positive rows with anchor i
 
     def group(name: str, direction: str, row: str, column: int, *, label=None, unmasked=None, excluded=None, hard=None):
@@ -266,8 +268,9 @@ def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: S
         theta = score[rows, labels].unsqueeze(1)
         limit = theta - theta.abs() * margin if relative else theta - margin
         mask = score > limit
-        if ids is not None:
-            mask = torch.where(ids == partner, theta > limit, mask)
+        if ids is not None:  # a tie with theta_i: masked when the margin lowers T_i below theta_i
+            above = theta.abs() * margin > 0 if relative else torch.full_like(theta, margin > 0, dtype=torch.bool)
+            mask = torch.where(ids == partner, above, mask)
     if mask_duplicates:
         mask |= (ids == text_ids[0].unsqueeze(1)) | (ids == text_ids[1][labels].unsqueeze(1))
     mask[rows, labels] = False

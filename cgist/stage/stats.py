@@ -74,16 +74,16 @@ class GistStats:
     threshold_mean: float | None
 
     @classmethod
-    def from_counters(cls, counts: Tensor, sums: Tensor, *, batch: int, n_cand: int, n_negatives: int,
-                      options: GistOptions, guided: bool = True, n_anchors: int | None = None) -> GistStats:
+    def from_counters(cls, counts: Tensor, sums: Tensor, *, sizes: Sequence[int], options: GistOptions,
+                      guided: bool = True) -> GistStats:
         """Read a backend's counters (``cgist.stage.stats.COUNT_FIELDS`` and ``SUM_FIELDS``): one host sync.
 
-        ``n_anchors``: with ``options.all_anchors``, the rows of the last column (every rank's anchors), which the
-        anchor-column directions score against. The candidates of each block follow from the column groups
-        (``cgist.stage.spec.problem.candidates``).
+        ``sizes``: the rows of each column of the call (the anchors first; with ``options.all_anchors`` every rank's
+        anchors last). The candidates of each block follow from the column groups
+        (``cgist.stage.spec.problem.candidates``); ``guided``: whether a guide scored them (else no means).
         """
         values = dict(zip(COUNT_FIELDS + SUM_FIELDS, _to_host(counts, sums)))
-        sizes = [batch, n_cand, *[n_cand] * n_negatives] + ([n_anchors or batch] if options.all_anchors else [])
+        batch = sizes[0]
         candidates = problem.candidates(options, sizes)
         return cls(
             masked={key: int(values[f"masked_{key}"]) for key in candidates},

@@ -1,7 +1,10 @@
-"""``GistOptions``: the options of one GIST loss computation, validated once and passed as one object.
+"""``GistOptions``: the options of one loss-stage call, for every score and every family, validated once and passed
+as one object.
 
-``FusedCachedGISTLoss`` and ``gist_loss`` build it; the autograd Function and both backends (the PyTorch
-streaming path and the Triton launcher) read it. It imports only the standard library.
+Every drop-in, ``gist_loss`` and ``maxsim_loss`` build it; the autograd node and every backend read it. The score is
+its ``similarity`` (``cgist.stage.spec.scores``: ``"cos"``, ``"dot"``, ``"maxsim"``, ``"mean_maxsim"``); a field that
+only some scores take (``Score.options``) stays at its default under the others. It imports only the standard library
+and the registry of scores.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .scores import SCORES, SIMILARITIES, Score, score_of
+
 __all__ = [
-    "ANCHOR_DIRECTIONS", "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES", "SIMILARITIES", "ColumnGroup", "GistOptions",
+    "ANCHOR_DIRECTIONS", "DIRECTIONS", "GUIDE_SIMILARITIES", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES",
+    "SIMILARITIES", "ColumnGroup", "GistOptions", "check_bools", "check_margin", "check_scale", "real_number",
 ]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -24,8 +30,8 @@ DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 ANCHOR_DIRECTIONS = ("query_to_query", "doc_to_query")
 PARTITION_MODES = ("joint", "per_direction")
 HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
-#: The student's score: the cosine (``cos_sim``) or the dot product (``dot_score``) of two embeddings.
-SIMILARITIES = ("cos", "dot")
+#: The guide's score: the cosine of two embeddings, or, for a multi-vector guide, its MaxSim or MeanMaxSim.
+GUIDE_SIMILARITIES = ("cos", "maxsim", "mean_maxsim")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,33 @@ class ColumnGroup:
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+
+
+def real_number(name: str, value: object) -> float:
+    """``value`` as a float: a real number (not a bool), or a 0-dim floating tensor such as a learned
+    ``nn.Parameter`` (its value now); else a TypeError naming ``name``. It reads a tensor's value without importing
+    torch (``.item()``)."""
+    if _is_scalar_tensor(value):
+        return float(value.detach().item())
+    _check_real(name, value)
+    return float(value)
+
+
+def check_scale(scale: object) -> float:
+    """A ``scale`` (the logits' factor, ``1 / temperature``; a number or a learned 0-dim tensor) as a float: positive
+    (sentence-transformers' message) and finite (an infinite scale makes the scaled scores infinite)."""
+    value = real_number("scale", scale)
+    if not value > 0:
+        raise ValueError("Scale must be a positive value.")
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value!r}: the scaled scores would be infinite")
+    return value
+
+
+def _is_scalar_tensor(value: object) -> bool:
+    """A 0-dim (or one-element) floating tensor: what a learned temperature or scale is."""
+    return (type(value).__module__.startswith("torch") and hasattr(value, "is_floating_point")
+            and value.is_floating_point() and value.numel() == 1)
 
 
 def check_bools(**flags: object) -> None:
@@ -101,8 +134,12 @@ class GistOptions:
             not divided by the temperature, to the query-to-document logits of ``"in_batch_negatives"`` (all but
             anchor i's own documents), ``"hard_negatives"`` (its own negatives) or ``"all_negatives"`` (all but its
             positive); None adds nothing.
-        similarity: ``"cos"`` (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's
-            embeddings are not normalised). The guide always scores cosines.
+        similarity: the student's score, and with it the score of the stage (``cgist.stage.spec.scores``): ``"cos"``
+            (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's embeddings are not
+            normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) over token
+            embeddings. The options of another score (``Score.options``) must stay at their defaults.
+        guide_similarity: the guide's score: ``"cos"`` (the cosine of its embeddings, for every score), or under a
+            token score a multi-vector guide's ``"maxsim"`` or ``"mean_maxsim"``.
         all_anchors: the call's last column holds the anchors of every rank (N rows, this rank's at ``offset``),
             which ``"query_to_query"`` and ``"doc_to_query"`` score against; without it they take this rank's.
         offset: anchor i's positive is candidate ``offset + i`` (``rank * B`` when candidates are gathered).
@@ -131,7 +168,8 @@ class GistOptions:
     partition_mode: Literal["joint", "per_direction"] = "joint"
     hardness_mode: str | None = None
     hardness_strength: float = 0.0
-    similarity: Literal["cos", "dot"] = "cos"
+    similarity: Literal["cos", "dot", "maxsim", "mean_maxsim"] = "cos"
+    guide_similarity: Literal["cos", "maxsim", "mean_maxsim"] = "cos"
     all_anchors: bool = False
     offset: int = 0
     matryoshka_dims: tuple[int, ...] | None = None
@@ -155,6 +193,7 @@ class GistOptions:
             object.__setattr__(self, "block_bytes", int(self.block_bytes))
         self._check_matryoshka()
         self._check_directions()
+        self._check_score()
         # Plain Python numbers from here on (numpy scalars and the like are accepted above).
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "margin", float(self.margin))
@@ -219,10 +258,22 @@ class GistOptions:
         _check_real("hardness_strength", self.hardness_strength)
         if not (math.isfinite(self.hardness_strength) and self.hardness_strength >= 0):
             raise ValueError(f"hardness_strength must be a finite number >= 0, got {self.hardness_strength!r}")
-        if self.similarity not in SIMILARITIES:
-            raise ValueError(f"similarity must be one of {SIMILARITIES}, got {self.similarity!r}")
         object.__setattr__(self, "directions", tuple(directions))
         object.__setattr__(self, "hardness_strength", float(self.hardness_strength))
+
+    def _check_score(self) -> None:
+        """The score's own options: those of another score at their defaults."""
+        score = score_of(self.similarity)
+        if self.guide_similarity not in GUIDE_SIMILARITIES:
+            raise ValueError(f"guide_similarity must be one of {GUIDE_SIMILARITIES}, got {self.guide_similarity!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("directions", "partition_mode", "hardness_mode", "hardness_strength", "all_anchors",
+                     "matryoshka_dims", "matryoshka_weights", "guide_similarity"):
+            value = getattr(self, name)
+            if name not in score.options and value != defaults[name]:
+                owners = " and the ".join(s.name for s in SCORES if name in s.options)
+                raise ValueError(f"{name}={value!r} is an option of the {owners} score; similarity="
+                                 f"{self.similarity!r} (the {score.name} score) takes it only at its default")
 
     def column_groups(self, n_columns: int) -> tuple[tuple[ColumnGroup, ...], int, dict[str, int]]:
         """The column groups of a call of ``n_columns`` columns, in their order (GIST's AP, AA, PP, AN_1..AN_k,
@@ -253,6 +304,16 @@ class GistOptions:
         if "doc_to_doc" in self.directions:
             groups += [ColumnGroup("dd", 0, "p", c, excluded_offset=self.offset) for c in (1, *negatives)]
         return tuple(groups), 1 + p_part, {"a": 0, "p": p_part}
+
+    @property
+    def score(self) -> Score:
+        """The score of the stage (``cgist.stage.spec.scores``), by ``similarity``."""
+        return score_of(self.similarity)
+
+    @property
+    def scale(self) -> float:
+        """The factor of the logits, ``1 / temperature`` (sentence-transformers' ``scale``)."""
+        return 1.0 / self.temperature
 
     @property
     def reads_anchors(self) -> bool:

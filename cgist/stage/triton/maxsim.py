@@ -1,37 +1,34 @@
-"""Launchers for the MaxSim kernels (``cgist.kernels.maxsim``): the streaming MaxSim loss stage on Triton, tensors in,
-tensors out (docs/design.md#late-interaction).
+"""The MaxSim score on the Triton backend: the launchers of its kernels (``cgist.kernels.maxsim``), tensors in, tensors
+out (docs/design.md#late-interaction), and the backend contract, ``forward`` and ``backward``
+(docs/design.md#dispatch).
 
-``maxsim_forward_triton`` takes a ``MaxSimCall`` (``cgist.stage.pytorch.maxsim``) and returns the mean loss and each
-query's softmax normaliser as ``(peak, total)``; ``maxsim_backward_triton`` takes them back and returns the gradients
-of every query chunk and every document chunk, in ``accumulate(dtype)`` (fp32, fp64 for fp64 inputs) and the chunks'
-shapes, as the PyTorch stage's ``maxsim_forward`` and ``maxsim_backward`` do. No kernel holds more than one tile of
-token products; ``budget_bytes`` bounds the backward's one buffer, the logits' gradients of a slab of queries.
+A call (``cgist.stage.spec.maxsim.MaxSimCall``) is launched part by part (its row sides: the queries against their
+columns, and GIST's PP block, whose rows are the positives). Each part is packed first (``_pack``): the kernels read
+one contiguous tensor per side, so its query chunks are concatenated into ``(B, Lq, D)`` and its columns' chunks,
+column after column, into ``(M, Ld, D)``, each chunk's tokens padded to the widest chunk's with masked tokens. That is a
+copy of the inputs (the PyTorch backend reads the chunks in place). The gradients come back as views of the packed
+gradients, one per chunk, added into the call's where parts share an input.
 
-The chunks are packed first (``_pack``): the kernels read one contiguous tensor per side, so the query chunks are
-concatenated into ``(B, Lq, D)`` and the document chunks, column after column, into ``(M, Ld, D)``, each chunk's
-tokens padded to the widest chunk's with masked tokens. That is a copy of the inputs (the PyTorch stage reads the
-chunks in place). The gradients come back as views of the packed gradients, one per chunk.
-
-* forward: ``maxsim_fwd_kernel`` over ``(query, block of BLOCK_M documents)`` writes each block's partial normaliser;
-  they are combined here in a fixed order (``_combine``). ``maxsim_label_kernel`` computes the label logits with the
-  same code.
-* a guided call (GIST's mask, ``maxsim_guided_triton``): for each slab of queries, ``maxsim_scores_kernel`` writes
-  the slab's scores, the mask and the softmax run on the host, and the two gradient kernels below take the logits'
-  gradients they make; the gradients are made in the forward, as the PyTorch stage's are.
-* backward, for each slab of queries (all of them when their ``(rows, M)`` logits' gradients fit ``budget_bytes``):
-  ``maxsim_grad_kernel`` writes the slab's logits' gradients, ``maxsim_dq_kernel`` (a program per query and token
-  block, over every document) gathers the query gradients, and ``maxsim_dd_kernel`` (a program per document, over the
-  slab's queries) adds the slab's document gradients. Each recomputes the maxima it needs.
+* Unguided (no mask; one part): ``maxsim_forward_triton``, a program per ``(query, block of BLOCK_M documents)``
+  writing each block's partial normaliser, combined here in a fixed order (``_combine``), and
+  ``maxsim_label_kernel`` for the label logits; ``maxsim_backward_triton`` then, per slab of queries whose
+  ``(rows, M)`` logits' gradients fit the budget, ``maxsim_grad_kernel`` writes them, ``maxsim_dq_kernel`` (a
+  program per query and token block) gathers the query gradients and ``maxsim_dd_kernel`` (a program per document)
+  adds the slab's document gradients. Each recomputes the maxima it needs.
+* Held (a guide's mask, GIST's contrast blocks, or a learned temperature: ``maxsim_held_triton``): per slab of
+  queries, ``maxsim_scores_kernel`` writes the slab's scores with the forward's code, the mask and the exact softmax
+  are the stage's (``cgist.stage.spec.block``, written once for every backend), and the two gradient kernels send the
+  logits' gradients back; the gradients are made in the forward, as the PyTorch backend's are.
 
 Each kernel's tiles, warps and pipeline stages are ``launch_configs``'s (bench/aot_compile.py compiles them for every
-architecture: none spills). Everything is deterministic (no atomics) and reads no value on the host.
+architecture: none spills). Everything is deterministic (no atomics). It imports only torch, triton, the kernels, the
+backend's shared modules and the spec.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,18 +43,18 @@ from cgist.kernels.maxsim import (
     maxsim_label_kernel,
     maxsim_scores_kernel,
 )
+from cgist.stage.budget import kept_bytes, slab_rows
 from cgist.stage.devices import Arch
+from cgist.stage.numerics import compute_dtype
+from cgist.stage.spec.block import BlockMasks, block_softmax
+from cgist.stage.spec.maxsim import MaxSimCall, Part, query_weights
 
-from .launch import TL_DTYPES, _arch, _device_constant, _launch_device, input_precision
+from .common import TL_DTYPES, arch_of, device_constant, input_precision, launch_device
+from .tiles import SHARED_OVERHEAD, pipelined_loads
 
-if TYPE_CHECKING:
-    from cgist.stage.pytorch.maxsim import MaxSimCall
+__all__ = ["BLOCK_M", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "Launch", "backward", "forward", "launch_configs",
+           "maxsim_backward_triton", "maxsim_forward_triton", "maxsim_held_triton", "shared_memory_estimate"]
 
-__all__ = ["BLOCK_M", "EMPTY_DOCUMENT_SCORE", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "Launch", "launch_configs",
-           "maxsim_backward_triton", "maxsim_forward_triton", "maxsim_guided_triton", "shared_memory_estimate"]
-
-#: sentence-transformers' score of a document without any real token (``cgist.stage.pytorch.maxsim``'s).
-EMPTY_DOCUMENT_SCORE = -1e9
 #: Documents per forward (and logit-gradient) program: enough that a program's loop amortises its launch.
 BLOCK_M = 32
 #: The largest chunk of document tokens per product (the least is 16, ``tl.dot``'s smallest).
@@ -120,9 +117,9 @@ def shared_memory_estimate(launch: Launch, dtype: torch.dtype) -> int:
     1 KiB for barriers and alignment. bench/aot_compile.py checks it against every binary it builds."""
     m = launch.meta
     e = torch.empty(0, dtype=dtype).element_size()
-    a = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    products = max(1, launch.num_stages) * (m["BLOCK_Q"] + m["BLOCK_T"]) * m["BLOCK_K"] * e
-    return products + (m["BLOCK_Q"] + m["BLOCK_K"]) * m["BLOCK_Q"] * a + 1024
+    a = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
+    return pipelined_loads(max(1, launch.num_stages), m["BLOCK_Q"], m["BLOCK_T"], m["BLOCK_K"], e) \
+        + (m["BLOCK_Q"] + m["BLOCK_K"]) * m["BLOCK_Q"] * a + SHARED_OVERHEAD
 
 
 def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim: int, *,
@@ -136,7 +133,7 @@ def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim:
     ``block_query_tokens`` (``BLOCK_Q``), ``block_features`` (``BLOCK_K``) and ``block_docs`` (``BLOCK_M``) override
     the tiles (powers of two of at least 16, but ``block_docs``): tests make them small."""
     precision = input_precision(dtype, arch)
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = compute_dtype(dtype)
     big_lq = max(16, triton.next_power_of_2(lq))
     block_d = max(16, triton.next_power_of_2(dim))
     block_t = max(16, block_tokens or min(MAX_BLOCK_T, triton.next_power_of_2(ld)))
@@ -192,32 +189,34 @@ def _padded(chunks: list[Tensor], width: int) -> Tensor:
     return torch.cat([F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]).contiguous()
 
 
-def _pack(call: MaxSimCall, tiles: dict) -> _Packed:
-    """Concatenate and pad the chunks (module docstring); the weights, fills and widths; the launches."""
-    acc = torch.promote_types(call.queries[0].dtype, torch.float32)
-    lq = max(q.shape[1] for q in call.queries)
-    doc_chunks = [d for column in call.documents for d in column]
-    doc_masks = [m for column in call.document_masks for m in column]
+def _padded(chunks: Sequence[Tensor], width: int) -> Tensor:
+    """Row chunks ``(r, L, ...)`` padded with zeros (False) to ``width`` tokens and concatenated, contiguous."""
+    return torch.cat([F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]).contiguous()
+
+
+def _pack(part: Part, length_normalize: bool, tiles: dict) -> _Packed:
+    """Concatenate and pad a part's chunks (module docstring); the weights and fills
+    (``cgist.stage.spec.maxsim.query_weights``), the widths; the launches."""
+    acc = compute_dtype(part.queries[0].dtype)
+    lq = max(q.shape[1] for q in part.queries)
+    doc_chunks = [d for column in part.documents for d in column]
+    doc_masks = [m for column in part.document_masks for m in column]
     ld = max(d.shape[1] for d in doc_chunks)
-    queries = _padded(list(call.queries), lq)
-    query_mask = _padded(list(call.query_masks), lq)
-    weights = query_mask.to(acc)
-    fill = torch.full((queries.shape[0],), EMPTY_DOCUMENT_SCORE, dtype=acc, device=queries.device)
-    if call.length_normalize:
-        counts = query_mask.sum(1).clamp(min=1).to(acc)
-        weights, fill = weights / counts[:, None], fill / counts
+    queries = _padded(part.queries, lq)
+    weights, fill = query_weights(_padded(part.query_masks, lq), length_normalize, acc)
     documents = _padded(doc_chunks, ld)
     doc_mask = _padded(doc_masks, ld)
     positions = torch.arange(1, ld + 1, dtype=torch.int32, device=doc_mask.device)
     widths = torch.where(doc_mask, positions, 0).amax(1).to(torch.int32)
-    launches = launch_configs(queries.dtype, _arch(queries.device), lq, ld, queries.shape[2], **tiles)
-    return _Packed(queries, weights.contiguous(), fill, documents, doc_mask.to(torch.int8), widths, acc, launches)
+    launches = launch_configs(queries.dtype, arch_of(queries.device), lq, ld, queries.shape[2], **tiles)
+    return _Packed(queries, weights.contiguous(), fill.squeeze(1).contiguous(), documents, doc_mask.to(torch.int8),
+                   widths, acc, launches)
 
 
 def _scalars(scale: float, unit: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``(scale, unit)`` on ``device`` in the accumulation dtype (``cgist.kernels.maxsim.SCALE``, ``UNIT``): a Python
-    float would reach a kernel as fp32. Made once per value (``launch._device_constant``). Read only."""
-    return _device_constant((float(scale), float(unit)), dtype, device)
+    float would reach a kernel as fp32. Made once per value (``common.device_constant``). Read only."""
+    return device_constant((float(scale), float(unit)), dtype, device)
 
 
 def _combine(peaks: Tensor, totals: Tensor) -> tuple[Tensor, Tensor]:
@@ -227,58 +226,62 @@ def _combine(peaks: Tensor, totals: Tensor) -> tuple[Tensor, Tensor]:
     return peak, (totals * torch.exp(peaks - peak[:, None])).sum(1)
 
 
+def _one_part(call: MaxSimCall, block_tokens: int | None, block_docs: int, block_query_tokens: int | None,
+              block_features: int | None) -> tuple[Part, _Packed]:
+    """An unguided call's one part, packed with these tiles."""
+    (part,) = call.parts
+    return part, _pack(part, call.length_normalize, dict(block_tokens=block_tokens, block_docs=block_docs,
+                                                         block_query_tokens=block_query_tokens,
+                                                         block_features=block_features))
+
+
 @torch.no_grad()
 def maxsim_forward_triton(call: MaxSimCall, *, block_tokens: int | None = None, block_docs: int = BLOCK_M,
                           block_query_tokens: int | None = None,
                           block_features: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The mean loss over the queries, and each query's softmax normaliser as its largest logit ``peak`` and the sum
-    of ``exp(logit - peak)`` (for ``maxsim_backward_triton``).
+    """An unguided call's mean loss over the queries, and each query's softmax normaliser as its largest logit
+    ``peak`` and the sum of ``exp(logit - peak)`` (for ``maxsim_backward_triton``).
 
     ``block_tokens`` (document tokens per product), ``block_docs`` (documents per forward program),
     ``block_query_tokens`` (query tokens per product) and ``block_features`` (features per ``tl.dot``) override the
     tiles of ``launch_configs``: tests make them small.
     """
-    packed = _pack(call, dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
-                              block_features=block_features))
-    batch, n_docs = packed.queries.shape[0], packed.documents.shape[0]
-    device = packed.queries.device
+    part, packed = _one_part(call, block_tokens, block_docs, block_query_tokens, block_features)
+    batch, n_docs, device = packed.queries.shape[0], packed.documents.shape[0], packed.queries.device
     scalars = _scalars(call.scale, 0.0, packed.acc, device)
     n_blocks = triton.cdiv(n_docs, block_docs)
     peaks = torch.empty(batch, n_blocks, dtype=packed.acc, device=device)
     totals = torch.empty(batch, n_blocks, dtype=packed.acc, device=device)
     labels = torch.empty(batch, dtype=packed.acc, device=device)
-    with _launch_device(device):
+    with launch_device(device):
         packed.launch(maxsim_fwd_kernel, (batch, n_blocks), **packed.pointers(scalars), peak_ptr=peaks,
                       total_ptr=totals, n_docs=n_docs, **packed.shape_args)
         packed.launch(maxsim_label_kernel, (batch,), **packed.pointers(scalars), label_ptr=labels,
                       offset=call.offset, **packed.shape_args)
     peak, total = _combine(peaks, totals)
-    return (peak + torch.log(total) - labels).mean(), peak, total
+    return ((peak - labels) + torch.log(total)).mean(), peak, total
 
 
 @torch.no_grad()
 def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_output: float, *,
                            block_tokens: int | None = None, block_docs: int = BLOCK_M,
                            block_query_tokens: int | None = None, block_features: int | None = None,
-                           block_queries: int | None = None) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """The gradients of ``grad_output`` times the loss, for every query chunk and every document chunk (in
-    ``accumulate(dtype)``, the chunks' shapes), from the softmax normaliser of ``maxsim_forward_triton``.
+                           block_queries: int | None = None) -> list[list[Tensor]]:
+    """An unguided call's gradients of ``grad_output`` times the loss, for every chunk of its columns (in the compute
+    dtype, the chunks' shapes), from the softmax normaliser of ``maxsim_forward_triton``.
 
     The queries go in slabs of ``block_queries`` (None: as many as the slab's ``(rows, M)`` logits' gradients fit
     ``call.budget_bytes``, at least one); the other tiles as ``maxsim_forward_triton``'s."""
-    packed = _pack(call, dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
-                              block_features=block_features))
-    batch, n_docs = packed.queries.shape[0], packed.documents.shape[0]
-    device = packed.queries.device
+    part, packed = _one_part(call, block_tokens, block_docs, block_query_tokens, block_features)
+    batch, n_docs, device = packed.queries.shape[0], packed.documents.shape[0], packed.queries.device
     scalars = _scalars(call.scale, grad_output * call.scale / batch, packed.acc, device)
     peak, total = peak.to(packed.acc).contiguous(), total.to(packed.acc).contiguous()
     dq = torch.zeros(packed.queries.shape, dtype=packed.acc, device=device)  # padding rows stay 0
     dd = torch.zeros(packed.documents.shape, dtype=packed.acc, device=device)  # the kernel adds into it
-    if block_queries is None:
-        block_queries = call.budget_bytes // max(1, n_docs * packed.acc.itemsize)
-    rows = max(1, min(batch, block_queries))
+    rows = slab_rows(batch, n_docs * packed.acc.itemsize, call.budget_bytes) if block_queries is None \
+        else max(1, min(batch, block_queries))
     grads = torch.empty(rows, n_docs, dtype=packed.acc, device=device)
-    with _launch_device(device):
+    with launch_device(device):
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
             packed.launch(maxsim_grad_kernel, (n, triton.cdiv(n_docs, block_docs)), **packed.pointers(scalars),
@@ -288,18 +291,14 @@ def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_o
                           dq_ptr=dq, n_docs=n_docs, q_start=start, **packed.shape_args)
             packed.launch(maxsim_dd_kernel, (n_docs,), **packed.pointers(), g_ptr=grads, dd_ptr=dd, n_docs=n_docs,
                           n_rows=n, q_start=start, **packed.shape_args)
-    return _unpacked(call, dq, dd)
+    return _folded(call, [_unpacked(part, dq, dd)])
 
 
-#: The gradients of a call's query chunks and of its columns' chunks (the PyTorch stage's ``Gradients``).
-Gradients = tuple[list[Tensor], list[list[Tensor]]]
-
-
-def _unpacked(call: MaxSimCall, dq: Tensor, dd: Tensor) -> Gradients:
-    """The packed gradients as views, one per query chunk and per document chunk, column by column."""
-    q_grads = [g[:, : q.shape[1]] for g, q in zip(dq.split([q.shape[0] for q in call.queries]), call.queries)]
+def _unpacked(part: Part, dq: Tensor, dd: Tensor) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """A part's packed gradients as views, one per query chunk and per document chunk, column by column."""
+    q_grads = [g[:, : q.shape[1]] for g, q in zip(dq.split([q.shape[0] for q in part.queries]), part.queries)]
     d_grads, row = [], 0
-    for column in call.documents:
+    for column in part.documents:
         grads_ = []
         for d in column:
             grads_.append(dd[row : row + d.shape[0], : d.shape[1]])
@@ -308,66 +307,129 @@ def _unpacked(call: MaxSimCall, dq: Tensor, dd: Tensor) -> Gradients:
     return q_grads, d_grads
 
 
-@torch.no_grad()
-def maxsim_guided_triton(call: MaxSimCall, with_grad: bool, softmax: Callable, *, block_tokens: int | None = None,
-                         block_docs: int = BLOCK_M, block_query_tokens: int | None = None,
-                         block_features: int | None = None,
-                         block_queries: int | None = None) -> tuple[Tensor, list[Gradients] | None]:
-    """A guided call (``call.guide``, GIST's mask): the mean loss and, ``with_grad``, the gradients of each part of
-    the call (``MaxSimCall.parts``), each ``(query chunks, columns)`` in ``accumulate(dtype)``, which the PyTorch
-    stage's ``folded`` makes the contract of its ``maxsim_forward`` (``maxsim_backward`` scales them by the loss's
-    incoming gradient). ``softmax`` is the PyTorch stage's ``block_softmax`` (the dispatch passes it: this backend
-    imports no stage).
+def _folded(call: MaxSimCall, parts: list[tuple[list[Tensor], list[list[Tensor]]]]) -> list[list[Tensor]]:
+    """The parts' gradients as the call's, one per chunk of each column: a single part that reads each column once
+    is the call's as it is (views); otherwise each part's are added where its inputs are
+    (``MaxSimCall.part_gradients``: PP's rows are the first column's, AA's column the queries)."""
+    if len(call.parts) == 1 and call.parts[0].columns_of == tuple(range(1, len(call.columns))):
+        q_grads, d_grads = parts[0]
+        return [q_grads, *d_grads]
+    dtype = parts[0][0][0].dtype
+    grads = [[torch.zeros(t.shape, dtype=dtype, device=t.device) for t in column] for column in call.columns]
+    for (rows_, columns), (into_rows, into_columns) in zip(parts, call.part_gradients(grads)):
+        for total, part in zip(into_rows, rows_):
+            total += part
+        for into, column in zip(into_columns, columns):
+            for total, part in zip(into, column):
+                total += part
+    return grads
 
-    The queries go in slabs of ``block_queries`` (None: as many as the slab's scores, the guide's scores and mask fit
-    ``call.budget_bytes``, at least one). As for the unguided launchers, the packed inputs and the gradients are
+
+def _held_per_query(call: MaxSimCall, acc_bytes: int) -> int:
+    """The bytes a slab of the held path keeps per query: its scores and the guide's (``kept_bytes`` without the
+    gradients), and a part's copy of them where there are several parts."""
+    per_query = 0
+    for part in call.parts:
+        lq = max(q.shape[1] for q in part.queries)
+        ld = max(d.shape[1] for column in part.documents for d in column)
+        per_query += kept_bytes(1, part.n_documents, lq, ld, call.first.shape[2], acc_bytes, False, call.guide_kind)
+    return per_query + (len(call.parts) > 1) * call.width * acc_bytes
+
+
+@torch.no_grad()
+def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None = None, *,
+                       block_tokens: int | None = None, block_docs: int = BLOCK_M,
+                       block_query_tokens: int | None = None, block_features: int | None = None,
+                       block_queries: int | None = None
+                       ) -> tuple[Tensor, list[list[Tensor]] | None, BlockMasks | None]:
+    """A call whose slabs of queries are held whole (a guide's mask, GIST's contrast blocks, a learned temperature):
+    the mean loss and, ``with_grad``, the gradients of every chunk of its columns, in the compute dtype; the
+    temperature's share added into ``radial``; the guide's mask with its counters.
+
+    The queries go in slabs of ``block_queries`` (None: as many as the slab's scores, the guide's scores and mask
+    fit ``call.budget_bytes``, at least one). As for the unguided launchers, the packed inputs and the gradients are
     outside the budget: each part is packed (the PP part packs the first column again, and has gradients of its own
-    until they are folded into the call's), and the mask's comparisons make a few ``(rows, W)`` bool temporaries. For each slab and each part of the call (``MaxSimCall.parts``: its
-    documents, and GIST's PP block, whose queries are the positives), ``maxsim_scores_kernel`` writes the part's
-    scores into the slab's row ``(rows, W)``; the guide's mask and the softmax are the PyTorch stage's
-    (``softmax``: the same counters, ties and exact softmax), and turn the scores into the logits' gradients in
-    place, which ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` send back along the maxima, part by part. The other
-    tiles as ``maxsim_forward_triton``'s."""
+    until they are added into the call's), and the mask's comparisons make a few ``(rows, W)`` bool temporaries. For
+    each slab and each part, ``maxsim_scores_kernel`` writes the part's scores into the slab's row ``(rows, W)``
+    (and, for a multi-vector guide, the guide's scores likewise); the mask and the softmax are
+    ``cgist.stage.spec.block``'s and turn the scores into the logits' gradients in place, which
+    ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` send back along the maxima, part by part. The other tiles as
+    ``maxsim_forward_triton``'s."""
     tiles = dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
                  block_features=block_features)
-    parts = [(part, cols, _pack(part, tiles)) for part, cols in call.parts()]
+    parts = [(part, _pack(part, call.length_normalize, tiles)) for part in call.parts]
+    guide = call.guide_tokens
+    guide_parts = [] if guide is None else [(part, _pack(part, guide.length_normalize, tiles)) for part in guide.parts]
     batch, width = call.n_queries, call.width
-    acc = parts[0][2].acc
-    device = parts[0][2].queries.device
-    empty = [packed.widths == 0 for *_, packed in parts]  # an empty document's score is a constant: it sends nothing
-    scalars = _scalars(1.0, 0.0, acc, device)  # a scale of 1: the scores, which the guide's mask reads
-    if block_queries is None:  # the slab's row, and a part's copy of it where there are several parts
-        per_query = call.kept_per_query(False) + (len(parts) > 1) * width * acc.itemsize
-        block_queries = call.budget_bytes // max(1, per_query)
-    rows = max(1, min(batch, block_queries))
+    acc, device = parts[0][1].acc, call.device
+    empty = [packed.widths == 0 for _, packed in parts]  # an empty document's score is a constant: it sends nothing
+    rows = slab_rows(batch, _held_per_query(call, acc.itemsize), call.budget_bytes) if block_queries is None \
+        else max(1, min(batch, block_queries))
     scores = torch.empty(rows, width, dtype=acc, device=device)
-    # each part's scores, where there are several parts (else the kernel writes the row itself)
-    outs = [torch.empty(rows, part.n_documents, dtype=acc, device=device) for part, *_ in parts] \
-        if len(parts) > 1 else [scores]
+    guide_scores = None if guide is None else torch.empty(rows, width, dtype=guide_parts[0][1].acc, device=device)
     losses = torch.empty(batch, dtype=acc, device=device)
     grads = [(torch.zeros(packed.queries.shape, dtype=acc, device=device),
-              torch.zeros(packed.documents.shape, dtype=acc, device=device))
-             for *_, packed in parts] if with_grad else []
-    call.guide.reset()
-    with _launch_device(device):
+              torch.zeros(packed.documents.shape, dtype=acc, device=device)) for _, packed in parts] \
+        if with_grad else []
+    masks = None if call.guide_kind is None else BlockMasks(call)
+    with launch_device(device):
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
-            slab = scores[:n]
-            for (part, cols, packed), out in zip(parts, outs):
-                out = out[:n]
-                packed.launch(maxsim_scores_kernel, (n, triton.cdiv(part.n_documents, block_docs)),
-                              **packed.pointers(scalars), out_ptr=out, n_docs=part.n_documents, q_start=start,
-                              **packed.shape_args)
-                if len(parts) > 1:
-                    slab[:, cols] = out
-            logits_grad = softmax(call, start, slab, losses, with_grad)
-            for (part, cols, packed), (dq, dd), part_empty in zip(parts, grads, empty):
-                g = logits_grad[:, cols].contiguous()
+            _slab_scores(parts, start, scores[:n])
+            if guide is not None:
+                _slab_scores(guide_parts, start, guide_scores[:n])
+            mask = None if masks is None else masks(start, scores[:n], None if guide is None else guide_scores[:n])
+            logits_grad = block_softmax(call, start, scores[:n], losses, with_grad, mask, radial)
+            for (part, packed), (dq, dd), part_empty in zip(parts, grads, empty):
+                g = logits_grad[:, part.span].contiguous()
                 g.masked_fill_(part_empty, 0.0)
                 packed.launch(maxsim_dq_kernel, (n, packed.blocks(maxsim_dq_kernel)), **packed.pointers(), g_ptr=g,
                               dq_ptr=dq, n_docs=part.n_documents, q_start=start, **packed.shape_args)
                 packed.launch(maxsim_dd_kernel, (part.n_documents,), **packed.pointers(), g_ptr=g, dd_ptr=dd,
                               n_docs=part.n_documents, n_rows=n, q_start=start, **packed.shape_args)
     if not with_grad:
-        return losses.mean(), None
-    return losses.mean(), [_unpacked(part, dq, dd) for (part, *_), (dq, dd) in zip(parts, grads)]
+        return losses.mean(), None, masks
+    return losses.mean(), _folded(call, [_unpacked(part, dq, dd) for (part, _), (dq, dd) in zip(parts, grads)]), masks
+
+
+def _slab_scores(parts: list[tuple[Part, _Packed]], start: int, slab: Tensor) -> None:
+    """The scores of queries ``start:start + len(slab)`` over their whole row (a scale of 1: the scores, which the
+    guide's mask reads), part by part, into ``slab``: the kernel writes a part's contiguous ``(rows, n_documents)``,
+    so where there are several parts each is written apart and copied into its span."""
+    n = slab.shape[0]
+    for part, packed in parts:
+        out = slab if len(parts) == 1 else torch.empty(n, part.n_documents, dtype=slab.dtype, device=slab.device)
+        block_docs = packed.launches[maxsim_scores_kernel.__name__].meta["BLOCK_M"]
+        packed.launch(maxsim_scores_kernel, (n, triton.cdiv(part.n_documents, block_docs)),
+                      **packed.pointers(_scalars(1.0, 0.0, packed.acc, slab.device)), out_ptr=out,
+                      n_docs=part.n_documents, q_start=start, **packed.shape_args)
+        if len(parts) > 1:
+            slab[:, part.span] = out
+
+
+# The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
+
+
+def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
+    """The loss, the state ``backward`` reads, and the guide's counters (``need_stats``). An unguided call keeps
+    each query's softmax normaliser (the backward recomputes the rest); a held one (``maxsim_held_triton``) the
+    gradients, made here ``with_grad``, and the temperature's share."""
+    if call.guide_kind is None and call.temperature is None:
+        loss, peak, total = maxsim_forward_triton(call)
+        return loss, ("normaliser", peak, total), None
+    radial = torch.zeros((), dtype=compute_dtype(call.dtype), device=call.device) \
+        if with_grad and call.temperature is not None else None
+    loss, grads, masks = maxsim_held_triton(call, with_grad, radial)
+    return loss, ("gradients", grads, radial), None if masks is None or not need_stats else masks.counters
+
+
+def backward(call: MaxSimCall, state: tuple, grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
+    """The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and ``grad_output``
+    times the temperature's share."""
+    scale = float(grad_output)
+    if state[0] == "normaliser":
+        grads = maxsim_backward_triton(call, state[1], state[2], scale)
+        return [g for column in grads for g in column], None
+    _, grads, radial = state
+    flat = [g if scale == 1.0 else g * scale for column in grads for g in column]
+    return flat, None if radial is None else radial * scale

@@ -19,8 +19,8 @@ from cgist.stage.devices import Arch, arch_for, gpu_arch, triton_release
 
 __all__ = [
     "ALL_CONFIGS", "DEFAULT_ARCH", "FMA_CONFIGS", "GEMM_INTERPRET_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON",
-    "gemm_configs", "gemm_shared_memory_estimate", "operand_kind", "prune_configs", "shared_memory_estimate",
-    "tile_configs", "tuned_fwd_kernel",
+    "SHARED_OVERHEAD", "gemm_configs", "gemm_shared_memory_estimate", "operand_kind", "pipelined_loads",
+    "prune_configs", "shared_memory_estimate", "tile_configs", "tuned_fwd_kernel",
 ]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -172,6 +172,17 @@ def operand_kind(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
     return "mixed" if guide_dtype == torch.float32 else "half"
 
 
+#: Shared memory a kernel takes beyond its buffers: barriers and alignment (sm_100 adds 16 B).
+SHARED_OVERHEAD = 1024
+
+
+def pipelined_loads(stages: int, rows: int, cols: int, block_k: int, element: int) -> int:
+    """The shared memory (bytes) of a K loop's pipelined loads: ``stages`` buffers of a ``(rows, block_k)`` and a
+    ``(cols, block_k)`` slice of ``element``-byte operands (Triton keeps ``num_stages - 1`` buffers with mma.sync and
+    FMA loops, ``num_stages`` with wgmma and tcgen05). Every kernel's estimate counts its loads with it."""
+    return stages * (rows + cols) * block_k * element
+
+
 def shared_memory_estimate(config: triton.Config, kind: str) -> int:
     """An upper bound on the shared memory (bytes) of any kernel compiled with ``config`` for operands of ``kind``.
 
@@ -192,9 +203,9 @@ def shared_memory_estimate(config: triton.Config, kind: str) -> int:
     e = 2 if kind == "half" else 4
     s = 2 if kind in ("half", "mixed", "mixed3") else 4
     parts = 2 if kind == "tf32x3" else 1
-    loads = stages * (bm + bn) * bk * e
+    loads = pipelined_loads(stages, bm, bn, bk, e)
     column = parts * bm * bn * s + (stages + 1) * bm * (bk // 2) * s
-    return max(loads, column) + 1024
+    return max(loads, column) + SHARED_OVERHEAD
 
 
 def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, guide_precision: str, n_dims: int = 1,
@@ -280,7 +291,7 @@ def gemm_shared_memory_estimate(config: triton.Config) -> int:
     loads of its K loop, ``num_stages`` buffers of the four fp32 tiles ``2 * (BLOCK_M + BLOCK_N) * BLOCK_K * 4``, plus
     1 KiB for barriers and alignment. bench/aot_compile.py checks it against every binary it builds."""
     bm, bn, bk = (config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-    return config.num_stages * 2 * (bm + bn) * bk * 4 + 1024
+    return 2 * pipelined_loads(config.num_stages, bm, bn, bk, 4) + SHARED_OVERHEAD
 
 
 def gemm_configs(arch: Arch | None = None, interpret: bool = INTERPRET) -> list[triton.Config]:

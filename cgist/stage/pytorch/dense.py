@@ -1,6 +1,7 @@
-"""Streaming GIST loss in PyTorch: the CPU path, and the fallback for GPUs without Triton.
-
-The algorithm is docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
+"""The dense score on the PyTorch backend (``similarity`` ``"cos"`` or ``"dot"``): the streaming GIST loss, the CPU
+path and the fallback for GPUs without Triton; the backend contract, ``forward`` and ``backward``
+(docs/design.md#dispatch), and both in one call, ``gist_loss_and_grads``. The algorithm is
+docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
 against the columns of every column group bound to the call (``cgist.stage.spec.problem.bind_groups``) in tiles:
 one matrix product for the guide scores (the mask), one for the student logits, then ``exp2``; the gradients with
 respect to the normalised embeddings come from the same tiles, and one normalisation backward at the end turns them
@@ -14,10 +15,7 @@ its relative precision, and a row whose sum passes ``LARGEST_SUM`` (a candidate 
 shifted by its maximum. Shifted logits below the smallest normal exponent plus 24 are dropped before ``exp2``: many
 CPUs compute on subnormal floats a hundred times slower (docs/performance.md#memory), and each dropped term is below
 2^-102 of the positive's.
-
-Half products (one dimension, on CUDA): ``cgist.stage.numerics.half_products``. Matryoshka (docs/design.md#matryoshka):
-student rows are normalised over the largest dimension, dimension d scores the prefix dot products summed segment by
-segment times the norms' ratios ``rho_d``; the guide tile and the mask are computed once for every dimension.
+Half products (one dimension, on CUDA): ``cgist.stage.numerics.half_products``. Matryoshka: docs/design.md#matryoshka.
 """
 
 from __future__ import annotations
@@ -31,8 +29,10 @@ from torch import Tensor
 
 from ..budget import RowBlocks, row_blocks
 from ..numerics import (
-    EPS, HalfRows, addmm_, compute_dtype, copy_rows, guide_mask, half_products, half_rows, row_chunks, row_dots, threshold,
+    EPS, HalfRows, addmm_, compute_dtype, copy_rows, guide_mask, half_products, half_rows, row_chunks, row_dots,
+    theta_above, threshold,
 )
+from ..spec.dense import DenseCall, scaled_gradients
 from ..spec.options import GistOptions
 from ..spec.problem import (
     BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
@@ -41,7 +41,7 @@ from ..stats import COUNT_FIELDS, SUM_FIELDS
 from ..ties import TieIndex, tie_ids
 from .workspace import Workspace
 
-__all__ = ["gist_loss_and_grads"]
+__all__ = ["backward", "forward", "gist_loss_and_grads"]
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 #: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
@@ -80,7 +80,7 @@ class _StreamingCall:
                  need_grads: bool, need_stats: bool,
                  products: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
                  text_ids: Sequence[Tensor] | None = None) -> None:
-        self.options = options
+        self.options, self.want_radial_sum = options, False
         embeddings = [row_chunks(e) for e in embeddings]
         self.dtype = compute_dtype(embeddings[0][0].dtype)
         self.dims = Dims.of(options, embeddings[0][0].shape[1])
@@ -162,11 +162,14 @@ class _StreamingCall:
         ``max(||x[:top]||, eps)``. With several dimensions the accumulated ``grad`` is ``sum_d sum_j dL/dcos_d[i, j]
         rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum of every dimension's radial sum: the top
         dimension's is that minus the smaller ones' (which the tiles accumulated). Components past ``top`` get 0.
-        Dot products have no normalisation to pass through.
+        Dot products have no normalisation to pass through. With ``want_radial_sum`` it keeps ``radial_sum``, half the
+        sum of ``x_hat . grad`` over every row: ``sum_ij dL/ds_ij s_ij`` (each score has a row and a column side).
         """
-        out = []
+        out, shares = [], []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
+            if self.want_radial_sum:
+                shares.append(row_dots(column.x, grad).sum())
             if self.options.similarity != "dot":
                 if column.radial is not None:
                     column.radial[-1] = row_dots(column.x, grad) - column.radial[:-1].sum(dim=0)
@@ -175,6 +178,7 @@ class _StreamingCall:
             if e.shape[1] > self.dims.top:
                 grad = torch.cat([grad, grad.new_zeros(grad.shape[0], e.shape[1] - self.dims.top)], dim=1)
             out.append(grad.to(e.dtype))
+        self.radial_sum = torch.stack(shares).sum() / 2 if shares else None
         return out
 
 
@@ -226,7 +230,7 @@ class _RowBlock:
         if guided:  # theta_i: the guide's score of anchor i with its label, candidate offset + i
             theta = row_dots(self.anchor_rows.g, label_rows.g).unsqueeze(1)
             self.limit = threshold(theta, options.margin, options.relative)
-            self.theta_masked = theta > self.limit
+            self.theta_masked = theta_above(theta, options.margin, options.relative)
             if call.counters is not None:
                 call.count("theta_sum", theta.sum())
                 call.count("threshold_sum", self.limit.sum())
@@ -547,36 +551,48 @@ def _row_block(call: _StreamingCall, rb: _RowBlock, schedule: RowBlocks) -> Tens
 
 @torch.no_grad()
 def gist_loss_and_grads(
-    embeddings: Sequence[Tensor | Sequence[Tensor]],
-    guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | None,
-    options: GistOptions,
-    *,
-    need_grads: bool,
-    need_stats: bool = False,
-    text_ids: Sequence[Tensor] | None = None,
+    embeddings: Sequence[Tensor | Sequence[Tensor]], guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | None,
+    options: GistOptions, *, need_grads: bool, need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
     products: tuple[torch.dtype | None, torch.dtype | None] | None = None,
 ) -> tuple[Tensor, list[Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Loss, d(loss)/d(embeddings) if ``need_grads`` and the mask counters if ``need_stats``.
 
-    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``.
-    ``text_ids`` (with ``options.mask_duplicates``): an int32 text id per row of each column. A column may be a
-    list of row chunks: they are copied straight into the normalised rows, never concatenated. ``options.block_bytes``
-    bounds the score buffers held at once (``cgist.stage.budget.row_blocks``). The loss is float64 for float64 inputs and float32
-    otherwise; the gradients have the dtype of their embedding; the counters are ``(counts, sums)``: int64
-    counts in the order of ``cgist.stage.stats.COUNT_FIELDS`` and sums in the loss's dtype in that of ``SUM_FIELDS``.
-
-    ``products`` gives the half dtypes of the student's and the guide's score products (None: the compute
-    dtype); by default ``half_products`` picks them for the device.
+    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D (each a tensor or a
+    list of row chunks, copied straight into the normalised rows), guide columns likewise in Dg (None: no guide
+    masking); anchor i's label is candidate ``options.offset + i``; ``text_ids``: an int32 text id per row of each
+    column. ``options.block_bytes`` bounds the score buffers held at once (``cgist.stage.budget.row_blocks``). The
+    loss is float64 for float64 inputs, else float32; the gradients have their embedding's dtype; the counters are
+    ``(counts, sums)`` (``cgist.stage.stats.COUNT_FIELDS``, ``SUM_FIELDS``). ``products``: the half dtypes of the
+    student's and the guide's score products (None: ``half_products`` picks them for the device).
     """
+    loss, grads, counters, _ = _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products)
+    return loss, grads, counters
+
+
+def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products=None, want_radial=False):
+    """``gist_loss_and_grads``, and with ``want_radial`` the sum of ``dL/ds * s`` over every score."""
     if products is None:
         device = row_chunks(embeddings[0])[0].device
         products = tuple(None if c is None else half_products(device, row_chunks(c[0])[0].dtype)
                          for c in (embeddings, guide_embeddings))
     call = _StreamingCall(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
+    call.want_radial_sum = want_radial and need_grads
     schedule = call.schedule
     loss = torch.zeros((), dtype=call.dtype, device=call.columns[0].x.device)
     for start in range(0, call.batch, schedule.rows):
         loss += _row_block(call, _RowBlock(call, start, min(start + schedule.rows, call.batch)), schedule)
     loss = loss / call.batch
-    return loss, (call.gradients(embeddings) if need_grads else None), call.counters
+    grads = call.gradients(embeddings) if need_grads else None
+    return loss, grads, call.counters, (call.radial_sum if need_grads else None)
+
+
+@torch.no_grad()
+def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
+    """The loss, ``backward``'s state (the gradients, the temperature's share) and the guide's counters."""
+    loss, grads, counters, radial = _run(call.columns, call.guide, call.options, with_grad, need_stats,
+                                         call.text_ids, want_radial=call.temperature is not None)
+    return loss, (grads, radial), counters
+
+
+#: The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and the temperature's share.
+backward = scaled_gradients

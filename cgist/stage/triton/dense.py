@@ -1,6 +1,8 @@
-"""Launchers for the GIST kernels: tensors in, tensors out (no autograd, no nn).
+"""The dense score on the Triton backend (``similarity`` ``"cos"`` or ``"dot"``): the launchers of the GIST kernels,
+tensors in, tensors out (no autograd, no nn), and the backend contract, ``forward`` and ``backward``
+(docs/design.md#dispatch).
 
-``gist_loss_and_grads`` has the signature and semantics of ``cgist.stage.pytorch.streaming.gist_loss_and_grads``;
+``gist_loss_and_grads`` has the signature and semantics of ``cgist.stage.pytorch.dense.gist_loss_and_grads``;
 ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
 launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
 ``cgist.kernels.gist`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
@@ -40,8 +42,6 @@ options arrive as a ``cgist.GistOptions``.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from cgist.kernels.gemm import tf32x3_addmm_kernel
@@ -65,8 +64,8 @@ from cgist.kernels.gist import (
     pack_scalars,
 )
 from cgist.stage.budget import Chunks, backward_chunks
-from cgist.stage.devices import Arch, gpu_arch
-from cgist.stage.numerics import EPS, addmm_, compute_dtype, stack_rows
+from cgist.stage.numerics import EPS, addmm_, compute_dtype, row_dots, stack_rows
+from cgist.stage.spec.dense import DenseCall, scaled_gradients
 from cgist.stage.spec.problem import (
     BoundGroup,
     Dims,
@@ -81,39 +80,21 @@ from cgist.stage.spec.problem import (
 from cgist.stage.stats import BLOCKS
 from cgist.stage.ties import tie_ids
 
+from .common import TL_DTYPES, arch_of, device_constant, input_precision, launch_device
 from .tiles import gemm_configs, tuned_fwd_kernel
 
 if TYPE_CHECKING:
     from cgist.stage.spec.options import GistOptions
 
 __all__ = [
-    "BackwardWork", "ForwardState", "forward_group", "gist_backward",
-    "gist_forward", "gist_loss_and_grads", "input_precision", "split_tf32", "tf32x3_addmm_",
+    "BackwardWork", "ForwardState", "backward", "forward", "forward_group", "gist_backward", "gist_forward",
+    "gist_loss_and_grads", "split_tf32", "tf32x3_addmm_",
 ]
 
 LN2 = math.log(2.0)
-TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 #: Counter rows of the forward: masked entries per statistics block, then the entries left unmasked, the label aside.
 _COUNTER_ROW = {name: row for row, name in enumerate(BLOCKS)}
 _LEFT_ROW = len(_COUNTER_ROW)
-
-
-def input_precision(dtype: torch.dtype, arch: Arch | None = None) -> str:
-    """``tl.dot`` input precision: fp32 follows ``torch.get_float32_matmul_precision()``.
-
-    "highest" is tf32x3 (a split into tf32 high and low parts, three tensor-core products, about fp32
-    accuracy; see ``split_tf32``), "high"/"medium" tf32. On an ``arch`` without tensor-core instructions
-    (below sm_80) fp32 is "ieee": no tf32 there. Other dtypes ignore it.
-    """
-    if dtype == torch.float32 and (arch is None or arch.mma):
-        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return "ieee"
-
-
-def _arch(device: torch.device) -> Arch | None:
-    """The device's architecture on CUDA; None elsewhere (the interpreter), which ``input_precision`` reads as
-    tensor cores."""
-    return gpu_arch(device) if device.type == "cuda" else None
 
 
 def split_tf32(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -137,9 +118,9 @@ def tf32x3_addmm_(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor
     if a_hi.stride() != a_lo.stride() or b_hi.stride() != b_lo.stride():
         raise ValueError("the high and the low part of a tf32 split must share their strides")
     (m, k), n = a_hi.shape, b_hi.shape[1]
-    config = gemm_configs(_arch(out.device))[0]
+    config = gemm_configs(arch_of(out.device))[0]
     grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]), triton.cdiv(n, config.kwargs["BLOCK_N"]))
-    with _launch_device(out.device):
+    with launch_device(out.device):
         tf32x3_addmm_kernel[grid](
             out, a_hi, a_lo, b_hi, b_lo, m, n, k, out.stride(0), out.stride(1), a_hi.stride(0), a_hi.stride(1),
             b_hi.stride(0), b_hi.stride(1), num_warps=config.num_warps, num_stages=config.num_stages,
@@ -154,18 +135,6 @@ def _gemm_acc(out: Tensor, a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> None
         addmm_(out, a[0], b[0])
     else:
         tf32x3_addmm_(out, a, b)
-
-
-@functools.lru_cache(maxsize=64)
-def _device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small constant tensor on ``device``, made once: a copy from host memory waits for the stream, so
-    each call would otherwise cost a host synchronisation. Read only."""
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _launch_device(device: torch.device):
-    """Make ``device`` current while launching: Triton launches on the current CUDA device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -307,8 +276,8 @@ def prepare_forward(
     n_dims = len(dims)
     return ForwardState(
         options=options, embeddings=embeddings, columns=columns, norms=norms, groups=groups, dims=dims,
-        weights=_device_constant(dims.weights, acc, device).unsqueeze(1),
-        dims_tensor=_device_constant(dims.sizes, torch.int32, device),
+        weights=device_constant(dims.weights, acc, device).unsqueeze(1),
+        dims_tensor=device_constant(dims.sizes, torch.int32, device),
         thr=torch.empty(batch, dtype=acc, device=device), theta=torch.empty(batch, dtype=acc, device=device),
         theta_masked=torch.empty(batch, dtype=torch.int8, device=device),
         pos=torch.empty(n_dims, batch, dtype=acc, device=device),
@@ -316,9 +285,9 @@ def prepare_forward(
         run_sum=torch.empty(n_parts, n_dims, batch, dtype=acc, device=device),
         counts=(torch.zeros if need_stats else torch.empty)(len(_COUNTER_ROW) + 1, batch, dtype=torch.int32,
                                                             device=device),
-        scalars=_device_constant(pack_scalars(options.temperature, options.margin, options.hardness), acc, device),
-        flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype, _arch(device)),
-                   PRECISION_G=input_precision(guide[0].dtype, _arch(device)), N_DIMS=n_dims),
+        scalars=device_constant(pack_scalars(options.temperature, options.margin, options.hardness), acc, device),
+        flags=dict(ACC=TL_DTYPES[acc], PRECISION=input_precision(embeddings[0].dtype, arch_of(device)),
+                   PRECISION_G=input_precision(guide[0].dtype, arch_of(device)), N_DIMS=n_dims),
         guided=guide_embeddings is not None, row_texts=row_texts,
     )
 
@@ -326,7 +295,7 @@ def prepare_forward(
 def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: bool = False) -> None:
     """Launch the forward row pass of one group (the AP group first); records the autotuner's pick."""
     batch = state.batch
-    with _launch_device(state.pos.device):
+    with launch_device(state.pos.device):
         tuned_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
             **_kernel_args(state, group), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
             masked_ptr=state.counts[_COUNTER_ROW[group.name]], left_ptr=state.counts[_LEFT_ROW],
@@ -374,6 +343,8 @@ class BackwardWork:
         self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
         self._operands = None
         self._buffers = None
+        self.want_radial_sum = False  # keep ``radial_sum``, the sum of dL/ds * s over every score (``gradients``)
+        self.radial_sum = None
 
     def operands(self) -> list[tuple[Tensor, ...]]:
         """Each embedding's first ``top`` columns as GEMM operands: ``(x,)``, or its tf32 split for tf32x3."""
@@ -417,7 +388,7 @@ class BackwardWork:
         _, f, row_part, col_part = self.buffers()
         tiles = state.tiles
         grid = (triton.cdiv(r1 - r0, tiles["BLOCK_M"]), triton.cdiv(c1 - c0, tiles["BLOCK_N"]))
-        with _launch_device(f.device):
+        with launch_device(f.device):
             gist_score_grad_kernel[grid](
                 **self.kernel_args(group), dims_ptr=state.dims_tensor, f_ptr=f, row_part_ptr=row_part,
                 col_part_ptr=col_part, row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,
@@ -470,7 +441,11 @@ class BackwardWork:
         0 where ``||x[:d_u]|| < eps``), in each embedding's dtype. Past ``top``, ``h`` is 0 and stays 0."""
         state, top = self.state, self.state.dims.top
         out = []
+        self.radial_sum = None
         for i, (x, column, norm, h) in enumerate(zip(state.embeddings, state.columns, state.norms, self.h)):
+            if self.want_radial_sum:  # x . h sums dL/dcos * cos over the row's scores; each score has two sides
+                share = row_dots(x[:, :top].to(h.dtype), h[:, :top]).sum() / 2
+                self.radial_sum = share if self.radial_sum is None else self.radial_sum + share
             if state.options.similarity != "dot":  # dot products have no normalisation to pass through
                 kappa = (column.rx**2).masked_fill_(norm < EPS, 0.0)
                 radial = None if self.radial is None else self.radial[i]
@@ -498,8 +473,27 @@ def gist_loss_and_grads(
     list of row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
     validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
     gradients have the dtype of their embedding; the counters are ``(counts, sums)`` as in
-    ``cgist.stage.pytorch.streaming.gist_loss_and_grads``. No host synchronisation.
+    ``cgist.stage.pytorch.dense.gist_loss_and_grads``. No host synchronisation.
     """
     loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats, text_ids=text_ids)
     grads = gist_backward(state) if need_grads else None
     return loss, grads, (state.counters() if need_stats else None)
+
+
+# The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
+
+
+def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
+    """The loss, the state ``backward`` reads (the gradients, made here ``with_grad`` as GradCache needs them at
+    once, and the temperature's share) and the guide's counters (``need_stats``)."""
+    loss, state = gist_forward(call.columns, call.guide, call.options, need_stats, text_ids=call.text_ids)
+    grads = radial = None
+    if with_grad:
+        work = BackwardWork(state)
+        work.want_radial_sum = call.temperature is not None
+        grads, radial = work.run(), work.radial_sum
+    return loss, (grads, radial), (state.counters() if need_stats else None)
+
+
+#: The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and the temperature's share.
+backward = scaled_gradients

@@ -1,0 +1,73 @@
+"""The scores of the loss stage: what a tile computes from a tile of rows and a tile of columns, one registry entry
+each (docs/design.md#adding-a-score). It imports only the standard library.
+
+Everything around a score (the column groups, the guide's mask, the softmax, the budget, the router, the first-use
+check, the fallback, the statistics) belongs to the stage and is written once. A score is one module per layer, named
+by its entry: its part of the problem model and its checks (``spec``), each backend's tile code (``backends``: a module
+with the backend contract, ``forward`` and ``backward``, docs/design.md#dispatch) and its kernels (``kernels``). The
+modules are named, not imported: a backend is imported on a call's first use of it, by the router alone.
+
+* ``dense`` (``similarity`` ``"cos"`` or ``"dot"``): dot products of rows of vectors (normalised first for ``"cos"``);
+* ``maxsim`` (``"maxsim"`` or ``"mean_maxsim"``): MaxSim over token vectors, per query token the largest dot product
+  with a real document token, summed (``"mean_maxsim"``: divided by the query's real token count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "SIMILARITIES", "Score", "score_of"]
+
+#: The backends a score may register, each a module with ``forward`` and ``backward`` (docs/design.md#dispatch).
+BACKEND_NAMES = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Score:
+    """One score of the loss stage and the modules that compute it.
+
+    ``similarities`` are the values of ``GistOptions.similarity`` it computes; ``tokens``: its columns are token
+    embeddings ``(rows, tokens, dim)`` with masks (else embeddings ``(rows, dim)``); ``options``: the
+    ``GistOptions`` fields beyond the common ones that it takes (a call of another score leaves them at their
+    defaults); ``spec``, ``backends`` and ``kernels``: the modules of each layer."""
+
+    name: str
+    similarities: tuple[str, ...]
+    tokens: bool
+    options: tuple[str, ...]
+    spec: str
+    backends: Mapping[str, str] = field(default_factory=dict)
+    kernels: str | None = None
+
+    def backend(self, name: str) -> str:
+        """The module of backend ``name`` (``BACKEND_NAMES``)."""
+        return self.backends[name]
+
+
+DENSE = Score(
+    "dense", ("cos", "dot"), tokens=False,
+    options=("directions", "partition_mode", "hardness_mode", "hardness_strength", "all_anchors", "matryoshka_dims",
+             "matryoshka_weights"),
+    spec="cgist.stage.spec.dense",
+    backends={"torch": "cgist.stage.pytorch.dense", "triton": "cgist.stage.triton.dense"},
+    kernels="cgist.kernels.gist",
+)
+MAXSIM = Score(
+    "maxsim", ("maxsim", "mean_maxsim"), tokens=True, options=("guide_similarity",),
+    spec="cgist.stage.spec.maxsim",
+    backends={"torch": "cgist.stage.pytorch.maxsim", "triton": "cgist.stage.triton.maxsim"},
+    kernels="cgist.kernels.maxsim",
+)
+#: Every score, in the order the documentation lists them.
+SCORES = (DENSE, MAXSIM)
+#: Every value of ``GistOptions.similarity``.
+SIMILARITIES = tuple(name for score in SCORES for name in score.similarities)
+
+
+def score_of(similarity: str) -> Score:
+    """The score that computes ``similarity`` (one of ``SIMILARITIES``)."""
+    for score in SCORES:
+        if similarity in score.similarities:
+            return score
+    raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
