@@ -5,10 +5,11 @@ The loss of sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss``: 
 document of every column is MaxSim (for each real query token, the largest dot product with a real document token,
 summed in float32), or MeanMaxSim (divided by the query's real token count); a document with no real token scores
 ``-1e9`` (divided likewise); the scores times ``scale`` go into a cross-entropy whose label is the first column's row
-``offset + i``; the loss is the mean over the queries. With a guide, GIST's mask leaves out the candidates that the
+``offset + i``; the loss is the mean over the queries. With ``top_k`` the scores are XTR's instead (sentence-transformers'
+``xtr_scores``; docs/design.md#xtr). With a guide, GIST's mask leaves out the candidates that the
 guide scores above each query's threshold (docs/design.md#the-guide-for-late-interaction). Its arguments become one
 validated call (``cgist.stage.spec.maxsim.maxsim_call``), which the stage runs (``cgist.stage.node.run``) on the
-MaxSim score's backends; it imports no backend.
+score's backends; it imports no backend.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 from .stage.node import run
 from .stage.spec.maxsim import maxsim_call
 from .stage.spec.options import GistOptions, check_bools, real_number
+from .stage.spec.xtr import xtr_call
 from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
@@ -33,7 +35,8 @@ def maxsim_loss(
     guide_masks: Sequence[Tensor | Sequence[Tensor]] | None = None, guide_length_normalize: bool = False,
     margin: float = 0.0, margin_strategy: str = "absolute", text_ids: Sequence[Tensor] | None = None,
     mask_duplicates: bool = False, contrast_anchors: bool = False, contrast_positives: bool = False,
-    mask_self: bool = True, block_bytes: int | None = None, backend: str = "auto", return_stats: bool = False,
+    mask_self: bool = True, top_k: int | None = None, block_bytes: int | None = None, backend: str = "auto",
+    return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, GistStats]:
     """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
 
@@ -66,6 +69,10 @@ def maxsim_loss(
             the documents are: AA, query ``i``'s MaxSim against every query, and PP, its positive's (as the left side,
             row ``offset + i`` of the first column) against every document of the first column.
         mask_self: always leave the self-pairs AA[i, i] and PP[i, offset + i] out.
+        top_k: XTR's scores instead of MaxSim's: each real query token retrieves its ``top_k`` largest similarities
+            among every real token of every document column, and a score is the sum of the retrieved per-token
+            maxima over how many of the query's tokens retrieved one of the document's tokens (at least 1). Not with
+            ``length_normalize`` nor with the contrast blocks.
         block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
             and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
@@ -82,12 +89,17 @@ def maxsim_loss(
     check_bools(length_normalize=length_normalize, guide_length_normalize=guide_length_normalize)
     learned = 1.0 / scale if isinstance(scale, Tensor) and scale.requires_grad else None  # its gradient: autograd's
     tokens_guide = "mean_maxsim" if guide_length_normalize else "maxsim"
+    if top_k is not None and length_normalize:
+        raise ValueError("length_normalize divides MaxSim's scores by the query's token count; XTR's (top_k) are "
+                         "divided by how many tokens retrieved the document: pass one of them")
+    similarity = "xtr" if top_k is not None else "mean_maxsim" if length_normalize else "maxsim"
     options = GistOptions(
-        similarity="mean_maxsim" if length_normalize else "maxsim", temperature=1.0 / value, margin=margin,
+        similarity=similarity, top_k=top_k, temperature=1.0 / value, margin=margin,
         margin_strategy=margin_strategy, contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
         mask_self=mask_self, mask_duplicates=mask_duplicates, offset=offset, block_bytes=block_bytes,
         guide_similarity=tokens_guide if guide_masks is not None else "cos",
     )
-    call = maxsim_call(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
-                       text_ids=text_ids, temperature=learned)
+    door = maxsim_call if top_k is None else xtr_call
+    call = door(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
+                text_ids=text_ids, temperature=learned)
     return run(call, backend, return_stats)

@@ -13,6 +13,12 @@ reaches, for each query token ``t``, the one document token ``u*`` where the max
 ``dq[i, t] += g * w[i, t] * d[m, u*]`` and ``dd[m, u*] += g * w[i, t] * q[i, t]``. An empty document's score is a
 constant, so it sends no gradient.
 
+XTR (the ``XTR`` constexpr of the slab kernels: a slab's logits, the query and the document gradients;
+docs/design.md#xtr): each query token has a threshold ``tau[i, t]`` (the host's, laid out as the weights), a maximum
+counts only where it reaches it, and the score is the sum of the counted maxima over their count ``Z`` (at least 1),
+which the logits' kernel writes beside them; the host divides each logit's gradient by its ``Z``, and the gradient
+kernels send it along the counted maxima only.
+
 Layout (the launcher, ``cgist.stage.triton.maxsim``, packs the chunks): queries ``(B, Lq, D)`` with their weights
 ``(B, Lq)`` and fills ``(B,)``; documents ``(M, Ld, D)`` with an int8 mask ``(M, Ld)`` and each document's width
 ``(M,)`` (its last real token + 1, 0 when it has none), so a program reads no token past a document's last real one.
@@ -135,20 +141,37 @@ def _token_maxima(
 
 
 @triton.jit
+def _retrieved(best, w, tau_ptr, q_rows, q_real, XTR: tl.constexpr):
+    """Which maxima of a token block count: a real (weighted) token's, and under ``XTR`` only where the maximum
+    reaches the token's threshold (``tau_ptr``, laid out as the weights)."""
+    kept = w != 0.0
+    if XTR:
+        kept = kept & (best >= tl.load(tau_ptr + q_rows, mask=q_real, other=float("inf")))
+    return kept
+
+
+@triton.jit
 def _logit(
-    q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim,
+    q_ptr, w_ptr, tau_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim,
     ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, XTR: tl.constexpr,
 ):
     """The logit of query ``i`` against document ``m``: ``scale * sum_t w[t] * max_t``, a token block at a time, or
-    ``scale * fill`` for a document without a real token (``width == 0``, where every maximum is -inf)."""
+    ``scale * fill`` for a document without a real token (``width == 0``, where every maximum is -inf); and how many
+    maxima counted (``_retrieved``). Under ``XTR`` the sum runs over the retrieved maxima and is divided by their
+    count (at least 1)."""
     score = tl.zeros((), ACC)
+    count = tl.zeros((), ACC)
     for q0 in range(0, LQ, BLOCK_Q):
         q_rows, q_real, w = _query_block(w_ptr, i, q0, lq, BLOCK_Q)
         best, _ = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim, ACC, PRECISION, BLOCK_D,
                                 BLOCK_K, BLOCK_T, False)
-        score += tl.sum(tl.where(w != 0.0, best, 0.0) * w, axis=0)  # no -inf * 0 (NaN) for an empty document
-    return scale * tl.where(width > 0, score, fill)
+        kept = _retrieved(best, w, tau_ptr, q_rows, q_real, XTR)
+        score += tl.sum(tl.where(kept, best, 0.0) * w, axis=0)  # no -inf * 0 (NaN) for an empty document
+        count += tl.sum(kept.to(ACC), axis=0)
+    if XTR:
+        score = score / tl.maximum(count, 1.0)
+    return scale * tl.where(width > 0, score, fill), count
 
 
 @triton.jit
@@ -177,8 +200,8 @@ def maxsim_fwd_kernel(
     peak = tl.full((), float("-inf"), ACC)
     total = tl.zeros((), ACC)
     for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
-        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq, ld, dim, ACC,
-                       PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+        logit, _ = _logit(q_ptr, w_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq, ld,
+                          dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T, False)
         new_peak = tl.maximum(peak, logit)
         total = total * tl.exp(peak - new_peak) + tl.exp(logit - new_peak)
         peak = new_peak
@@ -199,22 +222,24 @@ def maxsim_label_kernel(
     exactly."""
     i = tl.program_id(0)
     m = offset + i
-    logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), tl.load(fill_ptr + i),
-                   tl.load(scalars_ptr + SCALE), lq, ld, dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+    logit, _ = _logit(q_ptr, w_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), tl.load(fill_ptr + i),
+                      tl.load(scalars_ptr + SCALE), lq, ld, dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T,
+                      False)
     tl.store(label_ptr + i, logit)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_scores_kernel(
-    q_ptr, w_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, out_ptr,
+    q_ptr, w_ptr, tau_ptr, fill_ptr, d_ptr, dmask_ptr, width_ptr, scalars_ptr, out_ptr, z_ptr,
     n_docs, q_start, lq, ld, dim,
     ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, XTR: tl.constexpr,
 ):
-    """The logits of a slab of queries, for a guided loss whose mask reads them. Grid: ``(rows, cdiv(M, BLOCK_M))``;
-    program ``(r, b)`` takes query ``q_start + r`` against the documents of block ``b`` (as the forward's), and
-    writes each logit at ``(r, m)`` of ``out_ptr`` ``(rows, M)`` (``fill`` for an empty document). With a scale of 1
-    the logits are the scores."""
+    """The logits of a slab of queries, for a loss whose softmax the host takes (a guide's mask, XTR). Grid:
+    ``(rows, cdiv(M, BLOCK_M))``; program ``(r, b)`` takes query ``q_start + r`` against the documents of block ``b``
+    (as the forward's), and writes each logit at ``(r, m)`` of ``out_ptr`` ``(rows, M)`` (``fill`` for an empty
+    document); under ``XTR`` (the thresholds at ``tau_ptr``) XTR's, and each logit's count of retrieved maxima at
+    ``(r, m)`` of ``z_ptr``. With a scale of 1 the logits are the scores."""
     r = tl.program_id(0)
     block = tl.program_id(1)
     i = q_start + r
@@ -222,9 +247,11 @@ def maxsim_scores_kernel(
     scale = tl.load(scalars_ptr + SCALE)
     row = tl.cast(r, tl.int64) * n_docs
     for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
-        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq, ld, dim, ACC,
-                       PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+        logit, count = _logit(q_ptr, w_ptr, tau_ptr, d_ptr, dmask_ptr, i, m, tl.load(width_ptr + m), fill, scale, lq,
+                              ld, dim, ACC, PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T, XTR)
         tl.store(out_ptr + row + m, logit)
+        if XTR:
+            tl.store(z_ptr + row + m, count)
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -248,26 +275,27 @@ def maxsim_grad_kernel(
     row = tl.cast(r, tl.int64) * n_docs
     for m in range(block * BLOCK_M, tl.minimum(block * BLOCK_M + BLOCK_M, n_docs)):
         width = tl.load(width_ptr + m)
-        logit = _logit(q_ptr, w_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim, ACC, PRECISION, LQ,
-                       BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T)
+        logit, _ = _logit(q_ptr, w_ptr, w_ptr, d_ptr, dmask_ptr, i, m, width, fill, scale, lq, ld, dim, ACC,
+                          PRECISION, LQ, BLOCK_Q, BLOCK_D, BLOCK_K, BLOCK_T, False)
         g = _logit_grad(logit, peak, total, unit, m == offset + i)
         tl.store(g_ptr + row + m, tl.where(width > 0, g, 0.0))
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_dq_kernel(
-    q_ptr, w_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dq_ptr,
+    q_ptr, w_ptr, tau_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dq_ptr,
     n_docs, q_start, lq, ld, dim,
     ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, XTR: tl.constexpr,
 ):
     """The query gradients of a slab. Grid: ``(rows, cdiv(LQ, BLOCK_Q))``; program ``(r, c)`` owns the rows of token
     block ``c`` of query ``q_start + r`` in ``dq`` ``(B, Lq, D)``.
 
     It holds a ``(BLOCK_Q, BLOCK_D)`` accumulator and loops over every document: the maxima's tokens ``u*``
     (``_token_maxima``), then one gather of the rows ``d[m, u*[t]]`` (a row per query token) added with the weights
-    ``g * w[t]`` (``g`` from ``maxsim_grad_kernel``'s ``(rows, M)``). No other program writes the rows, so nothing
-    is reduced across programs."""
+    ``g * w[t]`` (``g`` from ``maxsim_grad_kernel``'s ``(rows, M)``; under ``XTR`` only for the retrieved maxima,
+    ``g`` already divided by the logit's count). No other program writes the rows, so nothing is reduced across
+    programs."""
     r = tl.program_id(0)
     i = q_start + r
     q_rows, q_real, w = _query_block(w_ptr, i, tl.program_id(1) * BLOCK_Q, lq, BLOCK_Q)
@@ -276,9 +304,10 @@ def maxsim_dq_kernel(
     row = tl.cast(r, tl.int64) * n_docs
     acc = tl.zeros((BLOCK_Q, BLOCK_D), ACC)
     for m in range(0, n_docs):
-        _, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, tl.load(width_ptr + m), ld, dim, ACC,
-                                 PRECISION, BLOCK_D, BLOCK_K, BLOCK_T, True)
-        gw = tl.load(g_ptr + row + m) * w  # (BLOCK_Q,): 0 for an empty document
+        best, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, tl.load(width_ptr + m), ld, dim, ACC,
+                                    PRECISION, BLOCK_D, BLOCK_K, BLOCK_T, True)
+        kept = _retrieved(best, w, tau_ptr, q_rows, q_real, XTR)
+        gw = tl.where(kept, tl.load(g_ptr + row + m) * w, 0.0)  # (BLOCK_Q,): 0 for an empty document
         rows = tl.cast(m, tl.int64) * ld + where
         picked = tl.load(d_ptr + rows[:, None] * dim + offs_k[None, :], mask=(gw != 0.0)[:, None] & mask_k[None, :],
                          other=0.0)
@@ -288,16 +317,17 @@ def maxsim_dq_kernel(
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def maxsim_dd_kernel(
-    q_ptr, w_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dd_ptr,
+    q_ptr, w_ptr, tau_ptr, d_ptr, dmask_ptr, width_ptr, g_ptr, dd_ptr,
     n_docs, n_rows, q_start, lq, ld, dim,
     ACC: tl.constexpr, PRECISION: tl.constexpr, LQ: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, XTR: tl.constexpr,
 ):
     """The document gradients from a slab of queries. Grid: ``(M,)``; program ``m`` owns document ``m``'s rows of
     ``dd`` ``(M, Ld, D)``, which the launcher zeroes, and adds to them the gradients from queries ``q_start`` to
     ``q_start + n_rows``.
 
-    Per query and token block: the maxima's tokens ``u*`` (``_token_maxima``) and the weights ``g * w[t]``; the
+    Per query and token block: the maxima's tokens ``u*`` (``_token_maxima``) and the weights ``g * w[t]`` (under
+    ``XTR`` only the retrieved maxima's, as ``maxsim_dq_kernel``'s); the
     tokens that pick the same document token are grouped, ``pair[t, t'] = [u*[t] = u*[t']] * g * w[t']``, and the
     first (real, weighted) token of each group updates the row ``dd[m, u*[t]]`` with ``(pair @ q)[t]``, a slice of
     ``BLOCK_K`` features at a time (read, added, written back). The product is fp32 "ieee" (fp64 for fp64): the
@@ -312,9 +342,9 @@ def maxsim_dd_kernel(
         g = tl.load(g_ptr + tl.cast(r, tl.int64) * n_docs + m)
         for q0 in range(0, LQ, BLOCK_Q):
             q_rows, q_real, w = _query_block(w_ptr, i, q0, lq, BLOCK_Q)
-            _, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim, ACC, PRECISION,
-                                     BLOCK_D, BLOCK_K, BLOCK_T, True)
-            gw = g * w
+            best, where = _token_maxima(q_ptr, q_rows, q_real, d_ptr, dmask_ptr, m, width, ld, dim, ACC, PRECISION,
+                                        BLOCK_D, BLOCK_K, BLOCK_T, True)
+            gw = tl.where(_retrieved(best, w, tau_ptr, q_rows, q_real, XTR), g * w, 0.0)
             same = (where[:, None] == where[None, :]) & (gw != 0.0)[None, :]  # (t, t'): t' picks t's token
             pair = tl.where(same, gw[None, :], 0.0)
             earlier = tl.max(tl.where(same & (offs_q[None, :] < offs_q[:, None]), 1, 0), axis=1)

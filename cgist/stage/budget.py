@@ -6,7 +6,8 @@ backend cuts its work to fit. This module is its only owner.
   by measurement (``ROW_TARGET``, ``ROW_FLOOR``, ``TILE_COLS``).
 * The Triton GEMM backward: ``backward_chunks`` cuts it into chunks of rows and columns (``Chunks``).
 * The MaxSim score: its default (``maxsim_block_bytes``), the PyTorch stage's tiles and row blocks (``split_budget``,
-  ``tile_rows``, ``kept_bytes``) and the Triton stage's slabs of queries (``slab_rows``).
+  ``tile_rows``, ``kept_bytes``) and the Triton stage's slabs of queries (``slab_rows``); XTR's thresholds' sweep
+  (``threshold_rows``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = [
     "BACKWARD_BYTES", "DOC_ROWS", "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR",
     "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "Chunks", "RowBlocks", "argmax_dtype", "available_bytes",
     "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks", "slab_rows",
-    "split_budget", "tile_rows",
+    "split_budget", "threshold_rows", "tile_rows",
 ]
 
 
@@ -231,3 +232,12 @@ def slab_rows(n_queries: int, per_query: int, block_bytes: int) -> int:
     """Queries per slab of the Triton MaxSim stage: as many as keep ``per_query`` bytes each within ``block_bytes``,
     at least one."""
     return max(1, min(n_queries, block_bytes // max(1, per_query)))
+
+
+def threshold_rows(top_k: int, tile_tokens: int, acc_bytes: int, product_bytes: int) -> int:
+    """Query tokens per block of XTR's thresholds' sweep (``cgist.stage.spec.xtr.thresholds``): a block's
+    similarities with a tile of ``tile_tokens`` document tokens (in ``acc_bytes`` elements, with a bool each: which
+    pass), and its ``top_k`` largest so far twice over (kept, and merged with a tile's), fit ``product_bytes``; at
+    least one."""
+    per_token = tile_tokens * (acc_bytes + 1) + 3 * top_k * acc_bytes
+    return max(1, product_bytes // per_token)

@@ -23,7 +23,7 @@ from .spec.options import GistOptions
 from .ties import TieIndex, tie_ids
 
 __all__ = ["ScoredGroup", "gist_loss_reference", "gist_scores", "maxsim_gist_loss_reference", "maxsim_loss_reference",
-           "maxsim_scores_reference", "score_groups"]
+           "maxsim_scores_reference", "score_groups", "token_scores_reference", "xtr_scores_reference"]
 
 
 @dataclass
@@ -192,17 +192,55 @@ def maxsim_scores_reference(queries: Tensor, query_mask: Tensor, documents: Tens
     return scores
 
 
+def xtr_scores_reference(queries: Tensor, query_mask: Tensor, documents: Tensor, document_mask: Tensor, *,
+                         top_k: int) -> Tensor:
+    """Every query's XTR score against every document, dense, from XTR's definition: ``(B, Lq, D)`` queries against
+    ``(M, Ld, D)`` documents, ``(B, M)`` in float32 or wider.
+
+    Each query token retrieves its ``top_k`` largest similarities among every real token of every document (the pool;
+    every one where it holds fewer), and every token tied with the ``top_k``-th; a query's score against document
+    ``j`` is the sum, over its real tokens that retrieved one of ``j``'s tokens, of the largest similarity they
+    retrieved there, divided by how many such tokens there are (at least 1); a document without a real token scores
+    -1e9. Products in the inputs' dtype, sums in float32 at least, as sentence-transformers' ``xtr_scores``.
+    """
+    tokens = torch.einsum("qtd,msd->qtms", queries, documents)  # (B, Lq, M, Ld)
+    pool = tokens.masked_fill(~document_mask, float("-inf")).flatten(2)
+    depth = min(top_k, int(document_mask.sum()))
+    if depth:
+        kth = pool.topk(depth, -1).values[..., -1:].unsqueeze(-1)
+        retrieved = document_mask & (tokens >= kth)
+    else:
+        retrieved = torch.zeros_like(tokens, dtype=torch.bool)
+    hit = retrieved.any(-1) & query_mask.bool().unsqueeze(-1)  # (B, Lq, M): the token retrieved one of j's
+    best = tokens.masked_fill(~retrieved, float("-inf")).amax(-1)
+    best = torch.where(hit, best, 0.0).to(torch.promote_types(tokens.dtype, torch.float32))
+    scores = best.sum(1) / hit.sum(1).clamp(min=1)
+    return scores.masked_fill(~document_mask.any(-1)[None, :], -1e9)
+
+
+def token_scores_reference(queries: Tensor, query_mask: Tensor, documents: Tensor, document_mask: Tensor, *,
+                           length_normalize: bool = False, top_k: int | None = None) -> Tensor:
+    """MaxSim's scores (``maxsim_scores_reference``), or XTR's with ``top_k`` (``xtr_scores_reference``)."""
+    if top_k is None:
+        return maxsim_scores_reference(queries, query_mask, documents, document_mask,
+                                       length_normalize=length_normalize)
+    if length_normalize:
+        raise ValueError("XTR scores are not length-normalised")
+    return xtr_scores_reference(queries, query_mask, documents, document_mask, top_k=top_k)
+
+
 def maxsim_loss_reference(queries: Tensor, query_mask: Tensor, documents: Sequence[Tensor],
                           document_masks: Sequence[Tensor], *, scale: float = 1.0, length_normalize: bool = False,
-                          offset: int = 0) -> Tensor:
+                          offset: int = 0, top_k: int | None = None) -> Tensor:
     """The multi-vector ranking loss, dense (``cgist.maxsim_loss``'s definition): the documents of every column in
     sentence-transformers' query-major order (row ``j`` of column ``n`` is score column ``j * N + n``), cross-entropy
-    of the scaled scores with query ``i``'s label at column ``(offset + i) * N``, mean over the queries. Columns must
-    share their token width. Differentiable by plain autograd."""
+    of the scaled scores with query ``i``'s label at column ``(offset + i) * N``, mean over the queries; XTR's scores
+    with ``top_k``. Columns must share their token width. Differentiable by plain autograd."""
     n = len(documents)
     stacked = torch.stack(list(documents), 1).flatten(0, 1)
     masks = torch.stack(list(document_masks), 1).flatten(0, 1)
-    scores = maxsim_scores_reference(queries, query_mask, stacked, masks, length_normalize=length_normalize)
+    scores = token_scores_reference(queries, query_mask, stacked, masks, length_normalize=length_normalize,
+                                    top_k=top_k)
     labels = (torch.arange(queries.shape[0], device=queries.device) + offset) * n
     return torch.nn.functional.cross_entropy(scores * scale, labels)
 
@@ -213,13 +251,15 @@ def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: S
                                scale: float = 1.0, length_normalize: bool = False, offset: int = 0,
                                margin: float = 0.0, relative: bool = False, text_ids: Sequence[Tensor] | None = None,
                                mask_duplicates: bool = False, contrast_anchors: bool = False,
-                               contrast_positives: bool = False, mask_self: bool = True) -> tuple[Tensor, Tensor]:
+                               contrast_positives: bool = False, mask_self: bool = True,
+                               top_k: int | None = None) -> tuple[Tensor, Tensor]:
     """The guided multi-vector loss, dense (``cgist.maxsim_loss`` with a guide), and its mask.
 
     Query ``i``'s row: every document column's scores, concatenated (column ``n``'s row ``j`` after every row of the
     columns before it), then with ``contrast_anchors`` its scores against every query (AA), then with
     ``contrast_positives`` its positive's (row ``offset + i`` of the first column, as the left side, its mask as the
     query mask) against every document of the first column (PP); the label is the first column's row ``offset + i``.
+    With ``top_k`` the student's scores are XTR's (``xtr_scores_reference``; no contrast block).
     The guide's score of every pair alike: ``"self"`` the student's MaxSim, detached; ``(rows, Dg)`` columns their
     cosine; ``(rows, tokens, Dg)`` columns with ``guide_masks`` their MaxSim (MeanMaxSim with
     ``guide_length_normalize``); None none. theta_i is the guide's score of query ``i`` with its label,
@@ -232,11 +272,13 @@ def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: S
     """
     rows = torch.arange(queries.shape[0], device=queries.device)
     labels = rows + offset
+    if top_k is not None and (contrast_anchors or contrast_positives):
+        raise ValueError("XTR has no contrast blocks")
 
-    def blocks(left, left_mask, columns, masks, length_normalize):
-        """A row's blocks of MaxSim scores: the documents, AA, PP (``(B, W)``), for the student or a token guide."""
-        out = [maxsim_scores_reference(left, left_mask, *_cat_padded(columns, masks),
-                                       length_normalize=length_normalize)]
+    def blocks(left, left_mask, columns, masks, length_normalize, top_k=None):
+        """A row's blocks of token scores: the documents, AA, PP (``(B, W)``), for the student or a token guide."""
+        out = [token_scores_reference(left, left_mask, *_cat_padded(columns, masks),
+                                      length_normalize=length_normalize, top_k=top_k)]
         if contrast_anchors:
             out.append(maxsim_scores_reference(left, left_mask, left, left_mask, length_normalize=length_normalize))
         if contrast_positives:
@@ -244,7 +286,7 @@ def maxsim_gist_loss_reference(queries: Tensor, query_mask: Tensor, documents: S
                                                length_normalize=length_normalize))
         return torch.cat(out, 1)
 
-    scores = blocks(queries, query_mask, documents, document_masks, length_normalize)
+    scores = blocks(queries, query_mask, documents, document_masks, length_normalize, top_k)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     ids = partner = None
     if text_ids is not None:

@@ -33,7 +33,7 @@ from ..spec.block import BlockMasks, block_softmax
 from ..spec.maxsim import MaxSimCall, Part, query_weights
 from .workspace import _thread_buffer
 
-__all__ = ["backward", "forward", "maxsim_scores"]
+__all__ = ["MAXSIM", "Reduction", "backward", "forward", "maxsim_scores"]
 
 
 @dataclass
@@ -125,17 +125,51 @@ def _part_tile_rows(part: Part, product_bytes: int, keep_bytes: int, keep_per_qu
     return tile_rows(*_widths(part), part.queries[0].element_size(), product_bytes, keep_bytes, keep_per_query)
 
 
-def _kept_per_query(call: MaxSimCall, with_grad: bool) -> int:
+def _kept_per_query(call: MaxSimCall, with_grad: bool, reduction: Reduction) -> int:
     """What a row block keeps per query (``cgist.stage.budget.kept_bytes``), every part's."""
     acc = torch.empty(0, dtype=compute_dtype(call.dtype)).element_size()
     return sum(kept_bytes(1, part.n_documents, *_widths(part), call.first.shape[2], acc, with_grad, call.guide_kind)
+               + part.n_documents * reduction.kept_per_document(_widths(part)[0], acc, with_grad)
                for part in call.parts)
 
 
-def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor | None) -> None:
-    """The tile's MaxSim scores into ``scores`` ``(bq, bd)`` (the compute dtype), sentence-transformers' score
-    where a document is empty; and, given ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum
-    is at (the first, on a tie), as positions of ``doc.tokens``.
+class Reduction:
+    """How a tile's maxima become its scores, and what each maximum sends back in the second sweep: MaxSim's, their
+    sum weighted by each query token's weight (``cgist.stage.spec.maxsim.query_weights``). Another score over the
+    same maxima (``cgist.stage.pytorch.xtr``) subclasses it; one serves a forward, ``start`` opens a row block."""
+
+    def start(self, first: int, rows: int, lq: int, n_docs: int, with_grad: bool, dtype: torch.dtype) -> None:
+        """A row block of ``rows`` queries from ``first``, against ``n_docs`` documents (nothing to keep)."""
+
+    def kept_per_document(self, query_tokens: int, acc_bytes: int, with_grad: bool) -> int:
+        """What a row block keeps per (query, document) beyond ``kept_bytes``' count (nothing)."""
+        return 0
+
+    def scores(self, query: _QueryTile, maxima: Tensor, span: slice, cols: slice) -> Tensor:
+        """The scores ``(bq, bd)`` of a tile's maxima ``(bd, bq, Lq)`` (the compute dtype), at rows ``span`` and
+        columns ``cols`` of the row block."""
+        return torch.einsum("dqt,qt->qd", maxima, query.weights)
+
+    def sent(self, grad: Tensor, weights: Tensor, cols: slice) -> Tensor:
+        """What each (query token, document) of a document tile sends along its maximum, ``(R, Lq, bd)``: the score's
+        gradient ``grad`` ``(R, bd)`` times the token's weight ``(R, Lq)``."""
+        return grad.unsqueeze(1) * weights.unsqueeze(2)
+
+    def block_grad(self, grad: Tensor) -> Tensor:
+        """The block's scores' gradients ``(R, W)`` as the second sweep sends them (as they are)."""
+        return grad
+
+
+#: MaxSim's reduction (and a multi-vector guide's, whatever the student's score).
+MAXSIM = Reduction()
+
+
+def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor | None,
+                 reduction: Reduction = MAXSIM, span: slice = slice(None), cols: slice = slice(None)) -> None:
+    """The tile's scores into ``scores`` ``(bq, bd)`` (the compute dtype; ``reduction``'s of the maxima, at the row
+    block's rows ``span`` and columns ``cols``), sentence-transformers' score where a document is empty; and, given
+    ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum is at (the first, on a tie), as
+    positions of ``doc.tokens``.
 
     The product is laid out document token by query token, so that the maximum over a document's tokens runs down
     its rows, elementwise over contiguous rows, which vectorises (a maximum along a row does not). The argmax is not
@@ -159,7 +193,7 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
     else:
         maxima, at = per_token.max(1)
         where.copy_(at.view(bd, bq, lq).permute(1, 2, 0))
-    tile = torch.einsum("dqt,qt->qd", maxima.view(bd, bq, lq).to(query.weights.dtype), query.weights)
+    tile = reduction.scores(query, maxima.view(bd, bq, lq).to(query.weights.dtype), span, cols)
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
 
 
@@ -200,21 +234,21 @@ def _document_tiles(part: Part, doc_rows: int) -> Iterator[tuple[tuple[int, _Doc
 
 
 def _sweep_scores(part: Part, doc_rows: int, tiles: list[_QueryTile], first: int, scores: Tensor,
-                  where: Tensor | None) -> None:
+                  where: Tensor | None, reduction: Reduction = MAXSIM) -> None:
     """Every tile of the query tiles ``tiles`` (rows from ``first``) against every document of ``part``: the
     scores into ``scores`` and, given ``where``, the argmax (``_tile_scores``); each document tile prepared once."""
     spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in tiles]
     for (_, doc), cols in _document_tiles(part, doc_rows):
         for query, span in zip(tiles, spans):
             _tile_scores(query, doc, scores[span, cols],
-                         None if where is None else where[span, :query.weights.shape[1], cols])
+                         None if where is None else where[span, :query.weights.shape[1], cols], reduction, span, cols)
 
 
 #: The gradients of every chunk of every column of a call (``MaxSimCall.columns``' layout), in the compute dtype.
 Gradients = list[list[Tensor]]
 
 
-def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False
+def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reduction: Reduction = MAXSIM
             ) -> tuple[Tensor, tuple[Gradients | None, Tensor | None], tuple[Tensor, Tensor] | None]:
     """The backend contract's forward: the mean loss over the local queries, the state ``backward`` reads (the
     gradients, made here ``with_grad``, and the temperature's share of them), and the guide's counters.
@@ -225,6 +259,7 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False
     sends each score's gradient ``scale / B * (softmax - label)`` along the kept argmax: to each query token, the
     document token where its maximum is, and back (``_tile_backward``). No tile's product is computed twice, and
     what is held between the sweeps is bounded by the budget (``cgist.stage.budget.kept_bytes``), whatever the batch.
+    ``reduction`` makes a tile's scores from its maxima (MaxSim's by default).
     """
     dtype = compute_dtype(call.dtype)
     losses = torch.empty(call.n_queries, dtype=dtype, device=call.device)
@@ -232,13 +267,13 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False
     radial = torch.zeros((), dtype=dtype, device=call.device) if with_grad and call.temperature is not None else None
     grads = [[torch.zeros(t.shape, dtype=dtype, device=call.device) for t in column] for column in call.columns] \
         if with_grad else None
-    per_query = _kept_per_query(call, with_grad)
+    per_query = _kept_per_query(call, with_grad, reduction)
     product, keep = split_budget(call.budget_bytes)
     doc_rows, query_rows = _part_tile_rows(call.parts[0], product, keep, per_query)
     blocks = _query_tiles(call.parts[0].queries, call.parts[0].query_masks, query_rows, keep, per_query,
                           call.length_normalize)
     for block in blocks:
-        _row_block(call, block, doc_rows, losses, grads, masks, radial)
+        _row_block(call, block, doc_rows, losses, grads, masks, radial, reduction)
     return losses.mean(), (grads, radial), None if masks is None or not need_stats else masks.counters
 
 
@@ -254,7 +289,7 @@ def backward(call: MaxSimCall, state: tuple[Gradients, Tensor | None], grad_outp
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor, grads: Gradients | None,
-               masks: BlockMasks | None, radial: Tensor | None) -> None:
+               masks: BlockMasks | None, radial: Tensor | None, reduction: Reduction) -> None:
     """One row block's two sweeps (``forward``): its queries' losses into ``losses`` and, given ``grads``, their
     gradients added into them. Everything it holds is freed when it returns, before the next block's."""
     device, dtype = losses.device, losses.dtype
@@ -263,6 +298,7 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
     # The block's scores over its whole row and the argmax of each query token: all that is kept between the sweeps.
     # A document tile is prepared in each.
     scores = torch.empty(rows, call.width, dtype=dtype, device=device)
+    reduction.start(first, rows, _widths(call.parts[0])[0], call.width, grads is not None, dtype)
     sweeps = []
     for part in call.parts:
         tiles, part_doc_rows = block, doc_rows
@@ -273,7 +309,7 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
         if grads is not None:
             lq, ld = _widths(part)
             where = torch.zeros(rows, lq, part.n_documents, dtype=argmax_dtype(ld), device=device)
-        _sweep_scores(part, part_doc_rows, tiles, first, scores[:, part.span], where)
+        _sweep_scores(part, part_doc_rows, tiles, first, scores[:, part.span], where, reduction)
         sweeps.append((part, tiles, part_doc_rows, where))
     mask = None
     if masks is not None:
@@ -285,12 +321,13 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
     grad = block_softmax(call, first, scores, losses, grads is not None, mask, radial)
     if grads is None:
         return
+    grad = reduction.block_grad(grad)
     for (part, tiles, part_doc_rows, where), part_grads in zip(sweeps, call.part_gradients(grads)):
-        _part_backward(part, tiles, part_doc_rows, first, grad[:, part.span], where, part_grads, product)
+        _part_backward(part, tiles, part_doc_rows, first, grad[:, part.span], where, part_grads, product, reduction)
 
 
 def _part_backward(part: Part, tiles: list[_QueryTile], doc_rows: int, first: int, grad: Tensor, where: Tensor,
-                   grads: tuple[list[Tensor], list[list[Tensor]]], scratch_bytes: int) -> None:
+                   grads: tuple[list[Tensor], list[list[Tensor]]], scratch_bytes: int, reduction: Reduction) -> None:
     """The second sweep of one part of a row block: its scores' gradients ``grad`` ``(rows, n_documents)`` sent along
     the kept argmax ``where``, into the part's gradients (its rows', its columns')."""
     dtype, device = grad.dtype, grad.device
@@ -307,34 +344,31 @@ def _part_backward(part: Part, tiles: list[_QueryTile], doc_rows: int, first: in
     into_queries = torch.zeros_like(tokens)
     q_grads, d_grads = grads
     for (n, doc), cols in _document_tiles(part, doc_rows):
-        into_queries += _tile_backward(doc, grad[:, cols], where[:, :, cols], tokens, weights, d_grads[n][doc.chunk],
-                                       scratch_bytes)
+        sent = reduction.sent(grad[:, cols] if doc.empty is None else grad[:, cols].masked_fill(doc.empty, 0.0),
+                              weights, cols)
+        into_queries += _tile_backward(doc, sent, where[:, :, cols], tokens, d_grads[n][doc.chunk], scratch_bytes)
     for query, span in zip(tiles, spans):
         width = query.weights.shape[1]
         q_grads[query.chunk][query.start:query.stop, :width] += into_queries[span, :width]
 
 
-def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, weights: Tensor, doc_grad: Tensor,
+def _tile_backward(doc: _DocTile, per_token: Tensor, where: Tensor, tokens: Tensor, doc_grad: Tensor,
                    scratch_bytes: int) -> Tensor:
-    """One document tile's share of the gradients of a row block of queries (``tokens`` ``(R, Lq, D)``, ``weights``
-    ``(R, Lq)``): each score's gradient (``grad``, ``(R, bd)``) sent along the kept argmax of each query token
-    (``where``, ``(R, Lq, bd)``), to the query token (the document token's vector, gathered: returned,
-    ``(R, Lq, D)``) and to the document token (the query token's vector, added into its row of ``doc_grad``; a
-    masked position's row is its document's first real token's). An empty document's score is a constant: it sends
-    nothing.
+    """One document tile's share of the gradients of a row block of queries (``tokens`` ``(R, Lq, D)``): what each
+    (query token, document) sends (``per_token``, ``(R, Lq, bd)``: ``Reduction.sent``; 0 for an empty document, whose
+    score is a constant) along the kept argmax of each query token (``where``, ``(R, Lq, bd)``), to the query token
+    (the document token's vector, gathered: returned, ``(R, Lq, D)``) and to the document token (the query token's
+    vector, added into its row of ``doc_grad``; a masked position's row is its document's first real token's).
 
     The documents' side is a scatter: ``index_add_``, whose additions run in index order on a CPU, so the sums do
     not depend on the threads (grouping them into bags for ``embedding_bag`` needs a sort, which costs more), over the
     query tokens in chunks whose weighted copies fit ``scratch_bytes`` (the product's buffer, idle in this sweep)."""
     bd, ld, dim = doc.tokens.shape
-    rows, lq = weights.shape
-    if doc.empty is not None:
-        grad = grad.masked_fill(doc.empty, 0.0)
-    per_token = grad.unsqueeze(1) * weights.unsqueeze(2)  # (R, Lq, bd)
-    documents = torch.arange(bd, device=grad.device)
+    rows, lq = per_token.shape[:2]
+    documents = torch.arange(bd, device=per_token.device)
     at = where.long()
     index = at + documents * ld  # the row of doc.tokens of each (query token, document)
-    doc_tokens = doc.tokens.view(bd * ld, dim).to(grad.dtype)
+    doc_tokens = doc.tokens.view(bd * ld, dim).to(per_token.dtype)
     gathered = F.embedding_bag(index.view(rows * lq, bd), doc_tokens,
                                per_sample_weights=per_token.view(rows * lq, bd), mode="sum")
     target = doc_grad[doc.start:doc.stop]
@@ -345,9 +379,11 @@ def _tile_backward(doc: _DocTile, grad: Tensor, where: Tensor, tokens: Tensor, w
         into = (doc.remap + documents.unsqueeze(1) * full).reshape(-1)[index]
     flat, into = target.view(bd * full, dim), into.view(rows * lq, bd)
     query_tokens, per_token = tokens.view(rows * lq, 1, dim), per_token.view(rows * lq, bd, 1)
-    step = max(1, scratch_bytes // (bd * dim * grad.element_size()))
-    need = min(step, rows * lq) * bd * dim * grad.element_size()
-    scratch = _thread_buffer(need // doc.tokens.element_size(), doc.tokens.dtype, grad.device).view(grad.dtype)
+    itemsize = per_token.element_size()
+    step = max(1, scratch_bytes // (bd * dim * itemsize))
+    need = min(step, rows * lq) * bd * dim * itemsize
+    scratch = _thread_buffer(need // doc.tokens.element_size(), doc.tokens.dtype, per_token.device)
+    scratch = scratch.view(per_token.dtype)
     for start in range(0, rows * lq, step):
         stop = min(start + step, rows * lq)
         weighted = scratch[:(stop - start) * bd * dim].view(stop - start, bd, dim)

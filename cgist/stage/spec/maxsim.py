@@ -269,13 +269,15 @@ def _text_name(i: int) -> str:
 
 def maxsim_call(queries: object, query_mask: object, documents: object, document_masks: object,
                 options: GistOptions, *, guide: object = None, guide_masks: object = None,
-                text_ids: object = None, temperature: Tensor | None = None) -> MaxSimCall:
+                text_ids: object = None, temperature: Tensor | None = None,
+                call_class: type[MaxSimCall] | None = None) -> MaxSimCall:
     """The call of ``cgist.maxsim_loss``'s arguments, checked once (each error names the argument): shapes, masks
     (bool, or 0/1 values; any layout), dtypes, devices, finiteness, the offset's range, the text ids and the
-    guide. ``options`` carries the score (``"maxsim"``, ``"mean_maxsim"``), the scale (``1 / temperature``), GIST's
-    rule and blocks, the offset and the budget (None: ``cgist.stage.budget.maxsim_block_bytes``)."""
-    if options.score is not MAXSIM:
-        raise ValueError(f"similarity={options.similarity!r} does not score token embeddings; maxsim_loss takes "
+    guide. ``options`` carries the score (``"maxsim"``, ``"mean_maxsim"``; another score over token embeddings
+    passes its ``call_class``), the scale (``1 / temperature``), GIST's rule and blocks, the offset and the budget
+    (None: ``cgist.stage.budget.maxsim_block_bytes``)."""
+    if not options.score.tokens or (call_class is None and options.score is not MAXSIM):
+        raise ValueError(f"similarity={options.similarity!r} is not a MaxSim score; maxsim_call takes "
                          f"{MAXSIM.similarities}")
     q_chunks, q_masks, named = _token_side(queries, query_mask, "queries", "query_mask", None)
     first = q_chunks[0]
@@ -303,8 +305,8 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
         ld = max(x.shape[1] for column in d_chunks for x in column)
         options = options.replace(block_bytes=maxsim_block_bytes(first.device, lq, ld, first.element_size()))
     parts, groups = _bound(options, columns, masks)
-    call = MaxSimCall(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
-                      budget_bytes=options.block_bytes)
+    call = (call_class or MaxSimCall)(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
+                                      budget_bytes=options.block_bytes)
     return _with_guide(call, guide, guide_masks)
 
 

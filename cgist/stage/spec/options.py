@@ -138,6 +138,8 @@ class GistOptions:
             (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's embeddings are not
             normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) over token
             embeddings. The options of another score (``Score.options``) must stay at their defaults.
+        top_k: XTR's retrieval depth (``similarity="xtr"``, which needs it): each query token keeps its ``top_k``
+            largest similarities among every real document token of the call (``cgist.stage.spec.xtr``).
         guide_similarity: the guide's score: ``"cos"`` (the cosine of its embeddings, for every score), or under a
             token score a multi-vector guide's ``"maxsim"`` or ``"mean_maxsim"``.
         all_anchors: the call's last column holds the anchors of every rank (N rows, this rank's at ``offset``),
@@ -168,7 +170,8 @@ class GistOptions:
     partition_mode: Literal["joint", "per_direction"] = "joint"
     hardness_mode: str | None = None
     hardness_strength: float = 0.0
-    similarity: Literal["cos", "dot", "maxsim", "mean_maxsim"] = "cos"
+    similarity: Literal["cos", "dot", "maxsim", "mean_maxsim", "xtr"] = "cos"
+    top_k: int | None = None
     guide_similarity: Literal["cos", "maxsim", "mean_maxsim"] = "cos"
     all_anchors: bool = False
     offset: int = 0
@@ -266,9 +269,17 @@ class GistOptions:
         score = score_of(self.similarity)
         if self.guide_similarity not in GUIDE_SIMILARITIES:
             raise ValueError(f"guide_similarity must be one of {GUIDE_SIMILARITIES}, got {self.guide_similarity!r}")
+        if self.top_k is not None:
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+                raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
+            if self.top_k < 1:
+                raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+            object.__setattr__(self, "top_k", int(self.top_k))
+        elif "top_k" in score.options:
+            raise ValueError(f"similarity={self.similarity!r} needs top_k, the number of document tokens each query "
+                             "token retrieves")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in ("directions", "partition_mode", "hardness_mode", "hardness_strength", "all_anchors",
-                     "matryoshka_dims", "matryoshka_weights", "guide_similarity"):
+        for name in sorted({name for s in SCORES for name in s.options}):
             value = getattr(self, name)
             if name not in score.options and value != defaults[name]:
                 owners = " and the ".join(s.name for s in SCORES if name in s.options)

@@ -9,7 +9,10 @@ modules are named, not imported: a backend is imported on a call's first use of 
 
 * ``dense`` (``similarity`` ``"cos"`` or ``"dot"``): dot products of rows of vectors (normalised first for ``"cos"``);
 * ``maxsim`` (``"maxsim"`` or ``"mean_maxsim"``): MaxSim over token vectors, per query token the largest dot product
-  with a real document token, summed (``"mean_maxsim"``: divided by the query's real token count).
+  with a real document token, summed (``"mean_maxsim"``: divided by the query's real token count);
+* ``xtr`` (``"xtr"``): XTR over token vectors, MaxSim's per-token maxima kept where the token retrieved the document
+  (its ``top_k`` largest similarities over every real document token of the call), summed and divided by how many
+  query tokens retrieved it. It shares MaxSim's tiles and kernels: only the tile's reduction of the maxima differs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "SIMILARITIES", "Score", "score_of"]
+__all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "SIMILARITIES", "XTR", "Score", "score_of"]
 
 #: The backends a score may register, each a module with ``forward`` and ``backward`` (docs/design.md#dispatch).
 BACKEND_NAMES = ("torch", "triton")
@@ -59,8 +62,14 @@ MAXSIM = Score(
     backends={"torch": "cgist.stage.pytorch.maxsim", "triton": "cgist.stage.triton.maxsim"},
     kernels="cgist.kernels.maxsim",
 )
+XTR = Score(
+    "xtr", ("xtr",), tokens=True, options=("guide_similarity", "top_k"),
+    spec="cgist.stage.spec.xtr",
+    backends={"torch": "cgist.stage.pytorch.xtr", "triton": "cgist.stage.triton.xtr"},
+    kernels="cgist.kernels.maxsim",
+)
 #: Every score, in the order the documentation lists them.
-SCORES = (DENSE, MAXSIM)
+SCORES = (DENSE, MAXSIM, XTR)
 #: Every value of ``GistOptions.similarity``.
 SIMILARITIES = tuple(name for score in SCORES for name in score.similarities)
 

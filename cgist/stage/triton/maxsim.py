@@ -15,7 +15,7 @@ gradients, one per chunk, added into the call's where parts share an input.
   ``(rows, M)`` logits' gradients fit the budget, ``maxsim_grad_kernel`` writes them, ``maxsim_dq_kernel`` (a
   program per query and token block) gathers the query gradients and ``maxsim_dd_kernel`` (a program per document)
   adds the slab's document gradients. Each recomputes the maxima it needs.
-* Held (a guide's mask, GIST's contrast blocks, or a learned temperature: ``maxsim_held_triton``): per slab of
+* Held (a guide's mask, GIST's contrast blocks, a learned temperature, or XTR: ``maxsim_held_triton``): per slab of
   queries, ``maxsim_scores_kernel`` writes the slab's scores with the forward's code, the mask and the exact softmax
   are the stage's (``cgist.stage.spec.block``, written once for every backend), and the two gradient kernels send the
   logits' gradients back; the gradients are made in the forward, as the PyTorch backend's are.
@@ -52,8 +52,9 @@ from cgist.stage.spec.maxsim import MaxSimCall, Part, query_weights
 from .common import TL_DTYPES, arch_of, device_constant, input_precision, launch_device
 from .tiles import SHARED_OVERHEAD, pipelined_loads
 
-__all__ = ["BLOCK_M", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "Launch", "backward", "forward", "launch_configs",
-           "maxsim_backward_triton", "maxsim_forward_triton", "maxsim_held_triton", "shared_memory_estimate"]
+__all__ = ["BLOCK_M", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "XTR_KERNELS", "Launch", "backward", "forward",
+           "launch_configs", "maxsim_backward_triton", "maxsim_forward_triton", "maxsim_held_triton",
+           "shared_memory_estimate"]
 
 #: Documents per forward (and logit-gradient) program: enough that a program's loop amortises its launch.
 BLOCK_M = 32
@@ -63,6 +64,8 @@ MAX_BLOCK_T = 64
 KERNELS = {k.__name__: k for k in (
     maxsim_fwd_kernel, maxsim_label_kernel, maxsim_scores_kernel, maxsim_grad_kernel, maxsim_dq_kernel,
     maxsim_dd_kernel)}
+#: The kernels that also score XTR (their ``XTR`` constexpr): the held path's.
+XTR_KERNELS = ("maxsim_scores_kernel", "maxsim_dq_kernel", "maxsim_dd_kernel")
 
 # Tiles per operand kind (``_kind``) and kernel: (BLOCK_Q query tokens, BLOCK_K features, warps, stages), with
 # BLOCK_T = MAX_BLOCK_T document tokens at most. Measured with bench/aot_compile.py (sm_70 to sm_120, 32 and 128 query
@@ -103,10 +106,11 @@ class Launch:
 
     @property
     def tiles(self) -> str:
-        """As the compile tables write it (``LQ`` aside): ``Q32xT64xK32[xM32]-w4-s2[-r255]``."""
+        """As the compile tables write it (``LQ`` aside): ``Q32xT64xK32[xM32]-w4-s2[-r255][-xtr]``."""
         m = self.meta
         tiles = f"Q{m['BLOCK_Q']}xT{m['BLOCK_T']}xK{m['BLOCK_K']}" + (f"xM{m['BLOCK_M']}" if "BLOCK_M" in m else "")
-        return f"{tiles}-w{self.num_warps}-s{self.num_stages}" + (f"-r{self.maxnreg}" if self.maxnreg else "")
+        return f"{tiles}-w{self.num_warps}-s{self.num_stages}" + (f"-r{self.maxnreg}" if self.maxnreg else "") \
+            + ("-xtr" if m.get("XTR") else "")
 
 
 def shared_memory_estimate(launch: Launch, dtype: torch.dtype) -> int:
@@ -124,9 +128,11 @@ def shared_memory_estimate(launch: Launch, dtype: torch.dtype) -> int:
 
 def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim: int, *,
                    block_tokens: int | None = None, block_query_tokens: int | None = None,
-                   block_features: int | None = None, block_docs: int = BLOCK_M) -> dict[str, Launch]:
+                   block_features: int | None = None, block_docs: int = BLOCK_M, xtr: bool = False
+                   ) -> dict[str, Launch]:
     """Each kernel's ``Launch`` for inputs of ``dtype`` on ``arch`` (None: the interpreter, taken as tensor cores),
-    ``lq`` query tokens, ``ld`` document tokens and ``dim`` features.
+    ``lq`` query tokens, ``ld`` document tokens and ``dim`` features; ``xtr``: the slab kernels (``XTR_KERNELS``)
+    score XTR.
 
     ``LQ`` and ``BLOCK_D`` are ``lq`` and ``dim`` padded to powers of two (at least 16, ``tl.dot``'s smallest);
     ``BLOCK_T`` the widest document's tokens, at most ``MAX_BLOCK_T``. ``block_tokens`` (``BLOCK_T``),
@@ -146,6 +152,8 @@ def launch_configs(dtype: torch.dtype, arch: Arch | None, lq: int, ld: int, dim:
             meta["BLOCK_M"] = block_docs
         if name == "maxsim_dq_kernel":  # its grid spans the token blocks
             del meta["LQ"]
+        if name in XTR_KERNELS:
+            meta["XTR"] = xtr
         launches[name] = Launch(meta, warps, stages)
     return launches
 
@@ -162,6 +170,7 @@ class _Packed:
     widths: Tensor  # (M,) int32: the last real token + 1, 0 for a document without one
     acc: torch.dtype
     launches: dict[str, Launch]
+    tau: Tensor | None = None  # (B, Lq) acc: XTR's thresholds (None: MaxSim)
 
     @property
     def shape_args(self) -> dict:
@@ -173,8 +182,11 @@ class _Packed:
         return pointers if scalars is None else dict(pointers, fill_ptr=self.fill, scalars_ptr=scalars)
 
     def launch(self, kernel, grid: tuple, **args) -> None:
-        """``kernel`` on ``grid`` with ``args`` and its ``Launch``."""
+        """``kernel`` on ``grid`` with ``args`` and its ``Launch``; a slab kernel also reads the thresholds (the
+        weights stand in for MaxSim's, which reads none)."""
         launch = self.launches[kernel.__name__]
+        if kernel.__name__ in XTR_KERNELS:
+            args["tau_ptr"] = self.weights if self.tau is None else self.tau
         kernel[grid](**args, **launch.meta, num_warps=launch.num_warps, num_stages=launch.num_stages,
                      maxnreg=launch.maxnreg)
 
@@ -184,19 +196,15 @@ class _Packed:
         return triton.cdiv(max(16, triton.next_power_of_2(self.queries.shape[1])), meta["BLOCK_Q"])
 
 
-def _padded(chunks: list[Tensor], width: int) -> Tensor:
-    """Row chunks ``(r, L, ...)`` padded with zeros (False) to ``width`` tokens and concatenated, contiguous."""
-    return torch.cat([F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]).contiguous()
-
-
 def _padded(chunks: Sequence[Tensor], width: int) -> Tensor:
     """Row chunks ``(r, L, ...)`` padded with zeros (False) to ``width`` tokens and concatenated, contiguous."""
     return torch.cat([F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]).contiguous()
 
 
-def _pack(part: Part, length_normalize: bool, tiles: dict) -> _Packed:
+def _pack(part: Part, length_normalize: bool, tiles: dict, tau: Tensor | None = None) -> _Packed:
     """Concatenate and pad a part's chunks (module docstring); the weights and fills
-    (``cgist.stage.spec.maxsim.query_weights``), the widths; the launches."""
+    (``cgist.stage.spec.maxsim.query_weights``), the widths; the launches; XTR's thresholds ``tau``
+    (``(B, Lq)``, None for MaxSim)."""
     acc = compute_dtype(part.queries[0].dtype)
     lq = max(q.shape[1] for q in part.queries)
     doc_chunks = [d for column in part.documents for d in column]
@@ -208,9 +216,10 @@ def _pack(part: Part, length_normalize: bool, tiles: dict) -> _Packed:
     doc_mask = _padded(doc_masks, ld)
     positions = torch.arange(1, ld + 1, dtype=torch.int32, device=doc_mask.device)
     widths = torch.where(doc_mask, positions, 0).amax(1).to(torch.int32)
-    launches = launch_configs(queries.dtype, arch_of(queries.device), lq, ld, queries.shape[2], **tiles)
+    launches = launch_configs(queries.dtype, arch_of(queries.device), lq, ld, queries.shape[2], xtr=tau is not None,
+                              **tiles)
     return _Packed(queries, weights.contiguous(), fill.squeeze(1).contiguous(), documents, doc_mask.to(torch.int8),
-                   widths, acc, launches)
+                   widths, acc, launches, None if tau is None else tau.contiguous())
 
 
 def _scalars(scale: float, unit: float, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -338,13 +347,15 @@ def _held_per_query(call: MaxSimCall, acc_bytes: int) -> int:
 
 @torch.no_grad()
 def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None = None, *,
-                       block_tokens: int | None = None, block_docs: int = BLOCK_M,
+                       tau: Tensor | None = None, block_tokens: int | None = None, block_docs: int = BLOCK_M,
                        block_query_tokens: int | None = None, block_features: int | None = None,
                        block_queries: int | None = None
                        ) -> tuple[Tensor, list[list[Tensor]] | None, BlockMasks | None]:
-    """A call whose slabs of queries are held whole (a guide's mask, GIST's contrast blocks, a learned temperature):
-    the mean loss and, ``with_grad``, the gradients of every chunk of its columns, in the compute dtype; the
-    temperature's share added into ``radial``; the guide's mask with its counters.
+    """A call whose slabs of queries are held whole (a guide's mask, GIST's contrast blocks, a learned temperature,
+    XTR): the mean loss and, ``with_grad``, the gradients of every chunk of its columns, in the compute dtype; the
+    temperature's share added into ``radial``; the guide's mask with its counters. With ``tau`` (XTR's thresholds,
+    ``(n_queries, Lq)``; one part) the scores are XTR's: the kernels also write each score's count of retrieved
+    maxima, by which its gradient is divided.
 
     The queries go in slabs of ``block_queries`` (None: as many as the slab's scores, the guide's scores and mask
     fit ``call.budget_bytes``, at least one). As for the unguided launchers, the packed inputs and the gradients are
@@ -357,15 +368,16 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
     ``maxsim_forward_triton``'s."""
     tiles = dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
                  block_features=block_features)
-    parts = [(part, _pack(part, call.length_normalize, tiles)) for part in call.parts]
+    parts = [(part, _pack(part, call.length_normalize, tiles, tau)) for part in call.parts]
     guide = call.guide_tokens
     guide_parts = [] if guide is None else [(part, _pack(part, guide.length_normalize, tiles)) for part in guide.parts]
     batch, width = call.n_queries, call.width
     acc, device = parts[0][1].acc, call.device
     empty = [packed.widths == 0 for _, packed in parts]  # an empty document's score is a constant: it sends nothing
-    rows = slab_rows(batch, _held_per_query(call, acc.itemsize), call.budget_bytes) if block_queries is None \
-        else max(1, min(batch, block_queries))
+    per_query = _held_per_query(call, acc.itemsize) + (tau is not None) * width * acc.itemsize
+    rows = slab_rows(batch, per_query, call.budget_bytes) if block_queries is None else max(1, min(batch, block_queries))
     scores = torch.empty(rows, width, dtype=acc, device=device)
+    counts = None if tau is None else torch.empty(rows, width, dtype=acc, device=device)
     guide_scores = None if guide is None else torch.empty(rows, width, dtype=guide_parts[0][1].acc, device=device)
     losses = torch.empty(batch, dtype=acc, device=device)
     grads = [(torch.zeros(packed.queries.shape, dtype=acc, device=device),
@@ -375,11 +387,13 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
     with launch_device(device):
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
-            _slab_scores(parts, start, scores[:n])
+            _slab_scores(parts, start, scores[:n], None if counts is None else counts[:n])
             if guide is not None:
                 _slab_scores(guide_parts, start, guide_scores[:n])
             mask = None if masks is None else masks(start, scores[:n], None if guide is None else guide_scores[:n])
             logits_grad = block_softmax(call, start, scores[:n], losses, with_grad, mask, radial)
+            if counts is not None and with_grad:
+                logits_grad /= counts[:n].clamp_(min=1.0)
             for (part, packed), (dq, dd), part_empty in zip(parts, grads, empty):
                 g = logits_grad[:, part.span].contiguous()
                 g.masked_fill_(part_empty, 0.0)
@@ -392,17 +406,19 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
     return losses.mean(), _folded(call, [_unpacked(part, dq, dd) for (part, _), (dq, dd) in zip(parts, grads)]), masks
 
 
-def _slab_scores(parts: list[tuple[Part, _Packed]], start: int, slab: Tensor) -> None:
+def _slab_scores(parts: list[tuple[Part, _Packed]], start: int, slab: Tensor, counts: Tensor | None = None) -> None:
     """The scores of queries ``start:start + len(slab)`` over their whole row (a scale of 1: the scores, which the
-    guide's mask reads), part by part, into ``slab``: the kernel writes a part's contiguous ``(rows, n_documents)``,
-    so where there are several parts each is written apart and copied into its span."""
+    guide's mask reads), part by part, into ``slab`` (XTR's with its counts into ``counts``: one part); the kernel
+    writes a part's contiguous ``(rows, n_documents)``, so where there are several parts each is written apart and
+    copied into its span."""
     n = slab.shape[0]
     for part, packed in parts:
         out = slab if len(parts) == 1 else torch.empty(n, part.n_documents, dtype=slab.dtype, device=slab.device)
         block_docs = packed.launches[maxsim_scores_kernel.__name__].meta["BLOCK_M"]
         packed.launch(maxsim_scores_kernel, (n, triton.cdiv(part.n_documents, block_docs)),
                       **packed.pointers(_scalars(1.0, 0.0, packed.acc, slab.device)), out_ptr=out,
-                      n_docs=part.n_documents, q_start=start, **packed.shape_args)
+                      z_ptr=out if counts is None else counts, n_docs=part.n_documents, q_start=start,
+                      **packed.shape_args)
         if len(parts) > 1:
             slab[:, part.span] = out
 
@@ -410,16 +426,18 @@ def _slab_scores(parts: list[tuple[Part, _Packed]], start: int, slab: Tensor) ->
 # The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
 
 
-def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
+def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, tau: Tensor | None = None
+            ) -> tuple[Tensor, tuple, object]:
     """The loss, the state ``backward`` reads, and the guide's counters (``need_stats``). An unguided call keeps
-    each query's softmax normaliser (the backward recomputes the rest); a held one (``maxsim_held_triton``) the
-    gradients, made here ``with_grad``, and the temperature's share."""
-    if call.guide_kind is None and call.temperature is None:
+    each query's softmax normaliser (the backward recomputes the rest); a held one (``maxsim_held_triton``: a guide,
+    a learned temperature, or XTR's thresholds ``tau``) the gradients, made here ``with_grad``, and the temperature's
+    share."""
+    if tau is None and call.guide_kind is None and call.temperature is None:
         loss, peak, total = maxsim_forward_triton(call)
         return loss, ("normaliser", peak, total), None
     radial = torch.zeros((), dtype=compute_dtype(call.dtype), device=call.device) \
         if with_grad and call.temperature is not None else None
-    loss, grads, masks = maxsim_held_triton(call, with_grad, radial)
+    loss, grads, masks = maxsim_held_triton(call, with_grad, radial, tau=tau)
     return loss, ("gradients", grads, radial), None if masks is None or not need_stats else masks.counters
 
 

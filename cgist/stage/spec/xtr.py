@@ -1,0 +1,201 @@
+"""The XTR score's part of the problem model (``similarity`` ``"xtr"``, over token embeddings;
+docs/design.md#xtr): its call (``XTRCall``), its rule, its door (``xtr_call``) and the thresholds' sweep
+(``thresholds``), which every backend runs as it is (torch, on any device).
+
+sentence-transformers' XTR (``multi_vector_encoder.scoring.xtr_scores``): each query token keeps its ``top_k``
+similarities among every real document token of the call (every column, gathered across ranks where the columns
+are); document ``j``'s score is the sum over query ``i``'s real tokens of its retrieved per-token maxima, divided by
+``Z``, how many of those tokens retrieved at least one of its tokens (at least 1); a similarity not retrieved counts 0;
+a document without a real token scores ``EMPTY_DOCUMENT_SCORE``. With ``m_tj`` the maximum over document ``j``'s
+real tokens of ``q_t . d`` and ``tau_t`` the ``top_k``-th largest similarity of query token ``t`` over the pool, a
+token of ``j`` is retrieved for ``t`` exactly when ``m_tj >= tau_t`` (``retrieved``), so
+
+    score_ij = sum_t m_tj [m_tj >= tau_t] / max(1, sum_t [m_tj >= tau_t])      over query i's real tokens t.
+
+So XTR is MaxSim's tiles and kernels with another reduction of the maxima, after one sweep that finds ``tau``. Ties at
+``tau_t``: every token whose similarity equals ``tau_t`` is retrieved, and so is one within the products' rounding
+bound below it (``tie_slack``); sentence-transformers' ``torch.topk`` keeps ``top_k`` of the tied tokens, which ones
+unspecified. The backward is MaxSim's through the retrieved maxima only: ``tau`` and
+``Z`` are constant almost everywhere. It imports only torch and the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..budget import split_budget, threshold_rows
+from ..numerics import compute_dtype
+from .maxsim import MaxSimCall, Part, maxsim_call
+from .options import GistOptions
+from .scores import XTR
+
+__all__ = ["CHECK_TOP_K", "DOC_ROWS", "Variant", "XTRCall", "check_problem", "retrieved", "thresholds", "tie_slack",
+           "variant_of", "xtr_call"]
+
+#: Document tiles of the thresholds' sweep, in documents.
+DOC_ROWS = 16
+
+
+@dataclass(frozen=True)
+class XTRCall(MaxSimCall):
+    """A call of the XTR score: a MaxSim call (one part: the queries against the document columns; GIST's contrast
+    blocks are not defined for XTR) whose tiles reduce the maxima by XTR's rule, with ``options.top_k``."""
+
+    @property
+    def top_k(self) -> int:
+        return self.options.top_k
+
+
+def retrieved(maxima: Tensor, tau: Tensor, weights: Tensor) -> Tensor:
+    """Which maxima count (float 0/1, as ``maxima``): a real query token's (``weights`` non-zero) maximum at least its
+    threshold ``tau`` (broadcast against ``maxima``): XTR's rule as the PyTorch backend applies it; the kernels compare
+    alike."""
+    return ((maxima >= tau) & (weights != 0)).to(maxima.dtype)
+
+
+def xtr_call(queries: object, query_mask: object, documents: object, document_masks: object, options: GistOptions,
+             *, guide: object = None, guide_masks: object = None, text_ids: object = None,
+             temperature: Tensor | None = None) -> XTRCall:
+    """The call of ``cgist.maxsim_loss``'s arguments with ``top_k`` (XTR), checked once as ``maxsim_call`` checks
+    MaxSim's: GIST's contrast blocks are refused (XTR retrieves from the documents' tokens; a block of queries or of
+    positives has no pool defined)."""
+    if options.score is not XTR:
+        raise ValueError(f"similarity={options.similarity!r} is not XTR")
+    if options.contrast_anchors or options.contrast_positives:
+        raise ValueError("contrast_anchors and contrast_positives are not defined for XTR scoring (a query token "
+                         "retrieves from the documents' tokens only): pass them False, or score with MaxSim")
+    return maxsim_call(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
+                       text_ids=text_ids, temperature=temperature, call_class=XTRCall)
+
+
+@torch.no_grad()
+def thresholds(call: XTRCall) -> Tensor:
+    """Each query token's threshold, ``(n_queries, Lq)`` in the compute dtype (``Lq`` the widest query chunk's; +inf
+    past a chunk's width): ``tau_t``, the ``top_k``-th largest of its similarities with every real document token of
+    the call (products in the inputs' dtype, as the tiles' and sentence-transformers'), -inf where the pool holds
+    fewer real tokens (every one is retrieved); lowered by ``tie_slack`` (docs/design.md#xtr).
+
+    A block of query tokens sweeps the documents a tile of ``DOC_ROWS`` documents at a time (views: a masked token's
+    similarity is -inf), keeping its ``top_k`` largest so far: a tile's similarities above the block's current
+    ``top_k``-th largest join them (one comparison each; a ``topk`` of the few that pass, then of ``top_k`` and them).
+    The block's kept values and a tile's similarities fit half the budget (``cgist.stage.budget.threshold_rows``)."""
+    (part,) = call.parts
+    k, acc = call.top_k, compute_dtype(call.dtype)
+    tiles = _document_tiles(part)
+    cols = max(tokens.shape[0] for tokens, _ in tiles)
+    block_rows = threshold_rows(k, cols, torch.empty(0, dtype=acc).element_size(), split_budget(call.budget_bytes)[0])
+    lq = max(chunk.shape[1] for chunk in part.queries)
+    tau = torch.full((call.n_queries, lq), float("inf"), dtype=acc, device=call.device)
+    row = 0
+    for chunk in part.queries:
+        tokens = chunk.reshape(-1, chunk.shape[2])
+        chunk_tau = torch.empty(tokens.shape[0], dtype=acc, device=call.device)
+        for start in range(0, tokens.shape[0], block_rows):
+            chunk_tau[start:start + block_rows] = _kth_largest(tokens[start:start + block_rows], tiles, k, acc)
+        tau[row:row + chunk.shape[0], :chunk.shape[1]] = chunk_tau.view(chunk.shape[:2])
+        row += chunk.shape[0]
+    return tau - tie_slack(call, tau, tiles)
+
+
+def _kth_largest(block: Tensor, tiles: list[tuple[Tensor, Tensor | None]], k: int, acc: torch.dtype) -> Tensor:
+    """The ``k``-th largest similarity of each query token of ``block`` ``(rows, D)`` with the tiles' real tokens
+    (``thresholds``), -inf where they hold fewer than ``k``."""
+    kept = torch.full((block.shape[0], k), float("-inf"), dtype=acc, device=block.device)
+    floor = kept[:, :1]
+    for tokens, padding in tiles:
+        similarities = (block @ tokens.T).to(acc)
+        if padding is not None:
+            similarities.masked_fill_(padding, float("-inf"))
+        passing = similarities > floor
+        most = min(k, int(passing.sum(1).max()))
+        if most:
+            top = similarities.masked_fill_(~passing, float("-inf")).topk(most, 1, sorted=False).values
+            kept = torch.cat([kept, top], 1).topk(k, 1, sorted=False).values
+            floor = kept.amin(1, keepdim=True)
+    return floor.squeeze(1)
+
+
+def _document_tiles(part: Part) -> list[tuple[Tensor, Tensor | None]]:
+    """The part's documents, ``DOC_ROWS`` of a chunk at a time: their tokens ``(n * Ld, D)`` (a view) and which are
+    padding ``(n * Ld,)`` (None where none is)."""
+    tiles = []
+    for column, masks in zip(part.documents, part.document_masks):
+        for chunk, mask in zip(column, masks):
+            for start in range(0, chunk.shape[0], DOC_ROWS):
+                tokens = chunk[start:start + DOC_ROWS].reshape(-1, chunk.shape[2])
+                real = mask[start:start + DOC_ROWS].reshape(-1)
+                tiles.append((tokens, None if bool(real.all()) else ~real))
+    return tiles
+
+
+def tie_slack(call: XTRCall, tau: Tensor, tiles: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+    """How far below ``tau`` a maximum still counts as tied with it: the rounding bound of a dot product of ``D``
+    terms in the compute dtype, ``D * eps * |q_t| * max |d|`` (``max |d|`` over the documents' real tokens, ``tiles``
+    of ``_document_tiles``), so that a maximum that another summation order of the same products (a tile, a kernel)
+    puts a rounding error below ``tau`` is retrieved, as the token at ``tau`` is. It is far below a half-precision
+    step: half-precision products tie only when equal. 0 where ``tau`` is infinite."""
+    (part,) = call.parts
+    acc = tau.dtype
+    largest = torch.zeros((), dtype=acc, device=tau.device)
+    for tokens, padding in tiles:
+        norms = torch.linalg.vector_norm(tokens, dim=1, dtype=acc)
+        largest = torch.maximum(largest, (norms if padding is None else norms.masked_fill(padding, 0.0)).max())
+    lq = tau.shape[1]
+    norms = torch.cat([F.pad(torch.linalg.vector_norm(q, dim=2, dtype=acc), (0, lq - q.shape[1]))
+                       for q in part.queries])
+    slack = call.first.shape[2] * torch.finfo(acc).eps * norms * largest
+    return torch.where(tau.isfinite(), slack, 0.0)
+
+
+# The first-use check of the kernels (cgist.stage.dispatch.selfcheck) ---------------------------------------------
+
+#: The check problem's ``top_k``: a few of its documents' tokens, so that the thresholds cut.
+CHECK_TOP_K = 5
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What selects the XTR launches: those of MaxSim's held slabs (its scores and gradient kernels) with XTR's
+    thresholds, by device, dtype, fp32 matmul precision and dimension."""
+
+    device: str
+    dtype: torch.dtype
+    precision: str
+    dim: int
+
+    def describe(self) -> str:
+        """``float32 token embeddings (D=128), XTR, fp32 products at 'highest'``."""
+        precision = f", fp32 products at {self.precision!r}" if self.precision else ""
+        return f"{str(self.dtype).removeprefix('torch.')} token embeddings (D={self.dim}), XTR{precision}"
+
+
+def variant_of(call: XTRCall, device: str) -> Variant:
+    """The variant of a call on ``device`` (a device key, ``cuda:0``); reads only shapes and dtypes."""
+    precision = torch.get_float32_matmul_precision() if call.dtype == torch.float32 else ""
+    return Variant(device, call.dtype, precision, call.first.shape[2])
+
+
+def check_problem(call: XTRCall, variant: Variant, rows: int) -> XTRCall:
+    """The first-use check's call for ``variant``: eight ragged queries of 8 tokens against two columns of documents
+    of up to 40, ``CHECK_TOP_K`` retrieved per query token, with a single-vector guide (its scores the host's on
+    either path, so both masks are one), in the call's dtype, on its device."""
+    gen = torch.Generator().manual_seed(1)
+    rows, lq, ld = min(rows, 8), 8, 40
+    device, dtype = call.device, variant.dtype
+
+    def tokens(n: int, length: int) -> Tensor:
+        return F.normalize(torch.randn(n, length, variant.dim, generator=gen), dim=-1).to(device, dtype)
+
+    queries = tokens(rows, lq)
+    documents = [tokens(rows, ld) for _ in range(2)]
+    lengths = torch.randint(1, ld + 1, (2, rows), generator=gen)
+    masks = [(torch.arange(ld) < lengths[n, :, None]).to(device) for n in range(2)]
+    vectors = F.normalize(torch.randn(3 * rows, 16, generator=gen), dim=-1).to(device)
+    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=0.25, margin=0.1, contrast_anchors=False,
+                          contrast_positives=False, block_bytes=2**20)
+    return xtr_call(queries, torch.ones(rows, lq, dtype=torch.bool, device=device), documents, masks, options,
+                    guide=[vectors[:rows], vectors[rows:2 * rows], vectors[2 * rows:]])
