@@ -23,8 +23,10 @@ longer than a chunk of tokens, D = 128, each with the launch the launcher picks 
 warps, stages and register limit), which the table's ``tiles`` writes as ``LQ32-Q32xT64xK32xM32-w4-s2-r255``
 (query lengths, then query tokens, document tokens and features per product, documents per program, warps, stages,
 ``.maxnreg``). The token counts and the batch are runtime arguments the kernels do not specialise on, so the query
-gradient, whose grid spans the query's token blocks, is one binary for both lengths. Their rows have D 128 and Dg
-"-", and their estimate is ``cgist.stage.triton.maxsim.shared_memory_estimate``.
+gradient, whose grid spans the query's token blocks, is one binary for both lengths. The slab kernels (a slab's
+logits, the query and the document gradients) are built again with their ``XTR`` constexpr (XTR's scores), which
+``tiles`` ends with ``-xtr``. Their rows have D 128 and Dg "-", and their estimate is
+``cgist.stage.triton.maxsim.shared_memory_estimate``.
 
 Prints one row per binary: kernel, arch, dtype pairs, config, number of dimensions, D, Dg, registers, stack frame
 and the bytes of it that ptxas spills registers to, shared memory, the tile tables' shared-memory estimate for the
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import os
 import re
@@ -223,21 +226,22 @@ def maxsim_values(kernel, dtype: torch.dtype, launch: Launch, lq: int, ld: int =
     acc = compute_dtype(dtype)
     emb = torch.empty(1, dtype=dtype)
     vec = torch.empty(1, dtype=acc)
-    values = dict(q_ptr=emb, w_ptr=vec, fill_ptr=vec, d_ptr=emb, dmask_ptr=torch.empty(1, dtype=torch.int8),
-                  width_ptr=torch.empty(1, dtype=torch.int32), scalars_ptr=vec, peak_ptr=vec, total_ptr=vec,
-                  label_ptr=vec, out_ptr=vec, g_ptr=vec, dq_ptr=vec, dd_ptr=vec, n_docs=docs, n_rows=batch, offset=0, q_start=0,
-                  lq=lq, ld=ld, dim=dim, **launch.meta)
+    values = dict(q_ptr=emb, w_ptr=vec, tau_ptr=vec, fill_ptr=vec, d_ptr=emb,
+                  dmask_ptr=torch.empty(1, dtype=torch.int8), width_ptr=torch.empty(1, dtype=torch.int32),
+                  scalars_ptr=vec, peak_ptr=vec, total_ptr=vec, label_ptr=vec, out_ptr=vec, z_ptr=vec, g_ptr=vec,
+                  dq_ptr=vec, dd_ptr=vec, n_docs=docs, n_rows=batch, offset=0, q_start=0, lq=lq, ld=ld, dim=dim,
+                  **launch.meta)
     return {name: values[name] for name in kernel.arg_names}
 
 
-def maxsim_launches(pair: str, arch: Arch, lq: int) -> dict[str, Launch]:
+def maxsim_launches(pair: str, arch: Arch, lq: int, xtr: bool = False) -> dict[str, Launch]:
     """The launcher's ``launch_configs`` for the MaxSim kernels with ``pair``'s dtype and matmul precision on
-    ``arch``, at ColBERT's shapes."""
+    ``arch``, at ColBERT's shapes; with ``xtr`` the slab kernels' XTR variants."""
     dtype, _, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        return launch_configs(dtype, arch, lq, MAXSIM_LD, MAXSIM_D)
+        return launch_configs(dtype, arch, lq, MAXSIM_LD, MAXSIM_D, xtr=xtr)
     finally:
         torch.set_float32_matmul_precision(previous)
 
@@ -408,11 +412,12 @@ def build_jobs(args) -> list[tuple]:
                        Dg=",".join(guide_dims))
             jobs.append((row, entry["src"], target, backend, c, arch, entry["estimate"]))
         # the MaxSim kernels: one binary per source and launch, listed with every dtype and query length it serves
-        # (the query-gradient kernel's grid spans the query's token blocks, so one binary serves both lengths)
+        # (the query-gradient kernel's grid spans the query's token blocks, so one binary serves both lengths), and
+        # the slab kernels' XTR variants (the others are the same source either way)
         maxsim: dict[tuple, dict] = {}
         for pair in (p for p in args.dtypes if p in MAXSIM_DTYPES):
-            for lq in MAXSIM_LQ:
-                for name, launch in maxsim_launches(pair, arch, lq).items():
+            for lq, xtr in itertools.product(MAXSIM_LQ, (False, True)):
+                for name, launch in maxsim_launches(pair, arch, lq, xtr).items():
                     kernel = MAXSIM_BY_NAME[name]
                     dtype = PAIRS[pair][0]
                     src = specialise(kernel, maxsim_values(kernel, dtype, launch, lq), backend)

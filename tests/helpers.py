@@ -18,6 +18,7 @@ API:
     tf32_addmm(mode)              ``out += a @ b`` on emulated tf32 tensor cores (one tf32 product).
     TF32X3_BOUND                  a tf32x3 product's error bound per unit of sum_k |a_k b_k|.
     LossStageCalls(monkeypatch)   counts the drop-ins' loss-stage calls while a test runs.
+    xtr_gap(...)                  how far apart XTR's top_k-th and next similarities are, at the closest query token.
 
 It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
 ``helpers_models``.
@@ -417,3 +418,16 @@ class LossStageCalls:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(cgist.losses.base, "run", counted)
+
+
+def xtr_gap(queries: torch.Tensor, query_mask: torch.Tensor, documents: list[torch.Tensor],
+            document_masks: list[torch.Tensor], top_k: int) -> float:
+    """The smallest gap, over the real query tokens, between the ``top_k``-th largest similarity with every real
+    document token of the columns (XTR's pool) and the next one, in float64 (inf where the pool holds at most
+    ``top_k``): a batch is tie-free for XTR when it is well above the products' rounding."""
+    pool = torch.cat([d.double()[m.bool()] for d, m in zip(documents, document_masks)])
+    if pool.shape[0] <= top_k:
+        return math.inf
+    similarities = queries.double()[query_mask.bool()] @ pool.T
+    top = similarities.topk(top_k + 1, dim=1).values
+    return float((top[:, top_k - 1] - top[:, top_k]).min())

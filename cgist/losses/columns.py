@@ -1,8 +1,9 @@
 """A step's embeddings as the loss stage's call, one piece per kind of column (docs/design.md#the-drop-in-protocol):
 ``DenseColumns`` (embeddings, the dense score: the GIST and ranking families) and ``TokenColumns`` (token embeddings
-with their masks, the MaxSim score: the multi-vector families). Each gathers its columns across ranks with
+with their masks, the MaxSim and XTR scores: the multi-vector families). Each gathers its columns across ranks with
 ``gather_across_devices``, as sentence-transformers does, and builds the call with its score's door
-(``cgist.stage.spec.dense.dense_call``, ``cgist.stage.spec.maxsim.maxsim_call``), which checks it once.
+(``cgist.stage.spec.dense.dense_call``; ``cgist.stage.spec.xtr.token_call``: MaxSim's or XTR's), which checks it
+once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from sentence_transformers.util import (
 from torch import Tensor
 
 from ..stage.spec.dense import DenseCall, dense_call
-from ..stage.spec.maxsim import MaxSimCall, maxsim_call
+from ..stage.spec.maxsim import MaxSimCall
+from ..stage.spec.xtr import token_call
 from ..stage.spec.options import GistOptions
 from .base import FusedDropIn, check_equal_batches
 
@@ -88,7 +90,7 @@ class DenseColumns(FusedDropIn):
 
 
 class TokenColumns(FusedDropIn):
-    """The MaxSim score's call over a step's token embeddings and their masks (``calculate_loss(reps,
+    """A token score's call (MaxSim's, XTR's) over a step's token embeddings and their masks (``calculate_loss(reps,
     masks_chunks)``, as sentence-transformers' cached multi-vector class calls it): the family's guide
     (``_guide_arguments``) and the texts' ids go with them; with gathering the document columns (and their guide and
     ids) are gathered from every rank, the token axis padded to the ranks' longest, the queries stay local."""
@@ -116,10 +118,10 @@ class TokenColumns(FusedDropIn):
             documents, document_masks = [[e] for e, _ in gathered], [[m] for _, m in gathered]
             options = options.replace(offset=get_rank() * batch)
             guide = _gathered_guide(guide)
-        return maxsim_call(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide)
+        return token_call(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide)
 
     def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
-        """The family: ``maxsim_call``'s ``guide``, ``guide_masks`` and ``text_ids`` for a step (default: none)."""
+        """The family: the door's ``guide``, ``guide_masks`` and ``text_ids`` for a step (default: none)."""
         return {}
 
     def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:
@@ -155,7 +157,7 @@ class TokenColumns(FusedDropIn):
 
 
 def _gathered_guide(guide: dict[str, object]) -> dict[str, object]:
-    """``maxsim_call``'s guide arguments with the document columns' guide and text ids gathered from every rank, as
+    """The door's guide arguments with the document columns' guide and text ids gathered from every rank, as
     the documents are (the queries' stay local); a multi-vector guide's token axis padded to the ranks' longest."""
     out = dict(guide)
     columns = guide.get("guide")

@@ -9,6 +9,7 @@ whose output holds ``token_embeddings`` (a ``MultiVectorEncoder``, or a module t
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 from collections.abc import Mapping
 
@@ -17,7 +18,7 @@ from sentence_transformers.multi_vector_encoder.losses import (
     CachedMultiVectorMultipleNegativesRankingLoss,
     MultiVectorMultipleNegativesRankingLoss,
 )
-from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, mean_colbert_scores
+from sentence_transformers.multi_vector_encoder.scoring import XTRScores, colbert_scores, mean_colbert_scores, xtr_scores
 from sentence_transformers.util import similarity as st_similarity
 from sentence_transformers.util import similarity_fct_name
 from torch import Tensor
@@ -27,12 +28,15 @@ from .columns import TokenColumns
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
-           "MultiVectorFamily", "maxsim_normalization"]
+           "MultiVectorFamily", "maxsim_normalization", "score_fields"]
 
 #: sentence-transformers' MaxSim scorers, by whether they divide by the query's token count (MeanMaxSim).
 _SCORERS = {colbert_scores: False, mean_colbert_scores: True}
 #: The keywords a ``functools.partial`` of them may bind: ``chunk_elements`` only bounds their memory.
 _BINDABLE = {"chunk_elements", "length_normalize"}
+#: The keywords a ``functools.partial`` of ``xtr_scores`` may bind, and its ``top_k`` when it binds none.
+_XTR_BINDABLE = {"chunk_elements", "top_k"}
+_XTR_TOP_K = inspect.signature(xtr_scores).parameters["top_k"].default
 
 
 def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
@@ -59,6 +63,31 @@ def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
     return length_normalize if isinstance(length_normalize, bool) else None
 
 
+def score_fields(similarity_fct: object, model: object) -> dict[str, object] | None:
+    """The loss stage's score of ``similarity_fct`` as ``GistOptions`` fields: ``similarity`` (``"maxsim"``,
+    ``"mean_maxsim"``, ``maxsim_normalization``; ``"xtr"``) and XTR's ``top_k``; None for a score the fused stage
+    does not compute (a custom callable). XTR: ``xtr_scores`` (its default ``top_k``), a ``functools.partial`` of it
+    binding ``top_k`` or ``chunk_elements``, or an ``XTRScores``; ``chunk_elements`` only bounds
+    sentence-transformers' memory, and is checked (the fused stage's is ``block_bytes``)."""
+    if type(similarity_fct) is XTRScores:
+        _check_optional_size("chunk_elements", similarity_fct.chunk_elements)
+        return {"similarity": "xtr", "top_k": similarity_fct.top_k}
+    if similarity_fct is xtr_scores:
+        return {"similarity": "xtr", "top_k": _XTR_TOP_K}
+    if isinstance(similarity_fct, functools.partial) and similarity_fct.func is xtr_scores:
+        keywords = similarity_fct.keywords
+        if similarity_fct.args or not set(keywords) <= _XTR_BINDABLE:
+            return None
+        _check_optional_size("chunk_elements", keywords.get("chunk_elements"))
+        return {"similarity": "xtr", "top_k": keywords.get("top_k", _XTR_TOP_K)}
+    length_normalize = maxsim_normalization(similarity_fct, model)
+    if length_normalize is None:
+        return None
+    if isinstance(similarity_fct, functools.partial):
+        _check_optional_size("chunk_elements", similarity_fct.keywords.get("chunk_elements"))
+    return {"similarity": "mean_maxsim" if length_normalize else "maxsim"}
+
+
 def _check_optional_size(name: str, value: object) -> None:
     if value is None:
         return
@@ -69,8 +98,9 @@ def _check_optional_size(name: str, value: object) -> None:
 
 
 class MultiVectorFamily(TokenColumns):
-    """The multi-vector ranking family: the loss stage's options from ``scale`` and ``similarity_fct`` (MaxSim or
-    MeanMaxSim fused; any other score runs sentence-transformers' code), over the token embeddings and their masks
+    """The multi-vector ranking family: the loss stage's options from ``scale`` and ``similarity_fct`` (MaxSim,
+    MeanMaxSim or XTR fused, ``score_fields``; any other score runs sentence-transformers' code), over the token
+    embeddings and their masks
     (``calculate_loss(reps, masks_chunks)``, as sentence-transformers' cached class calls it)."""
 
     family = "multi_vector"
@@ -91,18 +121,19 @@ class MultiVectorFamily(TokenColumns):
     def _family_key(self) -> tuple:
         model = getattr(self, "model", None)
         scorer = getattr(model, "_similarity", None)
-        return (getattr(model, "similarity_fn_name", None), type(scorer), getattr(scorer, "length_normalize", None))
+        return (getattr(model, "similarity_fn_name", None), type(scorer), getattr(scorer, "length_normalize", None),
+                getattr(self.similarity_fct, "top_k", None), getattr(self.similarity_fct, "chunk_elements", None))
 
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
         scale = check_scale(self.scale)
-        length_normalize = maxsim_normalization(self.similarity_fct, getattr(self, "model", None))
-        if length_normalize is None:
+        score = score_fields(self.similarity_fct, getattr(self, "model", None))
+        if score is None:
             name = "the model's similarity" if self.similarity_fct is None else similarity_fct_name(self.similarity_fct)
-            return None, (f"similarity_fct={name} (the fused stage computes MaxSim and MeanMaxSim: colbert_scores, "
-                          "mean_colbert_scores, or the model's maxsim / meanmaxsim)")
+            return None, (f"similarity_fct={name} (the fused stage computes MaxSim, MeanMaxSim and XTR: "
+                          "colbert_scores, mean_colbert_scores, xtr_scores, XTRScores, a functools.partial of one, "
+                          "or the model's maxsim / meanmaxsim)")
         fields = {"contrast_anchors": False, "contrast_positives": False, **self._option_fields()}
-        return GistOptions(similarity="mean_maxsim" if length_normalize else "maxsim", temperature=1.0 / scale,
-                           **fields), None
+        return GistOptions(**score, temperature=1.0 / scale, **fields), None
 
     def _option_fields(self) -> dict[str, object]:
         """The family: the options' fields beyond the score and the scale (default: cgist's own options)."""
@@ -130,9 +161,12 @@ class FusedCachedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, Cach
 
     Fused when ``similarity_fct`` is MaxSim or MeanMaxSim: sentence-transformers' default (the model's ``maxsim`` /
     ``meanmaxsim``, with or without its kernels), ``colbert_scores``, ``mean_colbert_scores``, or a
-    ``functools.partial`` of either binding ``chunk_elements`` or ``length_normalize``. Any other score (XTR, a custom
-    callable) runs sentence-transformers' own computation (one warning says so). ``score_mini_batch_size`` only
-    bounds sentence-transformers' memory; the fused stage's is ``block_bytes``.
+    ``functools.partial`` of either binding ``chunk_elements`` or ``length_normalize``; or XTR: ``xtr_scores``,
+    ``XTRScores(top_k)``, or a ``functools.partial`` of ``xtr_scores`` binding ``top_k`` or ``chunk_elements``
+    (each query token retrieves from every document of the batch, gathered with ``gather_across_devices``; the
+    thresholds' sweep keeps ``top_k`` values per query token). Any other score (a custom callable) runs
+    sentence-transformers' own computation (one warning says so). ``score_mini_batch_size`` and ``chunk_elements``
+    only bound sentence-transformers' memory; the fused stage's is ``block_bytes``.
     """
 
 

@@ -171,7 +171,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         return {"guide": [e for e, _ in padded], "guide_masks": [m for _, m in padded]}
 
     def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
-        """``maxsim_call``'s guide and texts' ids: what this step's ``forward`` read (``_step_inputs``), or the
+        """The door's guide and texts' ids: what this step's ``forward`` read (``_step_inputs``), or the
         student's own scores (``"self"``)."""
         source, inputs = self.guide_source, self.step_inputs
         arguments = {"text_ids": inputs.text_ids}

@@ -34,7 +34,7 @@ from .options import GistOptions
 from .scores import XTR
 
 __all__ = ["CHECK_TOP_K", "DOC_ROWS", "Variant", "XTRCall", "check_problem", "retrieved", "thresholds", "tie_slack",
-           "variant_of", "xtr_call"]
+           "token_call", "variant_of", "xtr_call"]
 
 #: Document tiles of the thresholds' sweep, in documents.
 DOC_ROWS = 16
@@ -70,6 +70,14 @@ def xtr_call(queries: object, query_mask: object, documents: object, document_ma
                          "retrieves from the documents' tokens only): pass them False, or score with MaxSim")
     return maxsim_call(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
                        text_ids=text_ids, temperature=temperature, call_class=XTRCall)
+
+
+def token_call(queries: object, query_mask: object, documents: object, document_masks: object,
+               options: GistOptions, **arguments: object) -> MaxSimCall:
+    """The call of a token score's arguments (``cgist.maxsim_loss``'s, a multi-vector drop-in's) by its score's
+    door: ``xtr_call`` for XTR, ``maxsim_call`` for MaxSim and MeanMaxSim."""
+    door = xtr_call if options.score is XTR else maxsim_call
+    return door(queries, query_mask, documents, document_masks, options, **arguments)
 
 
 @torch.no_grad()
@@ -182,20 +190,25 @@ def variant_of(call: XTRCall, device: str) -> Variant:
 def check_problem(call: XTRCall, variant: Variant, rows: int) -> XTRCall:
     """The first-use check's call for ``variant``: eight ragged queries of 8 tokens against two columns of documents
     of up to 40, ``CHECK_TOP_K`` retrieved per query token, with a single-vector guide (its scores the host's on
-    either path, so both masks are one), in the call's dtype, on its device."""
+    either path, so both masks are one), in the call's dtype, on its device.
+
+    The tokens' entries are -1, 0 or 1 (a quarter of them non-zero), so every product is a small integer, exact in
+    every dtype and on every path: the thresholds' sweep and either backend's tiles retrieve the same tokens, ties
+    (which are many) included, whatever their summation order."""
     gen = torch.Generator().manual_seed(1)
     rows, lq, ld = min(rows, 8), 8, 40
     device, dtype = call.device, variant.dtype
 
     def tokens(n: int, length: int) -> Tensor:
-        return F.normalize(torch.randn(n, length, variant.dim, generator=gen), dim=-1).to(device, dtype)
+        signs = torch.randint(-1, 2, (n, length, variant.dim), generator=gen)
+        return (signs * (torch.rand(signs.shape, generator=gen) < 0.25)).to(device, dtype)
 
     queries = tokens(rows, lq)
     documents = [tokens(rows, ld) for _ in range(2)]
     lengths = torch.randint(1, ld + 1, (2, rows), generator=gen)
     masks = [(torch.arange(ld) < lengths[n, :, None]).to(device) for n in range(2)]
     vectors = F.normalize(torch.randn(3 * rows, 16, generator=gen), dim=-1).to(device)
-    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=0.25, margin=0.1, contrast_anchors=False,
+    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=4.0, margin=0.1, contrast_anchors=False,
                           contrast_positives=False, block_bytes=2**20)
     return xtr_call(queries, torch.ones(rows, lq, dtype=torch.bool, device=device), documents, masks, options,
                     guide=[vectors[:rows], vectors[rows:2 * rows], vectors[2 * rows:]])
