@@ -84,17 +84,17 @@ def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] |
     return _names(tile_configs(*_operands(arch, pair), n_dims, ARCH[arch], interpret=False, release=release))
 
 
-def maxsim_tiles(arch: str, pair: str, lq: int) -> dict[str, str]:
-    """The launch of each MaxSim kernel on this arch for a pair's student dtype, as the table writes it (``LQ``
-    aside)."""
+def maxsim_tiles(arch: str, pair: str, lq: int) -> dict[str, set[str]]:
+    """The launches of each MaxSim kernel on this arch for a pair's student dtype, as the table writes them (``LQ``
+    aside): MaxSim's, and the slab kernels' XTR variants."""
     dtype, _, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        launches = launch_configs(dtype, ARCH[arch], lq, MAXSIM_LD, MAXSIM_D)
+        launches = [launch_configs(dtype, ARCH[arch], lq, MAXSIM_LD, MAXSIM_D, xtr=xtr) for xtr in (False, True)]
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {name: launch.tiles for name, launch in launches.items()}
+    return {name: {each[name].tiles for each in launches} for name in launches[0]}
 
 
 def parse_table(lines: list[str]) -> list[dict]:
@@ -129,7 +129,7 @@ def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[t
     want |= {(k, a, pair, "1"): _names(gemm_configs(ARCH[a], interpret=False))
              for k in GEMM_KERNELS for a in archs for pair in pairs if _operands(a, pair)[1] == "tf32x3"}
     # the MaxSim kernels: one launch each (the launcher's tables do not part by Triton release)
-    want |= {(k, a, pair, f"LQ{lq}"): {tiles} for a in archs for pair in pairs for lq in MAXSIM_LQ
+    want |= {(k, a, pair, f"LQ{lq}"): tiles for a in archs for pair in pairs for lq in MAXSIM_LQ
              for k, tiles in maxsim_tiles(a, pair, lq).items()}
     return want
 
