@@ -7,6 +7,7 @@ cgist's fused drop-ins, forward + backward, with the bare token GEMMs as the lim
     python bench/maxsim_stage.py --sizes 256,1024,4096 --ld 180,300
     python bench/maxsim_stage.py --kernel-shapes    # the shapes other public MaxSim kernels publish (below)
     python bench/maxsim_stage.py --kernel-shapes b  # only their group (b): a few minutes
+    python bench/maxsim_stage.py --xtr --sizes 64,128,256,1024,4096 --budget 3000   # XTR scoring (below)
 
 Every provider gets the same inputs (a fixed ``--seed``): the query tokens ``(B, Lq, D)`` and ``negatives + 1``
 document columns ``(B, Ld, D)`` (the positive, then the hard negatives), random token vectors of unit norm (normalised
@@ -36,6 +37,10 @@ The loss is the multi-vector ranking loss with sentence-transformers' defaults (
 * ``cgist-guided-contrast`` (``--guides``): the single-vector guide's, with GIST's contrast blocks
                     (``contrast_anchors=True, contrast_positives=True``): each query's softmax also holds its MaxSim
                     against the B queries and its positive's against the B positives;
+* ``st-cached-xtr``, ``cgist-cached-xtr`` (``--xtr``): ``st-cached`` and ``cgist-cached`` scoring with XTR,
+                    ``similarity_fct=XTRScores(top_k)`` (``--top-k``, default 256, sentence-transformers' default):
+                    each query token retrieves its ``top_k`` largest similarities among every document token of the
+                    batch;
 * ``gemm``          the limit: only the token products that any implementation computes once in its forward, for
                     each document column and each tile of 32 documents x 64 queries ``torch.mm(q_tile.reshape(-1, D),
                     d_tile.reshape(-1, D).T, out=buf)`` into one preallocated buffer (so that page faults do not
@@ -66,7 +71,7 @@ Ld = 2048 and 8192, D = 128, ``--negatives`` hard negatives (default 1); (b) B =
 Lq = 32, Ld = 80, 128 and 512, D = 128, no hard negative (one document column). ``--kernel-shapes a`` or ``b``
 measures one group (group (a) with sentence-transformers' providers takes hours on two cores).
 
-Writes ``maxsim_stage_cpu[_quick|_kernel_shapes[_a|_b]].csv`` (columns provider, B, Lq, Ld, D, negatives, median_s,
+Writes ``maxsim_stage_cpu[_quick|_kernel_shapes[_a|_b]|_guides|_xtr].csv`` (columns provider, B, Lq, Ld, D, negatives, median_s,
 peak_mb, loss, note), ``.md`` (a table per shape group: each provider's time, its multiple of ``gemm``'s time, its
 extra peak memory, and for each cgist provider its memory as a share of its base (the sentence-transformers
 provider it replaces; for a guided one the unguided drop-in) and its speed-up over it; warnings where the losses differ by more than 1e-4 relative; the command that
@@ -101,13 +106,16 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDED = {"cgist-guided-vectors": "vectors", "cgist-guided-tokens": "tokens", "cgist-guided-self": "self",
           "cgist-guided-contrast": "vectors"}
 CONTRAST = "cgist-guided-contrast"
-PROVIDERS = ("st-cached", "cgist-cached", *GUIDED, "st-plain", "cgist-plain", "gemm")
+#: The XTR providers (``--xtr``): sentence-transformers' cached class and the cached drop-in, scoring with XTR.
+XTR = ("st-cached-xtr", "cgist-cached-xtr")
+PROVIDERS = ("st-cached", "cgist-cached", *GUIDED, "st-plain", "cgist-plain", *XTR, "gemm")
 LIMIT = "gemm"
 #: Each cgist provider and the provider it is compared with: the sentence-transformers one it replaces, or for a
 #: guided one the unguided drop-in.
-REPLACES = {"cgist-cached": "st-cached", "cgist-plain": "st-plain", **dict.fromkeys(GUIDED, "cgist-cached")}
+REPLACES = {"cgist-cached": "st-cached", "cgist-plain": "st-plain", **dict.fromkeys(GUIDED, "cgist-cached"),
+            "cgist-cached-xtr": "st-cached-xtr"}
 #: Providers fed GradCache's mini-batches (the others get each column as one leaf).
-CACHED = ("st-cached", "cgist-cached", *GUIDED)
+CACHED = ("st-cached", "cgist-cached", *GUIDED, *XTR)
 #: The single-vector guide's embedding dimension (all-MiniLM-L6-v2's) and the guided providers' margin.
 GUIDE_DIM, GUIDE_MARGIN = 384, 0.05
 #: sentence-transformers' default ``scale`` of the multi-vector losses (MaxSim scores are sums over query tokens).
@@ -160,6 +168,7 @@ class Settings:
     mini_batch_size: int
     min_fill: float
     long_call_s: float
+    top_k: int = 256
 
 
 # --- the providers (run inside the measuring process) -------------------------------------------------------------
@@ -303,6 +312,13 @@ def make_call(point: Point, settings: Settings, columns, masks) -> tuple[Callabl
             loss = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(
                 model, mini_batch_size=settings.mini_batch_size, backend="torch")
             run = functools.partial(loss.calculate_loss, reps, mask_chunks, with_backward=True)
+        elif point.provider in XTR:
+            from sentence_transformers.multi_vector_encoder.scoring import XTRScores
+
+            kwargs = dict(mini_batch_size=settings.mini_batch_size, similarity_fct=XTRScores(settings.top_k))
+            loss = CachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs) if point.provider.startswith("st-") \
+                else cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs, backend="torch")
+            run = functools.partial(loss.calculate_loss, reps, mask_chunks, with_backward=True)
         elif point.provider in GUIDED:
             run = guided_call(point, settings, model, reps, mask_chunks)
         elif point.provider == "st-plain":
@@ -323,6 +339,8 @@ def make_call(point: Point, settings: Settings, columns, masks) -> tuple[Callabl
         return run()
 
     note = f"mini_batch_size={settings.mini_batch_size}" if point.provider in CACHED else ""
+    if point.provider in XTR:
+        note += f", top_k={settings.top_k}"
     return call, 0.0, note
 
 
@@ -433,18 +451,20 @@ def shape_of(row: dict[str, object]) -> tuple:
 
 
 def loss_warnings(rows: Sequence[dict[str, object]]) -> list[str]:
-    """A line for each provider whose loss differs from the reference's (st-cached, else st-plain) by > LOSS_RTOL."""
+    """A line for each provider whose loss differs from the reference's (st-cached, else st-plain; XTR's:
+    st-cached-xtr) by > LOSS_RTOL."""
     lines = []
     by_shape: dict[tuple, dict[str, dict[str, object]]] = {}
     for row in rows:
         if timed(row) and row["loss"] != "":
             by_shape.setdefault(shape_of(row), {})[row["provider"]] = row
     for (b, lq, ld, d, k), found in by_shape.items():
-        ref = next((found[p] for p in ("st-cached", "st-plain") if p in found), None)
-        if ref is None:
-            continue
         for provider, row in found.items():
             if provider in GUIDED:  # the guide's mask changes the loss
+                continue
+            ref = next((found[p] for p in (("st-cached-xtr",) if provider in XTR else ("st-cached", "st-plain"))
+                        if p in found), None)
+            if ref is None:
                 continue
             diff = abs(row["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
             if diff > LOSS_RTOL:
@@ -480,7 +500,9 @@ def machine(threads: int) -> str:
 def markdown(rows: Sequence[dict[str, object]], settings: Settings, threads: int, command: str) -> str:
     """A table per shape group (Lq, Ld, D, negatives), one line per (B, provider); warnings and the command under."""
     padding = "all tokens real" if settings.min_fill >= 1 else f"real lengths uniform in [{settings.min_fill:g} L, L]"
-    lines = [f"Multi-vector (MaxSim) loss stage, forward + backward, float32, scale {SCALE:g}, unit-norm random "
+    score = f"XTR (top_k {settings.top_k}) for the -xtr providers, MaxSim else" \
+        if any(row["provider"] in XTR for row in rows) else "MaxSim"
+    lines = [f"Multi-vector ({score}) loss stage, forward + backward, float32, scale {SCALE:g}, unit-norm random "
              f"tokens ({padding}), GradCache mini-batches of {settings.mini_batch_size} rows for the cached "
              f"providers, median of {settings.repeats} timed call(s), extra peak = RSS high-water mark above the "
              f"inputs (gemm: its product buffer), on {machine(threads)}", ""]
@@ -617,6 +639,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--guides", action="store_true",
                         help="the guide's cost: cgist-cached and each guided provider, with gemm (writes "
                              "maxsim_stage_cpu_guides.*)")
+    parser.add_argument("--xtr", action="store_true",
+                        help="XTR scoring: st-cached-xtr and cgist-cached-xtr, with gemm (writes maxsim_stage_cpu_xtr.*)")
+    parser.add_argument("--top-k", type=int, default=256, help="XTR's top_k (default 256)")
     parser.add_argument("--mini-batch-size", type=int, default=32,
                         help="GradCache mini-batch rows of the cached providers (default 32)")
     parser.add_argument("--repeats", type=int, help="timed calls per point after the first (default 2; --quick 1)")
@@ -639,8 +664,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.sizes, args.ld = args.sizes or [32, 64], args.ld or [180]
         args.repeats = args.repeats or 1
     args.sizes, args.ld, args.repeats = args.sizes or [256, 1024], args.ld or [180], args.repeats or 2
+    if args.guides and args.xtr:
+        parser.error("--guides and --xtr are two sweeps: run them apart")
     if args.providers is None:
-        args.providers = ["cgist-cached", *GUIDED, LIMIT] if args.guides else [p for p in PROVIDERS if p not in GUIDED]
+        args.providers = ["cgist-cached", *GUIDED, LIMIT] if args.guides else [*XTR, LIMIT] if args.xtr else \
+            [p for p in PROVIDERS if p not in GUIDED and p not in XTR]
     unknown = sorted(set(args.providers) - set(PROVIDERS))
     if unknown or not args.providers:
         parser.error(f"--providers: unknown {unknown}; expected a non-empty subset of {list(PROVIDERS)}")
@@ -651,6 +679,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--negatives must be >= 0, got {args.negatives}")
     if not 0 < args.min_fill <= 1:
         parser.error(f"--min-fill must be in (0, 1], got {args.min_fill}")
+    if args.top_k < 1:
+        parser.error(f"--top-k must be positive, got {args.top_k}")
     if args.repeats < 1 or args.budget <= 0 or args.timeout <= 0 or args.long_call <= 0 or args.memory_share <= 0:
         parser.error("--repeats, --budget, --timeout, --long-call and --memory-share must be positive")
     if args.threads is not None and args.threads < 1:
@@ -667,11 +697,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # the measuring processes' threads, and what the header reports
     settings = Settings(repeats=args.repeats, threads=args.threads, seed=args.seed,
-                        mini_batch_size=args.mini_batch_size, min_fill=args.min_fill, long_call_s=args.long_call)
+                        mini_batch_size=args.mini_batch_size, min_fill=args.min_fill, long_call_s=args.long_call,
+                        top_k=args.top_k)
     rows = sweep(args, build_points(args), settings)
     group = "" if args.kernel_shapes in (None, "all") else f"_{args.kernel_shapes}"
     stem = ("maxsim_stage_cpu" + ("_quick" if args.quick else "")
-            + ("_kernel_shapes" + group if args.kernel_shapes else "") + ("_guides" if args.guides else ""))
+            + ("_kernel_shapes" + group if args.kernel_shapes else "") + ("_guides" if args.guides else "")
+            + ("_xtr" if args.xtr else ""))
     command = shlex.join(["python", "bench/maxsim_stage.py", *(sys.argv[1:] if argv is None else argv)])
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)

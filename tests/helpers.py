@@ -19,6 +19,7 @@ API:
     TF32X3_BOUND                  a tf32x3 product's error bound per unit of sum_k |a_k b_k|.
     LossStageCalls(monkeypatch)   counts the drop-ins' loss-stage calls while a test runs.
     xtr_gap(...)                  how far apart XTR's top_k-th and next similarities are, at the closest query token.
+    AllocationProbe()             records every new storage the torch ops run under it return.
 
 It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
 ``helpers_models``.
@@ -33,6 +34,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cgist import GistOptions, GistStats
 from cgist.stage.reference import score_groups
@@ -431,3 +434,19 @@ def xtr_gap(queries: torch.Tensor, query_mask: torch.Tensor, documents: list[tor
     similarities = queries.double()[query_mask.bool()] @ pool.T
     top = similarities.topk(top_k + 1, dim=1).values
     return float((top[:, top_k - 1] - top[:, top_k]).min())
+
+
+class AllocationProbe(TorchDispatchMode):
+    """Records every new storage an op returns: (bytes, elements, op name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocations: list[tuple[int, int, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.allocations.append((t.untyped_storage().nbytes(), t.numel(), str(func)))
+        return out

@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import DEVICE, make_inputs, one_thread  # noqa: F401  (one_thread: autouse)
+from helpers import DEVICE, AllocationProbe, make_inputs, one_thread  # noqa: F401  (one_thread: autouse)
 from helpers_models import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -30,22 +30,6 @@ from cgist.stage.triton import gist_loss_and_grads
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
 BUDGET = 6144
-
-
-class AllocationProbe(TorchDispatchMode):
-    """Records every new storage an op returns: (bytes, elements, op name)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.allocations: list[tuple[int, int, str]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                self.allocations.append((t.untyped_storage().nbytes(), t.numel(), str(func)))
-        return out
 
 
 def _run(backend, student, guide, options):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("sentence_transformers.multi_vector_encoder")
 
-from helpers import xtr_gap  # noqa: E402
+from helpers import AllocationProbe, xtr_gap  # noqa: E402
 from helpers_models import (  # noqa: E402
     DOCUMENTS,
     NEGATIVES,
@@ -133,6 +133,32 @@ def test_gradcheck_of_the_stage():
         return cgist.maxsim_loss(q, query_mask, list(docs), document_masks, scale=2.0, top_k=4, backend="torch")
 
     assert torch.autograd.gradcheck(loss, [t.requires_grad_() for t in (queries, *documents)])
+
+
+def test_no_allocation_holds_the_token_grid():
+    """The PyTorch stage's every allocation fits the budget or the inputs' size (a gradient; the thresholds, one a
+    query token): the token similarities of every query token against every document token are 15 times the inputs
+    and 60 times the budget."""
+    from cgist.stage.pytorch import workspace
+
+    batch, lq, ld, dim, budget = 24, 6, 20, 8, 16384
+    queries, query_mask, documents, document_masks = _inputs(9, batch, 2, lq, ld, dim)
+    grid = batch * lq * 2 * batch * ld
+    inputs = 2 * batch * ld * dim
+    assert grid > 15 * inputs and grid * 8 > 60 * budget
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (queries, *documents)]
+        loss = cgist.maxsim_loss(leaves[0], query_mask, leaves[1:], document_masks, top_k=10, block_bytes=budget,
+                                 backend="torch")
+        return torch.autograd.grad(loss, leaves)
+
+    workspace.release_workspace()
+    run()
+    with AllocationProbe() as probe:
+        run()
+    offenders = [a for a in probe.allocations if a[0] > budget and a[1] > inputs]
+    assert probe.allocations and not offenders, offenders[:5]
 
 
 @pytest.mark.parametrize("guide", ["self", "vectors"])

@@ -6,8 +6,8 @@ backend cuts its work to fit. This module is its only owner.
   by measurement (``ROW_TARGET``, ``ROW_FLOOR``, ``TILE_COLS``).
 * The Triton GEMM backward: ``backward_chunks`` cuts it into chunks of rows and columns (``Chunks``).
 * The MaxSim score: its default (``maxsim_block_bytes``), the PyTorch stage's tiles and row blocks (``split_budget``,
-  ``tile_rows``, ``kept_bytes``) and the Triton stage's slabs of queries (``slab_rows``); XTR's thresholds' sweep
-  (``threshold_rows``).
+  ``tile_rows``, ``kept_bytes``) and the Triton stage's slabs of queries (``slab_rows``); XTR's default
+  (``xtr_block_bytes``) and thresholds' sweep (``threshold_rows``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 __all__ = [
     "BACKWARD_BYTES", "DOC_ROWS", "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR",
-    "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "Chunks", "RowBlocks", "argmax_dtype", "available_bytes",
-    "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks", "slab_rows",
-    "split_budget", "threshold_rows", "tile_rows",
+    "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "XTR_ROW_QUERIES", "Chunks", "RowBlocks", "argmax_dtype",
+    "available_bytes", "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks",
+    "slab_rows", "split_budget", "threshold_rows", "tile_rows", "xtr_block_bytes",
 ]
 
 
@@ -237,7 +237,24 @@ def slab_rows(n_queries: int, per_query: int, block_bytes: int) -> int:
 def threshold_rows(top_k: int, tile_tokens: int, acc_bytes: int, product_bytes: int) -> int:
     """Query tokens per block of XTR's thresholds' sweep (``cgist.stage.spec.xtr.thresholds``): a block's
     similarities with a tile of ``tile_tokens`` document tokens (in ``acc_bytes`` elements, with a bool each: which
-    pass), and its ``top_k`` largest so far twice over (kept, and merged with a tile's), fit ``product_bytes``; at
-    least one."""
-    per_token = tile_tokens * (acc_bytes + 1) + 3 * top_k * acc_bytes
+    pass), and per query token its ``top_k`` largest so far, their merge with as many candidates (their values, and
+    three integers each: their row, its order and their place), fit ``product_bytes``; at least one."""
+    per_token = tile_tokens * (acc_bytes + 1) + top_k * (4 * acc_bytes + 24)
     return max(1, product_bytes // per_token)
+
+
+#: The queries an XTR row block holds by default, where the device has room. Measured on the PyTorch stage (forward
+#: with gradients, B = 1,024, Lq = 32, Ld = 180, one hard negative, top_k = 256, two CPU threads, one run each beside
+#: MaxSim's stage at the same budget): MaxSim's default budget (16 MiB: row blocks of about 10 XTR queries) took 48%
+#: more time than MaxSim's stage; 64 and 256 MiB (40 and more) 13% and 20% more.
+XTR_ROW_QUERIES = 32
+
+
+def xtr_block_bytes(device: torch.device, query_tokens: int, document_tokens: int, itemsize: int, n_documents: int,
+                    top_k: int, acc_bytes: int) -> int:
+    """XTR's budget when none is given: MaxSim's (``maxsim_block_bytes``), grown so that the half a row block keeps
+    holds ``XTR_ROW_QUERIES`` queries, each with its tokens' maxima and argmax per document and their top ``top_k``
+    (``threshold_rows``' count per query token), within ``default_block_bytes``' cap."""
+    per_query = query_tokens * (n_documents * (acc_bytes + 1) + top_k * (4 * acc_bytes + 24))
+    floor = max(maxsim_block_bytes(device, query_tokens, document_tokens, itemsize), 2 * XTR_ROW_QUERIES * per_query)
+    return default_block_bytes(device, floor)

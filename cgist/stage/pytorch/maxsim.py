@@ -39,8 +39,8 @@ __all__ = ["MAXSIM", "Reduction", "backward", "forward", "maxsim_scores"]
 @dataclass
 class _DocTile:
     """``bd`` documents of one chunk, rows ``start:stop``: their tokens trimmed to ``width`` (masked tokens replaced
-    by the document's first real one, ``remap``: the token each position reads, None when none is masked), and which
-    documents have no real token (``empty``, None when all have one)."""
+    by the document's first real one, ``remap``: the token each position reads, None when none is masked; ``real``:
+    which positions are real tokens), and which documents have no real token (``empty``, None when all have one)."""
 
     chunk: int
     start: int
@@ -48,6 +48,7 @@ class _DocTile:
     tokens: Tensor  # (bd, width, D), contiguous
     remap: Tensor | None  # (bd, width) long
     empty: Tensor | None  # (bd,) bool
+    real: Tensor | None  # (bd, width) bool: which positions are real tokens (None when all are)
 
 
 @dataclass
@@ -79,12 +80,13 @@ def _column_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int) 
             tile_mask, tokens = tile_mask[:, :width], chunk[start:stop, :width]
             has = tile_mask.any(1)
             empty = None if bool(has.all()) else ~has
-            remap = None
+            remap = real = None
             if not bool(tile_mask.all()):
                 first = tile_mask.to(torch.uint8).argmax(1, keepdim=True)
                 remap = torch.where(tile_mask, torch.arange(width, device=mask.device), first)
                 tokens = tokens.gather(1, remap.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
-            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty)
+                real = tile_mask
+            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty, real)
 
 
 def _query_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int, budget: int, per_query: int,
@@ -129,26 +131,35 @@ def _kept_per_query(call: MaxSimCall, with_grad: bool, reduction: Reduction) -> 
     """What a row block keeps per query (``cgist.stage.budget.kept_bytes``), every part's."""
     acc = torch.empty(0, dtype=compute_dtype(call.dtype)).element_size()
     return sum(kept_bytes(1, part.n_documents, *_widths(part), call.first.shape[2], acc, with_grad, call.guide_kind)
-               + part.n_documents * reduction.kept_per_document(_widths(part)[0], acc, with_grad)
+               + reduction.kept_per_query(_widths(part)[0], part.n_documents, acc, with_grad)
                for part in call.parts)
 
 
 class Reduction:
     """How a tile's maxima become its scores, and what each maximum sends back in the second sweep: MaxSim's, their
     sum weighted by each query token's weight (``cgist.stage.spec.maxsim.query_weights``). Another score over the
-    same maxima (``cgist.stage.pytorch.xtr``) subclasses it; one serves a forward, ``start`` opens a row block."""
+    same maxima (``cgist.stage.pytorch.xtr``) subclasses it: it may read each tile's products before the argmax
+    takes them over (``products``), and finish a row block's scores once its first sweep is done (``finish``). One
+    serves a forward; ``start`` opens a row block."""
 
     def start(self, first: int, rows: int, lq: int, n_docs: int, with_grad: bool, dtype: torch.dtype) -> None:
         """A row block of ``rows`` queries from ``first``, against ``n_docs`` documents (nothing to keep)."""
 
-    def kept_per_document(self, query_tokens: int, acc_bytes: int, with_grad: bool) -> int:
-        """What a row block keeps per (query, document) beyond ``kept_bytes``' count (nothing)."""
+    def kept_per_query(self, query_tokens: int, n_documents: int, acc_bytes: int, with_grad: bool) -> int:
+        """What a row block keeps per query beyond ``kept_bytes``' count (nothing)."""
         return 0
 
-    def scores(self, query: _QueryTile, maxima: Tensor, span: slice, cols: slice) -> Tensor:
+    def products(self, query: _QueryTile, doc: _DocTile, products: Tensor, span: slice) -> None:
+        """A tile's products ``(bd, Ld, bq * Lq)``, at the row block's rows ``span``, before the argmax overwrites
+        them (not read)."""
+
+    def scores(self, query: _QueryTile, doc: _DocTile, maxima: Tensor, span: slice, cols: slice) -> Tensor:
         """The scores ``(bq, bd)`` of a tile's maxima ``(bd, bq, Lq)`` (the compute dtype), at rows ``span`` and
         columns ``cols`` of the row block."""
         return torch.einsum("dqt,qt->qd", maxima, query.weights)
+
+    def finish(self, scores: Tensor) -> None:
+        """The row block's scores ``(rows, W)`` after its first sweep (final as they are)."""
 
     def sent(self, grad: Tensor, weights: Tensor, cols: slice) -> Tensor:
         """What each (query token, document) of a document tile sends along its maximum, ``(R, Lq, bd)``: the score's
@@ -183,17 +194,18 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
     product = product.view(bd * ld, bq * lq)
     torch.mm(doc.tokens.view(bd * ld, -1), query.tokens.T, out=product)
     per_token = product.view(bd, ld, bq * lq)
-    if where is None:
+    if where is None or ld <= _exact_integers(per_token.dtype):
         maxima = per_token.amax(1)
-    elif ld <= _exact_integers(per_token.dtype):
-        maxima = per_token.amax(1)
-        countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
-        first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
-        where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
+        reduction.products(query, doc, per_token, span)
+        if where is not None:
+            countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
+            first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
+            where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
     else:
         maxima, at = per_token.max(1)
+        reduction.products(query, doc, per_token, span)
         where.copy_(at.view(bd, bq, lq).permute(1, 2, 0))
-    tile = reduction.scores(query, maxima.view(bd, bq, lq).to(query.weights.dtype), span, cols)
+    tile = reduction.scores(query, doc, maxima.view(bd, bq, lq).to(query.weights.dtype), span, cols)
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
 
 
@@ -311,6 +323,7 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
             where = torch.zeros(rows, lq, part.n_documents, dtype=argmax_dtype(ld), device=device)
         _sweep_scores(part, part_doc_rows, tiles, first, scores[:, part.span], where, reduction)
         sweeps.append((part, tiles, part_doc_rows, where))
+    reduction.finish(scores)
     mask = None
     if masks is not None:
         guide = None

@@ -1,9 +1,12 @@
 """The XTR score on the PyTorch backend (docs/design.md#xtr): MaxSim's two sweeps (``cgist.stage.pytorch.maxsim``)
-with XTR's reduction of each tile's maxima, after the thresholds' sweep (``cgist.stage.spec.xtr.thresholds``).
+with XTR's reduction of the maxima, the thresholds found in the first sweep itself.
 
-A row block keeps, beside MaxSim's scores and argmax, which maxima were retrieved (a bool per query token and
-document) and each score's ``Z`` (the compute dtype); the second sweep sends a retrieved maximum the score's gradient
-divided by ``Z`` and a maximum not retrieved nothing. It imports only torch, its MaxSim backend and the spec.
+A row block's first sweep keeps each query token's maximum over every document (not only the scores), and feeds
+each tile's products to the block's ``cgist.stage.spec.xtr.TopK`` before the argmax takes them over: no token
+product is formed a second time for the thresholds. Once the sweep is done, the block's thresholds are known
+(lowered by ``tie_slack``), and with them which maxima are retrieved, each score's ``Z`` and the scores. The second
+sweep sends a retrieved maximum its score's gradient divided by ``Z``, and a maximum not retrieved nothing. It
+imports only torch, its MaxSim backend and the spec.
 """
 
 from __future__ import annotations
@@ -11,43 +14,60 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec.xtr import XTRCall, retrieved, thresholds
+from ..spec.xtr import TopK, XTRCall, lowered, retrieved, tie_slack
 from . import maxsim
 
 __all__ = ["backward", "forward"]
 
 
 class _Retrieval(maxsim.Reduction):
-    """XTR's reduction: each maximum counts where it reaches its query token's threshold (``tau``, the call's
-    ``(n_queries, Lq)``), and a score is the sum of the retrieved maxima over ``Z``, how many there are (at least 1)."""
+    """XTR's reduction of a call's row blocks (``cgist.stage.pytorch.maxsim.Reduction``)."""
 
-    def __init__(self, tau: Tensor) -> None:
-        self.tau = tau
-        self.kept: Tensor | None = None  # (rows, Lq, W) bool: the row block's retrieved maxima (with a gradient)
-        self.counts: Tensor | None = None  # (rows, W): each score's Z, at least 1
-        self.first = 0
+    def __init__(self, call: XTRCall) -> None:
+        self.k = call.top_k
+        self.slack = tie_slack(call)  # (n_queries, Lq)
 
     def start(self, first: int, rows: int, lq: int, n_docs: int, with_grad: bool, dtype: torch.dtype) -> None:
-        self.first = first
-        self.counts = torch.empty(rows, n_docs, dtype=dtype, device=self.tau.device)
-        self.kept = torch.zeros(rows, lq, n_docs, dtype=torch.bool, device=self.tau.device) if with_grad else None
+        device = self.slack.device
+        self.first, self.lq = first, lq
+        self.maxima = torch.zeros(rows, lq, n_docs, dtype=dtype, device=device)
+        self.weights = torch.zeros(rows, lq, dtype=dtype, device=device)
+        self.empty = torch.zeros(n_docs, dtype=torch.bool, device=device)
+        self.top = TopK(rows * lq, self.k, dtype, device)
+        self.tau = self.counts = None
 
-    def kept_per_document(self, query_tokens: int, acc_bytes: int, with_grad: bool) -> int:
-        return acc_bytes + (query_tokens if with_grad else 0)
+    def kept_per_query(self, query_tokens: int, n_documents: int, acc_bytes: int, with_grad: bool) -> int:
+        """Each query token's maximum per document and each score's ``Z``; the block's ``TopK`` (``top_k`` values per
+        query token, kept and merged, and as many candidates: ``cgist.stage.budget.threshold_rows``'s count)."""
+        return n_documents * (query_tokens + 1) * acc_bytes + query_tokens * self.k * (4 * acc_bytes + 24)
 
-    def scores(self, query: maxsim._QueryTile, maxima: Tensor, span: slice, cols: slice) -> Tensor:
-        rows, width = query.weights.shape
-        row = self.first + span.start
-        tau = self.tau[row:row + rows, :width]
-        kept = retrieved(maxima, tau, query.weights)  # (bd, bq, Lq)
-        counts = kept.sum(2).clamp_(min=1.0)  # (bd, bq)
-        self.counts[span, cols] = counts.T
-        if self.kept is not None:
-            self.kept[span, :width, cols] = kept.permute(1, 2, 0).bool()
-        return ((maxima * kept).sum(2) / counts).T
+    def products(self, query: maxsim._QueryTile, doc: maxsim._DocTile, products: Tensor, span: slice) -> None:
+        width = query.weights.shape[1]
+        local = torch.arange(span.start, span.stop, device=products.device).unsqueeze(1) * self.lq
+        rows = (local + torch.arange(width, device=products.device)).reshape(-1)
+        self.top.offer(products, doc.real, rows)
+
+    def scores(self, query: maxsim._QueryTile, doc: maxsim._DocTile, maxima: Tensor, span: slice,
+               cols: slice) -> Tensor:
+        width = query.weights.shape[1]
+        self.maxima[span, :width, cols] = maxima.permute(1, 2, 0)
+        self.weights[span, :width] = query.weights
+        if doc.empty is not None:
+            self.empty[cols] = doc.empty
+        return maxima.new_zeros(maxima.shape[1], maxima.shape[0])  # the scores come once the sweep is done
+
+    def finish(self, scores: Tensor) -> None:
+        rows = self.weights.shape[0]
+        tau = self.top.kth().view(rows, self.lq)
+        self.tau = lowered(tau, self.slack[self.first:self.first + rows, :self.lq])
+        kept = retrieved(self.maxima, self.tau.unsqueeze(2), self.weights.unsqueeze(2))  # (rows, Lq, W)
+        self.counts = kept.sum(1).clamp_(min=1.0)
+        xtr = (self.maxima * kept).sum(1) / self.counts
+        scores.copy_(torch.where(self.empty, scores, xtr))
 
     def sent(self, grad: Tensor, weights: Tensor, cols: slice) -> Tensor:
-        kept = self.kept[:, :weights.shape[1], cols]
+        width = weights.shape[1]
+        kept = (self.maxima[:, :width, cols] >= self.tau[:, :width, None]) & (weights != 0).unsqueeze(2)
         return torch.where(kept, grad.unsqueeze(1), 0.0)
 
     def block_grad(self, grad: Tensor) -> Tensor:
@@ -55,9 +75,8 @@ class _Retrieval(maxsim.Reduction):
 
 
 def forward(call: XTRCall, with_grad: bool, need_stats: bool = False):
-    """The backend contract's forward (``cgist.stage.pytorch.maxsim.forward``'s), with XTR's thresholds and
-    reduction."""
-    return maxsim.forward(call, with_grad, need_stats, _Retrieval(thresholds(call)))
+    """The backend contract's forward (``cgist.stage.pytorch.maxsim.forward``'s), with XTR's reduction."""
+    return maxsim.forward(call, with_grad, need_stats, _Retrieval(call))
 
 
 #: The backward reads the gradients the forward made: MaxSim's.

@@ -112,6 +112,12 @@ class MaxSimCall(StageCall):
     text_ids: Sequence[Tensor] | None = None
     budget_bytes: int = 0
 
+    @staticmethod
+    def default_budget(options: GistOptions, first: Tensor, query_tokens: int, document_tokens: int,
+                       n_documents: int) -> int:
+        """The budget of a call without ``block_bytes``: ``cgist.stage.budget.maxsim_block_bytes``."""
+        return maxsim_block_bytes(first.device, query_tokens, document_tokens, first.element_size())
+
     @property
     def guided(self) -> bool:
         return self.guide_kind in ("vectors", "tokens", "self")
@@ -300,13 +306,14 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
         ids = check_text_ids(text_ids, [n_queries, *heights], _text_name, first.device)
     elif options.mask_duplicates:
         raise ValueError("mask_duplicates needs text_ids: one id per text of each column, equal for equal texts")
+    call_class = call_class or MaxSimCall
     if options.block_bytes is None:
         lq = max(x.shape[1] for x in q_chunks)
         ld = max(x.shape[1] for column in d_chunks for x in column)
-        options = options.replace(block_bytes=maxsim_block_bytes(first.device, lq, ld, first.element_size()))
+        options = options.replace(block_bytes=call_class.default_budget(options, first, lq, ld, sum(heights)))
     parts, groups = _bound(options, columns, masks)
-    call = (call_class or MaxSimCall)(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
-                                      budget_bytes=options.block_bytes)
+    call = call_class(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
+                      budget_bytes=options.block_bytes)
     return _with_guide(call, guide, guide_masks)
 
 

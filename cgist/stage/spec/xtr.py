@@ -27,14 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..budget import split_budget, threshold_rows
+from ..budget import split_budget, threshold_rows, xtr_block_bytes
 from ..numerics import compute_dtype
 from .maxsim import MaxSimCall, Part, maxsim_call
 from .options import GistOptions
 from .scores import XTR
 
-__all__ = ["CHECK_TOP_K", "DOC_ROWS", "Variant", "XTRCall", "check_problem", "retrieved", "thresholds", "tie_slack",
-           "token_call", "variant_of", "xtr_call"]
+__all__ = ["CHECK_TOP_K", "DOC_ROWS", "TopK", "Variant", "XTRCall", "check_problem", "lowered", "retrieved",
+           "run_length", "thresholds", "tie_slack", "token_call", "variant_of", "xtr_call"]
 
 #: Document tiles of the thresholds' sweep, in documents.
 DOC_ROWS = 16
@@ -48,6 +48,14 @@ class XTRCall(MaxSimCall):
     @property
     def top_k(self) -> int:
         return self.options.top_k
+
+    @staticmethod
+    def default_budget(options: GistOptions, first: Tensor, query_tokens: int, document_tokens: int,
+                       n_documents: int) -> int:
+        """The budget of a call without ``block_bytes``: ``cgist.stage.budget.xtr_block_bytes``."""
+        acc = torch.empty(0, dtype=compute_dtype(first.dtype)).element_size()
+        return xtr_block_bytes(first.device, query_tokens, document_tokens, first.element_size(), n_documents,
+                               options.top_k, acc)
 
 
 def retrieved(maxima: Tensor, tau: Tensor, weights: Tensor) -> Tensor:
@@ -80,6 +88,88 @@ def token_call(queries: object, query_mask: object, documents: object, document_
     return door(queries, query_mask, documents, document_masks, options, **arguments)
 
 
+class TopK:
+    """The ``k`` largest similarities offered so far for each of ``rows`` query tokens, and their least (the row's
+    floor): the sweep that finds XTR's thresholds, fed a tile of document tokens at a time by ``thresholds`` (its own
+    products) or by the PyTorch backend's first sweep (its tiles' products, ``cgist.stage.pytorch.xtr``).
+
+    A tile's similarities come laid out ``(documents, tokens, query tokens)``. Each document's tokens are read in
+    runs (``run_length``: a divisor of the token count near 16), and a run whose largest similarity is not above a
+    query token's floor holds none that is, so only the runs above it are read again; their similarities above the
+    floor are candidates, listed, and merged into the kept values once they are as many (so the floor they pass may
+    be a few tiles old: a candidate that a newer floor would have stopped is dropped at the merge). After the first
+    few tiles few runs are above the floor, and a tile costs its product and one maximum over it. While a row has
+    fewer than ``k`` values (its floor is -inf) the tile's own ``k`` largest are merged at once. Ties: a similarity
+    equal to the floor adds nothing (the ``k``-th largest stays), so none is listed."""
+
+    def __init__(self, rows: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = k
+        self.kept = torch.full((rows, k), float("-inf"), dtype=dtype, device=device)
+        self.floor = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
+        self.filled = False  # every row holds k values: every floor is finite
+        self.candidates: list[tuple[Tensor, Tensor]] = []
+        self.held = 0
+
+    def offer(self, values: Tensor, real: Tensor | None, rows: Tensor) -> None:
+        """A tile: ``values`` ``(bd, Ld, Q)`` (a view of any strides whose token axis can be split), which document
+        tokens are real ``(bd, Ld)`` (None: all), and the row of each of the ``Q`` query tokens."""
+        bd, ld, q = values.shape
+        if not self.filled:
+            tile = values.reshape(bd * ld, q).to(self.kept.dtype)
+            if real is not None:
+                tile = tile.masked_fill(~real.reshape(bd * ld, 1), float("-inf"))
+            top = tile.topk(min(self.k, bd * ld), 0).values.T  # (Q, k)
+            more = torch.full((self.kept.shape[0], top.shape[1]), float("-inf"), dtype=top.dtype, device=top.device)
+            more[rows] = top
+            self._merge(more)
+            return
+        run = run_length(ld)
+        runs = values.view(bd, ld // run, run, q)
+        floor = self.floor[rows]
+        doc, at, col = (runs.amax(2) > floor).nonzero(as_tuple=True)
+        if not doc.shape[0]:
+            return
+        segments = runs[doc, at, :, col].to(self.kept.dtype)  # (hot runs, run)
+        passing = segments > floor[col].unsqueeze(1)
+        if real is not None:
+            passing &= real.view(bd, ld // run, run)[doc, at]
+        hit, _ = passing.nonzero(as_tuple=True)
+        if hit.shape[0]:
+            self._add(rows[col[hit]], segments[passing])
+
+    def kth(self) -> Tensor:
+        """Each row's ``k``-th largest similarity offered, ``(rows,)``; -inf where fewer were."""
+        if self.candidates:
+            self._merge(self._by_row())
+        return self.floor
+
+    def _add(self, rows: Tensor, values: Tensor) -> None:
+        self.candidates.append((rows, values))
+        self.held += rows.shape[0]
+        if self.held > self.kept.shape[0] * self.k:
+            self._merge(self._by_row())
+
+    def _merge(self, more: Tensor) -> None:
+        """Keep the ``k`` largest of each row of the kept values and ``more`` ``(rows, n)``."""
+        self.kept = torch.cat([self.kept, more], 1).topk(self.k, 1, sorted=False).values
+        self.floor = self.kept.amin(1)
+        self.filled = self.filled or bool(self.floor.isfinite().all())
+
+    def _by_row(self) -> Tensor:
+        """The listed candidates laid out by row, ``(rows, most)``, -inf past a row's own; the list emptied."""
+        row = torch.cat([r for r, _ in self.candidates])
+        value = torch.cat([v for _, v in self.candidates])
+        self.candidates, self.held = [], 0
+        order = row.argsort(stable=True)
+        row, value = row[order], value[order]
+        counts = torch.bincount(row, minlength=self.kept.shape[0])
+        position = torch.arange(row.shape[0], device=row.device) - (counts.cumsum(0) - counts)[row]
+        out = torch.full((self.kept.shape[0], int(counts.max())), float("-inf"), dtype=value.dtype,
+                         device=value.device)
+        out[row, position] = value
+        return out
+
+
 @torch.no_grad()
 def thresholds(call: XTRCall) -> Tensor:
     """Each query token's threshold, ``(n_queries, Lq)`` in the compute dtype (``Lq`` the widest query chunk's; +inf
@@ -87,15 +177,15 @@ def thresholds(call: XTRCall) -> Tensor:
     the call (products in the inputs' dtype, as the tiles' and sentence-transformers'), -inf where the pool holds
     fewer real tokens (every one is retrieved); lowered by ``tie_slack`` (docs/design.md#xtr).
 
-    A block of query tokens sweeps the documents a tile of ``DOC_ROWS`` documents at a time (views: a masked token's
-    similarity is -inf), keeping its ``top_k`` largest so far: a tile's similarities above the block's current
-    ``top_k``-th largest join them (one comparison each; a ``topk`` of the few that pass, then of ``top_k`` and them).
-    The block's kept values and a tile's similarities fit half the budget (``cgist.stage.budget.threshold_rows``)."""
+    A block of query tokens sweeps the documents a tile of ``DOC_ROWS`` documents at a time (``TopK``: the product,
+    each document's maximum, and the few documents above the floor read again). The block's kept values and
+    candidates and a tile's similarities fit half the budget (``cgist.stage.budget.threshold_rows``)."""
     (part,) = call.parts
-    k, acc = call.top_k, compute_dtype(call.dtype)
+    acc = compute_dtype(call.dtype)
     tiles = _document_tiles(part)
-    cols = max(tokens.shape[0] for tokens, _ in tiles)
-    block_rows = threshold_rows(k, cols, torch.empty(0, dtype=acc).element_size(), split_budget(call.budget_bytes)[0])
+    ld = max(tokens.shape[1] for tokens, _ in tiles)
+    block_rows = threshold_rows(call.top_k, DOC_ROWS * ld, torch.empty(0, dtype=acc).element_size(),
+                                split_budget(call.budget_bytes)[0])
     lq = max(chunk.shape[1] for chunk in part.queries)
     tau = torch.full((call.n_queries, lq), float("inf"), dtype=acc, device=call.device)
     row = 0
@@ -103,60 +193,61 @@ def thresholds(call: XTRCall) -> Tensor:
         tokens = chunk.reshape(-1, chunk.shape[2])
         chunk_tau = torch.empty(tokens.shape[0], dtype=acc, device=call.device)
         for start in range(0, tokens.shape[0], block_rows):
-            chunk_tau[start:start + block_rows] = _kth_largest(tokens[start:start + block_rows], tiles, k, acc)
+            block = tokens[start:start + block_rows]
+            top = TopK(block.shape[0], call.top_k, acc, call.device)
+            rows = torch.arange(block.shape[0], device=call.device)
+            for documents, real in tiles:
+                bd, width = documents.shape[:2]
+                similarities = (block @ documents.reshape(bd * width, -1).T).view(-1, bd, width)
+                if real is not None:
+                    similarities.masked_fill_(~real, float("-inf"))
+                top.offer(similarities.permute(1, 2, 0), None, rows)
+            chunk_tau[start:start + block.shape[0]] = top.kth()
         tau[row:row + chunk.shape[0], :chunk.shape[1]] = chunk_tau.view(chunk.shape[:2])
         row += chunk.shape[0]
-    return tau - tie_slack(call, tau, tiles)
+    return lowered(tau, tie_slack(call))
 
 
-def _kth_largest(block: Tensor, tiles: list[tuple[Tensor, Tensor | None]], k: int, acc: torch.dtype) -> Tensor:
-    """The ``k``-th largest similarity of each query token of ``block`` ``(rows, D)`` with the tiles' real tokens
-    (``thresholds``), -inf where they hold fewer than ``k``."""
-    kept = torch.full((block.shape[0], k), float("-inf"), dtype=acc, device=block.device)
-    floor = kept[:, :1]
-    for tokens, padding in tiles:
-        similarities = (block @ tokens.T).to(acc)
-        if padding is not None:
-            similarities.masked_fill_(padding, float("-inf"))
-        passing = similarities > floor
-        most = min(k, int(passing.sum(1).max()))
-        if most:
-            top = similarities.masked_fill_(~passing, float("-inf")).topk(most, 1, sorted=False).values
-            kept = torch.cat([kept, top], 1).topk(k, 1, sorted=False).values
-            floor = kept.amin(1, keepdim=True)
-    return floor.squeeze(1)
+def run_length(tokens: int) -> int:
+    """The run of a document's tokens whose maximum ``TopK`` compares with the floors: the divisor of ``tokens``
+    nearest 16 from 8 to 32 (``tokens`` itself where none is)."""
+    runs = [d for d in range(8, 33) if tokens % d == 0]
+    return min(runs, key=lambda d: abs(d - 16)) if runs else tokens
 
 
 def _document_tiles(part: Part) -> list[tuple[Tensor, Tensor | None]]:
-    """The part's documents, ``DOC_ROWS`` of a chunk at a time: their tokens ``(n * Ld, D)`` (a view) and which are
-    padding ``(n * Ld,)`` (None where none is)."""
+    """The part's documents, ``DOC_ROWS`` of a chunk at a time: their tokens ``(n, Ld, D)`` (a view) and which are
+    real ``(n, Ld)`` (None where all are)."""
     tiles = []
     for column, masks in zip(part.documents, part.document_masks):
         for chunk, mask in zip(column, masks):
             for start in range(0, chunk.shape[0], DOC_ROWS):
-                tokens = chunk[start:start + DOC_ROWS].reshape(-1, chunk.shape[2])
-                real = mask[start:start + DOC_ROWS].reshape(-1)
-                tiles.append((tokens, None if bool(real.all()) else ~real))
+                real = mask[start:start + DOC_ROWS]
+                tiles.append((chunk[start:start + DOC_ROWS], None if bool(real.all()) else real))
     return tiles
 
 
-def tie_slack(call: XTRCall, tau: Tensor, tiles: list[tuple[Tensor, Tensor | None]]) -> Tensor:
-    """How far below ``tau`` a maximum still counts as tied with it: the rounding bound of a dot product of ``D``
-    terms in the compute dtype, ``D * eps * |q_t| * max |d|`` (``max |d|`` over the documents' real tokens, ``tiles``
-    of ``_document_tiles``), so that a maximum that another summation order of the same products (a tile, a kernel)
-    puts a rounding error below ``tau`` is retrieved, as the token at ``tau`` is. It is far below a half-precision
-    step: half-precision products tie only when equal. 0 where ``tau`` is infinite."""
+def tie_slack(call: XTRCall) -> Tensor:
+    """How far below its threshold a query token's maximum still counts as tied with it, ``(n_queries, Lq)`` in the
+    compute dtype: the rounding bound of a dot product of ``D`` terms, ``D * eps * |q_t| * max |d|`` (``max |d|``
+    over the documents' real tokens), so that a maximum that another summation order of the same products (a tile,
+    a kernel) puts a rounding error below the threshold is retrieved, as the token at the threshold is. It is far
+    below a half-precision step: half-precision products tie only when equal."""
     (part,) = call.parts
-    acc = tau.dtype
-    largest = torch.zeros((), dtype=acc, device=tau.device)
-    for tokens, padding in tiles:
-        norms = torch.linalg.vector_norm(tokens, dim=1, dtype=acc)
-        largest = torch.maximum(largest, (norms if padding is None else norms.masked_fill(padding, 0.0)).max())
-    lq = tau.shape[1]
+    acc = compute_dtype(call.dtype)
+    largest = torch.zeros((), dtype=acc, device=call.device)
+    for documents, real in _document_tiles(part):
+        norms = torch.linalg.vector_norm(documents, dim=2, dtype=acc)
+        largest = torch.maximum(largest, (norms if real is None else norms.masked_fill(~real, 0.0)).max())
+    lq = max(q.shape[1] for q in part.queries)
     norms = torch.cat([F.pad(torch.linalg.vector_norm(q, dim=2, dtype=acc), (0, lq - q.shape[1]))
                        for q in part.queries])
-    slack = call.first.shape[2] * torch.finfo(acc).eps * norms * largest
-    return torch.where(tau.isfinite(), slack, 0.0)
+    return call.first.shape[2] * torch.finfo(acc).eps * norms * largest
+
+
+def lowered(tau: Tensor, slack: Tensor) -> Tensor:
+    """The thresholds ``tau`` lowered by ``slack`` (``tie_slack``'s, the same shape) where they are finite."""
+    return torch.where(tau.isfinite(), tau - slack, tau)
 
 
 # The first-use check of the kernels (cgist.stage.dispatch.selfcheck) ---------------------------------------------
