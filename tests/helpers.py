@@ -278,9 +278,10 @@ def loss_kwargs(options: GistOptions) -> dict:
 
 def gist_loss_kwargs(options: GistOptions) -> dict:
     """``options`` as keyword arguments of ``cgist.gist_loss``: every field but ``all_anchors``, a flag of the column
-    layout that ``gist_loss`` sets itself when it is given the tensor of that name, and ``guide_similarity``, the
-    token scores' (the dense score's guide scores cosines)."""
-    return {k: v for k, v in dataclasses.asdict(options).items() if k not in ("all_anchors", "guide_similarity")}
+    layout that ``gist_loss`` sets itself when it is given the tensor of that name, and the token scores' own fields
+    (``guide_similarity``: the dense score's guide scores cosines; ``top_k``: XTR's)."""
+    return {k: v for k, v in dataclasses.asdict(options).items()
+            if k not in ("all_anchors", "guide_similarity", "top_k")}
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).

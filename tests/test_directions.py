@@ -198,7 +198,7 @@ BAD = [
     pytest.param(dict(hardness_mode="hard_negatives", hardness_strength=-1.0), ValueError,
                  r"hardness_strength must be a finite number >= 0, got -1", id="negative-strength"),
     pytest.param(dict(similarity="euclid"), ValueError,
-                 r"similarity must be one of \('cos', 'dot', 'maxsim', 'mean_maxsim'\)", id="similarity"),
+                 r"similarity must be one of \('cos', 'dot', 'maxsim', 'mean_maxsim', 'xtr'\)", id="similarity"),
 ]
 
 

@@ -43,6 +43,7 @@ DESIGN_SECTIONS = {
     "Adding a score": "adding-a-score",
     "Late interaction": "late-interaction",
     "The guide for late interaction": "the-guide-for-late-interaction",
+    "XTR": "xtr",
 }
 
 #: The two commands a newcomer runs, exactly as the README's set-up section gives them.
