@@ -279,9 +279,17 @@ def loss_kwargs(options: GistOptions) -> dict:
 def gist_loss_kwargs(options: GistOptions) -> dict:
     """``options`` as keyword arguments of ``cgist.gist_loss``: every field but ``all_anchors``, a flag of the column
     layout that ``gist_loss`` sets itself when it is given the tensor of that name, and the token scores' own fields
-    (``guide_similarity``: the dense score's guide scores cosines; ``top_k``: XTR's)."""
-    return {k: v for k, v in dataclasses.asdict(options).items()
-            if k not in ("all_anchors", "guide_similarity", "top_k")}
+    (``token_score_fields``)."""
+    skipped = {"all_anchors", *token_score_fields()}
+    return {k: v for k, v in dataclasses.asdict(options).items() if k not in skipped}
+
+
+def token_score_fields() -> set[str]:
+    """The fields of ``GistOptions`` that only the token scores take (``cgist.stage.spec.scores``: the registry's
+    options of each score, less the dense score's), which ``cgist.gist_loss`` does not."""
+    from cgist.stage.spec.scores import DENSE, SCORES
+
+    return {name for score in SCORES for name in score.options} - set(DENSE.options)
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).

@@ -7,7 +7,7 @@ import inspect
 
 import numpy as np
 import pytest
-from helpers import BAD_OPTIONS
+from helpers import BAD_OPTIONS, token_score_fields
 
 import cgist
 import cgist.compat
@@ -24,10 +24,8 @@ def test_defaults_are_those_of_gist_loss():
     """The same defaults, but for the masks: gist_loss decides those by its guide (None), and with the guide's own
     embeddings that gives the options' defaults. gist_loss takes every field but those of the token scores alone
     (``cgist.stage.spec.scores``: the dense score's call)."""
-    from cgist.stage.spec.scores import DENSE, SCORES
-
-    tokens_only = {name for score in SCORES for name in score.options} - set(DENSE.options)
-    assert tokens_only == {"guide_similarity"}
+    tokens_only = token_score_fields()
+    assert tokens_only == {"guide_similarity", "top_k"}
     defaults = {f.name: f.default for f in dataclasses.fields(GistOptions) if f.name not in tokens_only}
     keywords = {name: p.default for name, p in inspect.signature(cgist.gist_loss).parameters.items() if name in defaults}
     assert set(keywords) == set(defaults)
