@@ -22,7 +22,7 @@ __all__ = [
     "BACKWARD_BYTES", "DOC_ROWS", "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR",
     "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "XTR_ROW_QUERIES", "Chunks", "RowBlocks", "argmax_dtype",
     "available_bytes", "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks",
-    "slab_rows", "split_budget", "threshold_rows", "tile_rows", "xtr_block_bytes",
+    "slab_rows", "split_budget", "threshold_rows", "tile_rows", "topk_bytes", "xtr_block_bytes", "xtr_kept_bytes",
 ]
 
 
@@ -234,27 +234,39 @@ def slab_rows(n_queries: int, per_query: int, block_bytes: int) -> int:
     return max(1, min(n_queries, block_bytes // max(1, per_query)))
 
 
+def topk_bytes(query_tokens: int, top_k: int, acc_bytes: int) -> int:
+    """What ``cgist.stage.spec.xtr.TopK`` holds for ``query_tokens`` query tokens: ``top_k`` values each, and the
+    candidates it lists (at most a quarter as many) and merges (their values and rows, their order and place, a
+    merge's rows): ``4 * acc_bytes + 24`` bytes per value kept, an upper bound."""
+    return query_tokens * top_k * (4 * acc_bytes + 24)
+
+
+def xtr_kept_bytes(query_tokens: int, n_documents: int, top_k: int, acc_bytes: int) -> int:
+    """What the PyTorch XTR stage keeps for a query beyond MaxSim's ``kept_bytes``: each query token's maximum per
+    document, each score's ``Z``, and its query tokens' ``TopK`` (``topk_bytes``)."""
+    return n_documents * (query_tokens + 1) * acc_bytes + topk_bytes(query_tokens, top_k, acc_bytes)
+
+
 def threshold_rows(top_k: int, tile_tokens: int, acc_bytes: int, product_bytes: int) -> int:
     """Query tokens per block of XTR's thresholds' sweep (``cgist.stage.spec.xtr.thresholds``): a block's
     similarities with a tile of ``tile_tokens`` document tokens (in ``acc_bytes`` elements, with a bool each: which
-    pass), and per query token its ``top_k`` largest so far, their merge with as many candidates (their values, and
-    three integers each: their row, its order and their place), fit ``product_bytes``; at least one."""
-    per_token = tile_tokens * (acc_bytes + 1) + top_k * (4 * acc_bytes + 24)
+    pass) and its ``TopK`` (``topk_bytes``) fit ``product_bytes``; at least one."""
+    per_token = tile_tokens * (acc_bytes + 1) + topk_bytes(1, top_k, acc_bytes)
     return max(1, product_bytes // per_token)
 
 
-#: The queries an XTR row block holds by default, where the device has room. Measured on the PyTorch stage (forward
-#: with gradients, B = 1,024, Lq = 32, Ld = 180, one hard negative, top_k = 256, two CPU threads, one run each beside
-#: MaxSim's stage at the same budget): MaxSim's default budget (16 MiB: row blocks of about 10 XTR queries) took 48%
-#: more time than MaxSim's stage; 64 and 256 MiB (40 and more) 13% and 20% more.
+#: The queries an XTR row block holds by default, where the device has room: a GradCache mini-batch of 32 in one
+#: block, so that each mini-batch sweeps the documents once (a row block reads every document token). The stage's
+#: time and memory at this default: docs/performance.md#xtr.
 XTR_ROW_QUERIES = 32
 
 
-def xtr_block_bytes(device: torch.device, query_tokens: int, document_tokens: int, itemsize: int, n_documents: int,
-                    top_k: int, acc_bytes: int) -> int:
+def xtr_block_bytes(device: torch.device, query_tokens: int, document_tokens: int, dim: int, n_documents: int,
+                    top_k: int, itemsize: int, acc_bytes: int) -> int:
     """XTR's budget when none is given: MaxSim's (``maxsim_block_bytes``), grown so that the half a row block keeps
-    holds ``XTR_ROW_QUERIES`` queries, each with its tokens' maxima and argmax per document and their top ``top_k``
-    (``threshold_rows``' count per query token), within ``default_block_bytes``' cap."""
-    per_query = query_tokens * (n_documents * (acc_bytes + 1) + top_k * (4 * acc_bytes + 24))
+    holds ``XTR_ROW_QUERIES`` queries of the PyTorch stage with gradients and a guide (``kept_bytes``,
+    ``xtr_kept_bytes``), within ``default_block_bytes``' cap."""
+    per_query = kept_bytes(1, n_documents, query_tokens, document_tokens, dim, acc_bytes, True, "vectors") \
+        + xtr_kept_bytes(query_tokens, n_documents, top_k, acc_bytes)
     floor = max(maxsim_block_bytes(device, query_tokens, document_tokens, itemsize), 2 * XTR_ROW_QUERIES * per_query)
     return default_block_bytes(device, floor)

@@ -91,13 +91,15 @@ def _column_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int) 
 
 def _query_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int, budget: int, per_query: int,
                  length_normalize: bool) -> Iterator[list[_QueryTile]]:
-    """The query tiles of ``rows`` rows (none across a chunk's end), grouped into row blocks: consecutive tiles whose
-    queries keep at most ``budget`` bytes (``per_query`` each), at least one tile a block. A block's tiles are made
-    when it is reached, so a trimmed query is copied for one block at a time."""
+    """The query tiles of at most ``rows`` rows (none across a chunk's end; a chunk's of equal heights, so that no
+    thin tile is left at its end), grouped into row blocks: consecutive tiles whose queries keep at most ``budget``
+    bytes (``per_query`` each), at least one tile a block. A block's tiles are made when it is reached, so a trimmed
+    query is copied for one block at a time."""
     spans, row = [], 0
     for c, chunk in enumerate(chunks):
         height = chunk.shape[0]
-        spans += [(c, start, min(start + rows, height), row + start) for start in range(0, height, rows)]
+        even = -(-height // -(-height // rows))  # the chunk in tiles of equal height, none above rows
+        spans += [(c, start, min(start + even, height), row + start) for start in range(0, height, even)]
         row += chunk.shape[0]
     block: list[tuple[int, int, int, int]] = []
     for span in [*spans, None]:
@@ -138,9 +140,9 @@ def _kept_per_query(call: MaxSimCall, with_grad: bool, reduction: Reduction) -> 
 class Reduction:
     """How a tile's maxima become its scores, and what each maximum sends back in the second sweep: MaxSim's, their
     sum weighted by each query token's weight (``cgist.stage.spec.maxsim.query_weights``). Another score over the
-    same maxima (``cgist.stage.pytorch.xtr``) subclasses it: it may read each tile's products before the argmax
-    takes them over (``products``), and finish a row block's scores once its first sweep is done (``finish``). One
-    serves a forward; ``start`` opens a row block."""
+    same maxima (``cgist.stage.pytorch.xtr``) subclasses it: it may read each tile's products as it finds their
+    maxima, before the argmax takes them over (``tile_maxima``), and finish a row block's scores once its first
+    sweep is done (``finish``). One serves a forward; ``start`` opens a row block."""
 
     def start(self, first: int, rows: int, lq: int, n_docs: int, with_grad: bool, dtype: torch.dtype) -> None:
         """A row block of ``rows`` queries from ``first``, against ``n_docs`` documents (nothing to keep)."""
@@ -149,9 +151,10 @@ class Reduction:
         """What a row block keeps per query beyond ``kept_bytes``' count (nothing)."""
         return 0
 
-    def products(self, query: _QueryTile, doc: _DocTile, products: Tensor, span: slice) -> None:
-        """A tile's products ``(bd, Ld, bq * Lq)``, at the row block's rows ``span``, before the argmax overwrites
-        them (not read)."""
+    def tile_maxima(self, query: _QueryTile, doc: _DocTile, products: Tensor, span: slice) -> Tensor:
+        """The maxima ``(bd, bq * Lq)`` of a tile's products ``(bd, Ld, bq * Lq)`` over each document's tokens, at
+        the row block's rows ``span``, before the argmax overwrites the products."""
+        return products.amax(1)
 
     def scores(self, query: _QueryTile, doc: _DocTile, maxima: Tensor, span: slice, cols: slice) -> Tensor:
         """The scores ``(bq, bd)`` of a tile's maxima ``(bd, bq, Lq)`` (the compute dtype), at rows ``span`` and
@@ -194,17 +197,13 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
     product = product.view(bd * ld, bq * lq)
     torch.mm(doc.tokens.view(bd * ld, -1), query.tokens.T, out=product)
     per_token = product.view(bd, ld, bq * lq)
-    if where is None or ld <= _exact_integers(per_token.dtype):
-        maxima = per_token.amax(1)
-        reduction.products(query, doc, per_token, span)
-        if where is not None:
-            countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
-            first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
-            where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
-    else:
-        maxima, at = per_token.max(1)
-        reduction.products(query, doc, per_token, span)
-        where.copy_(at.view(bd, bq, lq).permute(1, 2, 0))
+    maxima = reduction.tile_maxima(query, doc, per_token, span)
+    if where is not None and ld <= _exact_integers(per_token.dtype):
+        countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
+        first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
+        where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
+    elif where is not None:
+        where.copy_(per_token.max(1).indices.view(bd, bq, lq).permute(1, 2, 0))
     tile = reduction.scores(query, doc, maxima.view(bd, bq, lq).to(query.weights.dtype), span, cols)
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
 

@@ -2,11 +2,12 @@
 with XTR's reduction of the maxima, the thresholds found in the first sweep itself.
 
 A row block's first sweep keeps each query token's maximum over every document (not only the scores), and feeds
-each tile's products to the block's ``cgist.stage.spec.xtr.TopK`` before the argmax takes them over: no token
-product is formed a second time for the thresholds. Once the sweep is done, the block's thresholds are known
-(lowered by ``tie_slack``), and with them which maxima are retrieved, each score's ``Z`` and the scores. The second
-sweep sends a retrieved maximum its score's gradient divided by ``Z``, and a maximum not retrieved nothing. It
-imports only torch, its MaxSim backend and the spec.
+each tile's products to the block's ``cgist.stage.spec.xtr.TopK``, which finds their maxima as it reads them, before
+the argmax takes them over: no token product is formed a second time for the thresholds, nor read once more for the
+maxima. Once the sweep is done, the block's thresholds are known (lowered by ``tie_slack``), and with them which
+maxima are retrieved, each score's ``Z`` and the scores. The second sweep sends a retrieved maximum its score's
+gradient divided by ``Z``, and a maximum not retrieved nothing. It imports only torch, its MaxSim backend and the
+spec.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..budget import xtr_kept_bytes
 from ..spec.xtr import TopK, XTRCall, lowered, retrieved, tie_slack
 from . import maxsim
 
@@ -37,15 +39,14 @@ class _Retrieval(maxsim.Reduction):
         self.tau = self.counts = None
 
     def kept_per_query(self, query_tokens: int, n_documents: int, acc_bytes: int, with_grad: bool) -> int:
-        """Each query token's maximum per document and each score's ``Z``; the block's ``TopK`` (``top_k`` values per
-        query token, kept and merged, and as many candidates: ``cgist.stage.budget.threshold_rows``'s count)."""
-        return n_documents * (query_tokens + 1) * acc_bytes + query_tokens * self.k * (4 * acc_bytes + 24)
+        return xtr_kept_bytes(query_tokens, n_documents, self.k, acc_bytes)
 
-    def products(self, query: maxsim._QueryTile, doc: maxsim._DocTile, products: Tensor, span: slice) -> None:
+    def tile_maxima(self, query: maxsim._QueryTile, doc: maxsim._DocTile, products: Tensor, span: slice) -> Tensor:
+        """The products offered to the block's ``TopK``, which finds their maxima as it reads them."""
         width = query.weights.shape[1]
         local = torch.arange(span.start, span.stop, device=products.device).unsqueeze(1) * self.lq
         rows = (local + torch.arange(width, device=products.device)).reshape(-1)
-        self.top.offer(products, doc.real, rows)
+        return self.top.offer(products, doc.real, rows)
 
     def scores(self, query: maxsim._QueryTile, doc: maxsim._DocTile, maxima: Tensor, span: slice,
                cols: slice) -> Tensor:

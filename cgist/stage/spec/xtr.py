@@ -38,6 +38,11 @@ __all__ = ["CHECK_TOP_K", "DOC_ROWS", "TopK", "Variant", "XTRCall", "check_probl
 
 #: Document tiles of the thresholds' sweep, in documents.
 DOC_ROWS = 16
+#: ``TopK`` lists at most ``1 / MERGE_SHARE`` as many candidates as it keeps values (and at most ``2 k`` a row)
+#: before it merges them, ``MERGE_ROWS`` rows at a time: what it holds beyond its kept values stays a fraction of
+#: them.
+MERGE_SHARE = 4
+MERGE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,8 @@ class XTRCall(MaxSimCall):
                        n_documents: int) -> int:
         """The budget of a call without ``block_bytes``: ``cgist.stage.budget.xtr_block_bytes``."""
         acc = torch.empty(0, dtype=compute_dtype(first.dtype)).element_size()
-        return xtr_block_bytes(first.device, query_tokens, document_tokens, first.element_size(), n_documents,
-                               options.top_k, acc)
+        return xtr_block_bytes(first.device, query_tokens, document_tokens, first.shape[2], n_documents,
+                               options.top_k, first.element_size(), acc)
 
 
 def retrieved(maxima: Tensor, tau: Tensor, weights: Tensor) -> Tensor:
@@ -94,11 +99,13 @@ class TopK:
     products) or by the PyTorch backend's first sweep (its tiles' products, ``cgist.stage.pytorch.xtr``).
 
     A tile's similarities come laid out ``(documents, tokens, query tokens)``. Each document's tokens are read in
-    runs (``run_length``: a divisor of the token count near 16), and a run whose largest similarity is not above a
-    query token's floor holds none that is, so only the runs above it are read again; their similarities above the
-    floor are candidates, listed, and merged into the kept values once they are as many (so the floor they pass may
-    be a few tiles old: a candidate that a newer floor would have stopped is dropped at the merge). After the first
-    few tiles few runs are above the floor, and a tile costs its product and one maximum over it. While a row has
+    runs (``run_length``: a divisor of the token count near 16); the runs' maxima give the documents' (which the
+    caller gets back: MaxSim's maxima), and a document or a run whose largest similarity is not above a query token's
+    floor holds none that is, so only the runs above it, in the documents above it, are read again; their
+    similarities above the floor are candidates, listed, and merged into the kept values once they are as many (so
+    the floor they pass may be a few tiles old: a candidate that a newer floor would have stopped is dropped at the
+    merge). After the first few tiles few documents are above the floor, and a tile costs its product and the
+    maxima of its runs. While a row has
     fewer than ``k`` values (its floor is -inf) the tile's own ``k`` largest are merged at once. Ties: a similarity
     equal to the floor adds nothing (the ``k``-th largest stays), so none is listed."""
 
@@ -108,66 +115,78 @@ class TopK:
         self.floor = torch.full((rows,), float("-inf"), dtype=dtype, device=device)
         self.filled = False  # every row holds k values: every floor is finite
         self.candidates: list[tuple[Tensor, Tensor]] = []
-        self.held = 0
+        self.limit = max(k, rows * k // MERGE_SHARE)  # candidates listed before a merge
+        self.counts = torch.zeros(rows, dtype=torch.long, device=device)  # listed, by row
 
-    def offer(self, values: Tensor, real: Tensor | None, rows: Tensor) -> None:
+    def offer(self, values: Tensor, real: Tensor | None, rows: Tensor) -> Tensor:
         """A tile: ``values`` ``(bd, Ld, Q)`` (a view of any strides whose token axis can be split), which document
-        tokens are real ``(bd, Ld)`` (None: all), and the row of each of the ``Q`` query tokens."""
+        tokens are real ``(bd, Ld)`` (None: all), and the row of each of the ``Q`` query tokens. Returns each
+        document's largest value for each query token, ``(bd, Q)`` in ``values``' dtype (the runs' maxima's)."""
         bd, ld, q = values.shape
         if not self.filled:
-            tile = values.reshape(bd * ld, q).to(self.kept.dtype)
-            if real is not None:
-                tile = tile.masked_fill(~real.reshape(bd * ld, 1), float("-inf"))
-            top = tile.topk(min(self.k, bd * ld), 0).values.T  # (Q, k)
-            more = torch.full((self.kept.shape[0], top.shape[1]), float("-inf"), dtype=top.dtype, device=top.device)
-            more[rows] = top
-            self._merge(more)
-            return
+            for start in range(0, q, MERGE_ROWS):
+                tile = values[:, :, start:start + MERGE_ROWS].reshape(bd * ld, -1).to(self.kept.dtype)
+                if real is not None:
+                    tile = tile.masked_fill(~real.reshape(bd * ld, 1), float("-inf"))
+                self._merge(rows[start:start + MERGE_ROWS], tile.topk(min(self.k, bd * ld), 0).values.T)
+            self.filled = bool(self.floor.isfinite().all())
+            return values.amax(1)
         run = run_length(ld)
         runs = values.view(bd, ld // run, run, q)
+        peaks = runs.amax(2)  # (bd, runs, Q)
+        maxima = peaks.amax(1)
         floor = self.floor[rows]
-        doc, at, col = (runs.amax(2) > floor).nonzero(as_tuple=True)
+        doc, col = (maxima > floor).nonzero(as_tuple=True)  # the documents with a token above the floor
         if not doc.shape[0]:
-            return
-        segments = runs[doc, at, :, col].to(self.kept.dtype)  # (hot runs, run)
-        passing = segments > floor[col].unsqueeze(1)
-        if real is not None:
-            passing &= real.view(bd, ld // run, run)[doc, at]
-        hit, _ = passing.nonzero(as_tuple=True)
-        if hit.shape[0]:
-            self._add(rows[col[hit]], segments[passing])
+            return maxima
+        pair, at = (peaks[doc, :, col] > floor[col].unsqueeze(1)).nonzero(as_tuple=True)
+        doc, col = doc[pair], col[pair]
+        step = max(1, self.limit // run)  # hot runs read at once: their values fit the list
+        for start in range(0, doc.shape[0], step):
+            d, a, c = doc[start:start + step], at[start:start + step], col[start:start + step]
+            segments = runs[d, a, :, c].to(self.kept.dtype)  # (hot runs, run)
+            passing = segments > self.floor[rows[c]].unsqueeze(1)  # the floor as the last merge left it
+            if real is not None:
+                passing &= real.view(bd, ld // run, run)[d, a]
+            hit, _ = passing.nonzero(as_tuple=True)
+            self._add(rows[c[hit]], segments[passing])
+        return maxima
 
     def kth(self) -> Tensor:
         """Each row's ``k``-th largest similarity offered, ``(rows,)``; -inf where fewer were."""
         if self.candidates:
-            self._merge(self._by_row())
+            self._merge_listed()
         return self.floor
 
     def _add(self, rows: Tensor, values: Tensor) -> None:
         self.candidates.append((rows, values))
-        self.held += rows.shape[0]
-        if self.held > self.kept.shape[0] * self.k:
-            self._merge(self._by_row())
+        self.counts += torch.bincount(rows, minlength=self.counts.shape[0])
+        if int(self.counts.sum()) > self.limit or int(self.counts.max()) > 2 * self.k:
+            self._merge_listed()
 
-    def _merge(self, more: Tensor) -> None:
-        """Keep the ``k`` largest of each row of the kept values and ``more`` ``(rows, n)``."""
-        self.kept = torch.cat([self.kept, more], 1).topk(self.k, 1, sorted=False).values
-        self.floor = self.kept.amin(1)
-        self.filled = self.filled or bool(self.floor.isfinite().all())
+    def _merge(self, rows: Tensor, more: Tensor) -> None:
+        """Keep the ``k`` largest of each of ``rows``' kept values and ``more`` ``(len(rows), n)``."""
+        merged = torch.cat([self.kept[rows], more], 1).topk(self.k, 1, sorted=False).values
+        self.kept[rows] = merged
+        self.floor[rows] = merged.amin(1)
 
-    def _by_row(self) -> Tensor:
-        """The listed candidates laid out by row, ``(rows, most)``, -inf past a row's own; the list emptied."""
+    def _merge_listed(self) -> None:
+        """The listed candidates merged, ``MERGE_ROWS`` rows at a time, laid out by row (-inf past a row's own);
+        the list emptied."""
         row = torch.cat([r for r, _ in self.candidates])
         value = torch.cat([v for _, v in self.candidates])
-        self.candidates, self.held = [], 0
+        counts, most = self.counts, int(self.counts.max())
+        self.candidates, self.counts = [], torch.zeros_like(counts)
         order = row.argsort(stable=True)
         row, value = row[order], value[order]
-        counts = torch.bincount(row, minlength=self.kept.shape[0])
         position = torch.arange(row.shape[0], device=row.device) - (counts.cumsum(0) - counts)[row]
-        out = torch.full((self.kept.shape[0], int(counts.max())), float("-inf"), dtype=value.dtype,
-                         device=value.device)
-        out[row, position] = value
-        return out
+        ends = counts.cumsum(0).tolist()
+        for start in range(0, counts.shape[0], MERGE_ROWS):
+            stop = min(start + MERGE_ROWS, counts.shape[0])
+            first, last = (ends[start - 1] if start else 0), ends[stop - 1]
+            out = torch.full((stop - start, most), float("-inf"), dtype=value.dtype, device=value.device)
+            out[row[first:last] - start, position[first:last]] = value[first:last]
+            self._merge(torch.arange(start, stop, device=row.device), out)
 
 
 @torch.no_grad()
