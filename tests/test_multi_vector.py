@@ -184,7 +184,9 @@ def test_a_tied_maximum_sends_its_gradient_to_the_first_token_as_sentence_transf
     """A document token repeated at a later position ties with itself wherever it is a maximum: sentence-transformers'
     ``max`` sends the gradient to the first position alone (the oracle, by ``amax``, would split it)."""
     if not exact:  # the argmax of a dtype that cannot hold the positions (_tile_scores)
-        monkeypatch.setattr(cgist.stage.pytorch.maxsim, "_exact_integers", lambda dtype: 0)
+        from cgist.stage.pytorch import maxsim as stage
+
+        monkeypatch.setattr(stage, "_exact_integers", lambda dtype: 0)
     queries, _, documents, _ = _inputs(5, 6, 2, 4, 6, 5, dtype=torch.float32)
     query_mask = torch.ones(6, 4, dtype=torch.bool)
     document_masks = [torch.ones(6, 6, dtype=torch.bool) for _ in documents]
