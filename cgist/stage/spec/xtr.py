@@ -105,9 +105,9 @@ class TopK:
     similarities above the floor are candidates, listed, and merged into the kept values once they are as many (so
     the floor they pass may be a few tiles old: a candidate that a newer floor would have stopped is dropped at the
     merge). After the first few tiles few documents are above the floor, and a tile costs its product and the
-    maxima of its runs. While a row has
-    fewer than ``k`` values (its floor is -inf) the tile's own ``k`` largest are merged at once. Ties: a similarity
-    equal to the floor adds nothing (the ``k``-th largest stays), so none is listed."""
+    maxima of its runs. While a row has fewer than ``k`` values (its floor is -inf) the tile's own ``k`` largest are
+    merged at once. Ties: a similarity equal to the floor adds nothing (the ``k``-th largest stays), so none is
+    listed."""
 
     def __init__(self, rows: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
         self.k = k
@@ -116,6 +116,7 @@ class TopK:
         self.filled = False  # every row holds k values: every floor is finite
         self.candidates: list[tuple[Tensor, Tensor]] = []
         self.limit = max(k, rows * k // MERGE_SHARE)  # candidates listed before a merge
+        self.held = 0  # listed
         self.counts = torch.zeros(rows, dtype=torch.long, device=device)  # listed, by row
 
     def offer(self, values: Tensor, real: Tensor | None, rows: Tensor) -> Tensor:
@@ -160,12 +161,13 @@ class TopK:
 
     def _add(self, rows: Tensor, values: Tensor) -> None:
         self.candidates.append((rows, values))
+        self.held += rows.shape[0]
         self.counts += torch.bincount(rows, minlength=self.counts.shape[0])
-        if int(self.counts.sum()) > self.limit or int(self.counts.max()) > 2 * self.k:
+        if self.held > self.limit or int(self.counts.max()) > 2 * self.k:
             self._merge_listed()
 
-    def _merge(self, rows: Tensor, more: Tensor) -> None:
-        """Keep the ``k`` largest of each of ``rows``' kept values and ``more`` ``(len(rows), n)``."""
+    def _merge(self, rows: Tensor | slice, more: Tensor) -> None:
+        """Keep the ``k`` largest of each of ``rows``' kept values (an index or a slice) and ``more`` ``(rows, n)``."""
         merged = torch.cat([self.kept[rows], more], 1).topk(self.k, 1, sorted=False).values
         self.kept[rows] = merged
         self.floor[rows] = merged.amin(1)
@@ -176,17 +178,18 @@ class TopK:
         row = torch.cat([r for r, _ in self.candidates])
         value = torch.cat([v for _, v in self.candidates])
         counts, most = self.counts, int(self.counts.max())
-        self.candidates, self.counts = [], torch.zeros_like(counts)
+        self.candidates, self.held, self.counts = [], 0, torch.zeros_like(counts)
         order = row.argsort(stable=True)
         row, value = row[order], value[order]
-        position = torch.arange(row.shape[0], device=row.device) - (counts.cumsum(0) - counts)[row]
-        ends = counts.cumsum(0).tolist()
+        ends = counts.cumsum(0)
+        position = torch.arange(row.shape[0], device=row.device) - (ends - counts)[row]
+        ends = ends.tolist()
         for start in range(0, counts.shape[0], MERGE_ROWS):
             stop = min(start + MERGE_ROWS, counts.shape[0])
             first, last = (ends[start - 1] if start else 0), ends[stop - 1]
             out = torch.full((stop - start, most), float("-inf"), dtype=value.dtype, device=value.device)
             out[row[first:last] - start, position[first:last]] = value[first:last]
-            self._merge(torch.arange(start, stop, device=row.device), out)
+            self._merge(slice(start, stop), out)
 
 
 @torch.no_grad()
