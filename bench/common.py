@@ -219,7 +219,7 @@ def measure_in_subprocess(ctx, measure: Callable, point: object, settings: objec
 
 
 def available_mb() -> float:
-    """The host's available memory in MB (``cgist.stage.budget.available_bytes``: MemAvailable, or physical memory)."""
-    from cgist.stage.budget import available_bytes
+    """The host's available memory in MB (``cgist.stage.devices.free_bytes``: MemAvailable, or physical memory)."""
+    from cgist.stage.devices import free_bytes
 
-    return available_bytes(torch.device("cpu")) / 2**20
+    return free_bytes(torch.device("cpu")) / 2**20

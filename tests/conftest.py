@@ -7,7 +7,10 @@
   ``cgist.stage.pytorch.dense`` keeps between calls (per thread) is refilled with NaN before and after each test, so no
   test reads what an earlier one left there.
 * Under the interpreter, ``tl.dot`` multiplies bf16 operands as their values, not their bit patterns
-  (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug).
+  (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug); a launch patches
+  triton.language once, and under coverage each kernel specialization is traced on its first launch only
+  (``interpreter_runs``).
+* ``simulate``: CPU tensors standing in for a GPU, an AMD or an Apple device (``cgist.stage.devices``).
 * The models (and the standard-library pairs) the test modules share are defined here, once (``helpers_models`` builds them). The guides are loaded
   once for the whole run: the losses only run a guide, and a test that switches one to training mode switches it
   back. Each module gets its own students, since tests train them, switch dropout on and leave gradients on them.
@@ -68,14 +71,38 @@ def nan_poisoned_workspace():
 
 @pytest.fixture(autouse=True, scope="session")
 def exact_bf16_interpreter_dot():
-    """The interpreter's ``tl.dot`` with bf16 operands multiplied by value (``interpreter_dot``), for the whole run."""
+    """The interpreter's ``tl.dot`` with bf16 operands multiplied by value (``interpreter_dot``), and its launches
+    patching triton.language once, traced by coverage once per kernel specialization (``interpreter_runs``), for the
+    whole run."""
     if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
         yield
         return
     from interpreter_dot import patch_interpreter_dot
+    from interpreter_runs import interpreter_runs
 
-    with patch_interpreter_dot():
+    with patch_interpreter_dot(), interpreter_runs():
         yield
+
+
+@pytest.fixture
+def simulate(monkeypatch):
+    """CPU tensors standing in for the device the returned setter names (``cgist.stage.devices.SIMULATED``: the
+    router, the tiles, the launchers, the first-use check and the fallback take its path, the kernels under the
+    interpreter), with nothing "auto" remembers before or after the test (``route.reset``), no backend override and
+    the first-use check off (a test turns it on)."""
+    from cgist.stage import devices
+    from cgist.stage.dispatch import route, selfcheck
+
+    route.reset()
+    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
+    monkeypatch.setenv(selfcheck.ENV, "0")
+
+    def use(arch: str) -> devices.Simulated:
+        monkeypatch.setenv(devices.SIMULATE_ENV, arch)
+        return devices.SIMULATED[arch]
+
+    yield use
+    route.reset()
 
 
 # Shared models ------------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ failing kernel, ``CGIST_BACKEND``, and cgist without Triton.
 
 A GPU that has no float64 (Apple's MPS) or runs it at 1/64 rate (consumer NVIDIA cards) must not meet float64
 in a float32 call: a ``TorchDispatchMode`` records the dtype of every op's outputs. The Triton launcher runs
-under the interpreter here; the devices "auto" decides for (CUDA of each capability, ROCm) are faked by
-patching what the decision reads.
+under the interpreter here; the devices "auto" decides for are simulated (``cgist.stage.devices``; every route of
+docs/devices.md is a test in ``test_devices``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 import cgist
 from cgist import GistOptions
 from cgist.stage import ties
-from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for
+from cgist.stage.devices import OLDEST_CHECKED_TRITON
 from cgist.stage.dispatch import route
 from cgist.stage.pytorch import dense as pytorch_dense
 
@@ -140,40 +140,7 @@ def test_tie_ids_find_equal_normalised_rows():
 # The backend "auto" takes --------------------------------------------------------------------------------------
 
 
-CUDA0 = torch.device("cuda:0")
-
-
-@pytest.fixture
-def fresh_route():
-    """Nothing that "auto" remembers per process (failures, checks, notices) before the test or after it."""
-    route.reset()
-    yield
-    route.reset()
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch, fresh_route):
-    """Make ``auto`` see an NVIDIA GPU of the capability passed to the returned setter, with Triton available."""
-
-    def use(capability: tuple[int, int], hip: str | None = None) -> None:
-        monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for(capability))
-        monkeypatch.setattr(torch.version, "hip", hip)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-
-    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
-    return use
-
-
-@pytest.mark.parametrize(("capability", "expected"), [
-    ((7, 0), "torch"), ((7, 5), "torch"), ((8, 0), "triton"), ((8, 6), "triton"), ((8, 9), "triton"),
-    ((9, 0), "triton"), ((10, 0), "triton"), ((12, 0), "triton"), ((13, 0), "triton"),
-], ids=lambda v: f"sm_{v[0]}{v[1]}" if isinstance(v, tuple) else v)
-def test_auto_route_by_capability(fake_gpu, capability, expected):
-    fake_gpu(capability)
-    chosen, why = route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
-    assert chosen == expected
-    if expected == "torch":
-        assert "below sm_80" in why
+CPU = torch.device("cpu")
 
 
 def _call_on(device: torch.device, dtype: torch.dtype = torch.float32) -> types.SimpleNamespace:
@@ -181,27 +148,18 @@ def _call_on(device: torch.device, dtype: torch.dtype = torch.float32) -> types.
     return types.SimpleNamespace(options=GistOptions(), device=device, dtype=dtype, guide_dtype=dtype)
 
 
-def test_auto_route_on_rocm_and_other_devices(fake_gpu):
-    fake_gpu((9, 0), hip="6.2")
-    assert route.auto_route(CUDA0, torch.float32, torch.float32) == (
-        "torch", "ROCm: the Triton kernels are untested on AMD GPUs")
-    assert route.select_stage(_call_on(CUDA0), "auto") is pytorch_dense
-    for device in ("cpu", "mps"):
-        assert route.auto_route(torch.device(device), torch.float32, torch.float32)[0] == "torch"
-
-
-def test_cgist_backend_overrides_auto(fake_gpu, monkeypatch):
+def test_cgist_backend_overrides_auto(simulate, monkeypatch):
     from cgist.stage.triton import dense as triton_dense
 
-    fake_gpu((9, 0))
+    simulate("sm_90")
     monkeypatch.setenv(route.BACKEND_ENV, "torch")
-    assert route.select_stage(_call_on(CUDA0), "auto") is pytorch_dense
+    assert route.select_stage(_call_on(CPU), "auto") is pytorch_dense
     monkeypatch.setenv(route.BACKEND_ENV, "triton")
-    assert route.select_stage(_call_on(CUDA0), "auto") is triton_dense
-    assert route.select_stage(_call_on(CUDA0), "torch") is pytorch_dense  # only "auto" is overridden
+    assert route.select_stage(_call_on(CPU), "auto") is triton_dense
+    assert route.select_stage(_call_on(CPU), "torch") is pytorch_dense  # only "auto" is overridden
     monkeypatch.setenv(route.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match=r"CGIST_BACKEND must be one of \('auto', 'torch', 'triton'\) .*got 'cuda'"):
-        route.select_stage(_call_on(CUDA0), "auto")
+        route.select_stage(_call_on(CPU), "auto")
 
 
 def _import_error(name: str) -> str:
@@ -211,10 +169,10 @@ def _import_error(name: str) -> str:
     return str(failed.value)
 
 
-def test_auto_says_once_why_the_kernels_cannot_be_imported(fake_gpu, monkeypatch, caplog):
-    """On a GPU the kernels serve, "auto" without an importable Triton backend takes the PyTorch path and logs one
-    line per cause, naming the ImportError and the fix; ``route.reset`` forgets that it did."""
-    fake_gpu((9, 0))
+def test_auto_says_once_why_the_kernels_cannot_be_imported(simulate, monkeypatch, caplog):
+    """On a GPU the kernels serve (a simulated sm_90), "auto" without an importable Triton backend takes the PyTorch
+    path and logs one line per cause, naming the ImportError and the fix; ``route.reset`` forgets that it did."""
+    simulate("sm_90")
     oldest = ".".join(map(str, OLDEST_CHECKED_TRITON))
     # Triton cannot be imported: the backend is imported afresh, and fails at its `import triton`
     monkeypatch.setitem(sys.modules, "triton", None)
@@ -227,8 +185,8 @@ def test_auto_says_once_why_the_kernels_cannot_be_imported(fake_gpu, monkeypatch
 
     with caplog.at_level(logging.WARNING, logger="cgist"):
         for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
-            assert route.select_stage(_call_on(CUDA0, dtype), "auto") is pytorch_dense
-        chosen, why = route.auto_route(CUDA0, torch.float16, torch.float16)
+            assert route.select_stage(_call_on(CPU, dtype), "auto") is pytorch_dense
+        chosen, why = route.auto_route(CPU, torch.float16, torch.float16)
         assert chosen == "torch" and no_triton in why
         assert len(notices()) == 1, notices()
         assert notices()[0].startswith(f"cgist: the Triton kernels cannot be imported ({no_triton})")
@@ -239,11 +197,11 @@ def test_auto_says_once_why_the_kernels_cannot_be_imported(fake_gpu, monkeypatch
         monkeypatch.setitem(sys.modules, "cgist.stage.triton", None)
         no_backend = _import_error("cgist.stage.triton.dense")
         for _ in range(2):
-            assert route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)[0] == "torch"
+            assert route.auto_route(CPU, torch.bfloat16, torch.bfloat16)[0] == "torch"
         assert len(notices()) == 2 and f"({no_backend})" in notices()[1]
 
         route.reset()  # the notices are forgotten: the next call logs its cause again
-        route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
+        route.auto_route(CPU, torch.bfloat16, torch.bfloat16)
         assert len(notices()) == 3 and notices()[2] == notices()[1]
 
 
@@ -266,22 +224,20 @@ class _FailingKernel:
         return launch
 
 
-def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, caplog, fresh_route):
-    """With "auto", a launch error runs the streaming path instead, logs once (device, dtypes, error) and is
-    remembered for that device and dtype pair; "triton" raises it."""
+def test_a_failing_kernel_falls_back_once_logged_and_remembered(simulate, monkeypatch, caplog):
+    """Under a simulated sm_90 with "auto", a launch error runs the streaming path instead, logs once (device, dtypes,
+    error) and is remembered for that device and dtype pair; "triton" raises it."""
     from cgist.stage.triton import dense as triton_dense
 
     kernel = _FailingKernel()
-    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", kernel)
-    # CPU tensors stand in for the GPU's (the launcher runs on them under the interpreter)
-    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", lambda arch: kernel)
+    simulate("sm_90")
     student, guide = make_inputs(5, 10, 12, 8, 1, torch.float32, seed=3, requires_grad=True)
     options = dict(temperature=0.05, margin=0.1, offset=5)
     want = cgist.gist_loss(student, guide, backend="torch", **options)
     want_grads = torch.autograd.grad(want, student)
 
-    with caplog.at_level(logging.WARNING, logger="cgist.function"):
+    with caplog.at_level(logging.WARNING, logger="cgist"):
         for _ in range(2):
             got = cgist.gist_loss(student, guide, backend="auto", **options)
             assert torch.equal(got, want)
@@ -290,8 +246,9 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     message = warnings[0].getMessage()
-    assert "cpu" in message and "float32 embeddings with a float32 guide" in message and "OutOfResources" in message
-    assert list(route.kernel_failures()) == [("dense", "cpu", torch.float32, torch.float32)]
+    assert "cpu simulating NVIDIA H100 80GB HBM3 (sm_90)" in message and "OutOfResources" in message
+    assert "float32 embeddings with a float32 guide" in message
+    assert list(route.kernel_failures()) == [("dense", "cpu@sm_90", torch.float32, torch.float32)]
 
     # another dtype pair is tried on its own
     cgist.gist_loss([s.double() for s in student], [g.double() for g in guide], backend="auto", **options)
@@ -303,13 +260,12 @@ def test_a_failing_kernel_falls_back_once_logged_and_remembered(monkeypatch, cap
         cgist.gist_loss(student, guide, backend="triton", **options)
 
 
-def test_the_fallback_keeps_every_argument(monkeypatch, fresh_route):
+def test_the_fallback_keeps_every_argument(simulate, monkeypatch):
     """A call with text ids (duplicates masked, no guide) falls back with them: the streaming path's result."""
     from cgist.stage.triton import dense as triton_dense
 
-    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", _FailingKernel())
-    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
-    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(triton_dense, "tuned_fwd_kernel", lambda arch: _FailingKernel())
+    simulate("sm_90")
     student, _ = make_inputs(4, 8, 6, 6, 1, torch.float32, seed=5)
     text_ids = [torch.arange(4), torch.arange(8) % 5, torch.arange(8) % 3]  # duplicates across the columns
     options = dict(temperature=0.05, offset=4, text_ids=text_ids)
@@ -318,7 +274,7 @@ def test_the_fallback_keeps_every_argument(monkeypatch, fresh_route):
     assert torch.equal(cgist.gist_loss(student, None, backend="auto", **options), want)
 
 
-def test_out_of_memory_is_not_a_kernel_failure(fresh_route):
+def test_out_of_memory_is_not_a_kernel_failure(simulate):
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
@@ -326,13 +282,11 @@ def test_out_of_memory_is_not_a_kernel_failure(fresh_route):
 
     stage = route._WithFallback(types.SimpleNamespace(forward=out_of_memory, backward=out_of_memory), pytorch_dense)
     call = dense_call(*make_inputs(3, 3, 4, 4, 0, torch.float32), GistOptions())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CGIST_SELF_CHECK", "0")
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            stage.forward(call, False, False)
-        state = (stage.kernels, None)
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            stage.backward(call, state, torch.ones(()))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        stage.forward(call, False, False)
+    state = (stage.kernels, None)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        stage.backward(call, state, torch.ones(()))
     assert route.kernel_failures() == {}
 
 

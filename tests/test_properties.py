@@ -538,9 +538,10 @@ def _interpreter_tiles(tiles: tuple[int, int, int] | None):
     from cgist.stage.triton.tiles import tuned_fwd_kernel
 
     config = triton.Config(dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), tiles)), num_warps=1, num_stages=1)
-    with mock.patch.object(tuned_fwd_kernel, "configs", [config]):
+    interpreted = tuned_fwd_kernel(None)  # the CPU tensors' autotuner
+    with mock.patch.object(interpreted, "configs", [config]):
         yield
-    assert tuned_fwd_kernel.best_config is config, "the kernel ran with another tile"
+    assert interpreted.best_config is config, "the kernel ran with another tile"
 
 
 def _events(spec: Spec, student: list[torch.Tensor]) -> None:

@@ -1,8 +1,7 @@
 """The first-use check of ``backend="auto"``: each kernel variant agrees with the PyTorch path before it is used.
 
-The interpreted kernels stand in for a GPU's (only the device decision is faked, as the fallback tests do), on a
-check problem of ``ROWS_HERE`` rows instead of ``selfcheck.ROWS`` (256 rows take about a minute under the
-interpreter). Kernels made wrong in one number each (the loss, one gradient, one mask count) must be caught.
+The interpreted kernels stand in for a GPU's (a simulated sm_90: ``cgist.stage.devices``), on a check problem of
+``ROWS_HERE`` rows instead of ``selfcheck.ROWS`` (256 rows take about a minute under the interpreter). Kernels made wrong in one number each (the loss, one gradient, one mask count) must be caught.
 """
 
 from __future__ import annotations
@@ -28,13 +27,11 @@ OPTIONS = dict(temperature=0.05, margin=0.1, offset=5)
 
 
 @pytest.fixture
-def auto_runs_kernels(monkeypatch):
-    """``auto`` takes the (interpreted) kernels on the CPU, with nothing remembered before or after (``route.reset``);
-    returns the list of the checks run."""
-    route.reset()
-    monkeypatch.setattr(route, "_device_route", lambda device: ("triton", "faked"))
+def auto_runs_kernels(simulate, monkeypatch):
+    """``auto`` takes the (interpreted) kernels on the CPU simulating sm_90, with nothing remembered before or after
+    and the first-use check on; returns the list of the checks run."""
+    simulate("sm_90")
     monkeypatch.setattr(selfcheck, "ROWS", ROWS_HERE)
-    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
     monkeypatch.delenv(selfcheck.ENV, raising=False)
     checks = []
     check_call = selfcheck.check_call
@@ -44,8 +41,7 @@ def auto_runs_kernels(monkeypatch):
         return checks[-1]
 
     monkeypatch.setattr(selfcheck, "check_call", counted)
-    yield checks
-    route.reset()
+    return checks
 
 
 def _check(variant: dense.Variant, options: GistOptions, n_columns: int) -> selfcheck.Check:
@@ -120,13 +116,13 @@ def test_a_wrong_kernel_is_caught_falls_back_and_is_logged_once(auto_runs_kernel
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     message = warnings[0]
-    assert message.startswith("cgist: the Triton kernels disagree with the PyTorch path on cpu for float32 embeddings "
-                              "(D=12) with a float32 guide (Dg=8), fp32 products at 'highest', 1 dimension, "
+    assert message.startswith("cgist: the Triton kernels disagree with the PyTorch path on cpu simulating NVIDIA H100 "
+                              "80GB HBM3 (sm_90) for float32 embeddings (D=12) with a float32 guide (Dg=8), fp32 products at 'highest', 1 dimension, "
                               f"directions query_to_doc, joint partition (first-use check, {ROWS_HERE} rows): ")
     assert numbers in message and "run `cgist doctor`" in message
     assert route.kernel_failures() == {}  # a disagreement is remembered per variant, not as a build failure
     (variant, check), = route.first_use_checks().items()
-    assert variant == dense.variant_of(dense_call(student, guide, GistOptions(**OPTIONS)), "cpu") and not check.ok
+    assert variant == dense.variant_of(dense_call(student, guide, GistOptions(**OPTIONS)), "cpu@sm_90") and not check.ok
 
 
 def test_the_count_check_compares_every_field(auto_runs_kernels, monkeypatch):
@@ -179,7 +175,7 @@ def test_a_kernel_failing_in_the_check_falls_back_as_a_build_failure(auto_runs_k
         assert _same(_loss_and_grads(student, guide, "auto"), want)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: PassManager::run failed" in warnings[0]
-    assert list(route.kernel_failures()) == [("dense", "cpu", torch.float32, torch.float32)]
+    assert list(route.kernel_failures()) == [("dense", "cpu@sm_90", torch.float32, torch.float32)]
 
 
 def test_a_warm_call_reads_no_value_on_the_host(auto_runs_kernels):

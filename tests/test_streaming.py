@@ -330,7 +330,7 @@ def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to
     ``ROW_FLOOR``, and below that two passes of ``ROW_FLOOR`` rows with narrower tiles."""
 
     widths, top, item = [4096] * 4, 384, 4
-    monkeypatch.setattr(budget, "available_bytes", lambda device: 2**40)
+    monkeypatch.setattr(budget, "free_bytes", lambda device: 2**40)
     full = budget.row_blocks(4096, widths, top, 1, item, None)
     assert full == budget.RowBlocks(budget.ROW_TARGET, budget.TILE_COLS, True)
     assert budget.row_blocks(300, [300] * 4, top, 1, item, None) == budget.RowBlocks(300, 300, True)
@@ -339,7 +339,7 @@ def test_plan_grows_the_default_budget_to_full_blocks_and_keeps_one_pass_down_to
     assert matryoshka.one_pass and budget.ROW_FLOOR <= matryoshka.rows < budget.ROW_TARGET
     assert matryoshka.rows * 16384 * 4 * (2 * 4 - 1) * item <= budget.MAX_BLOCK_BYTES  # terms, products
     per_row = 4 * 4096 * item  # the kept terms alone
-    monkeypatch.setattr(budget, "available_bytes", lambda device: 8 * 450 * per_row)
+    monkeypatch.setattr(budget, "free_bytes", lambda device: 8 * 450 * per_row)
     capped = budget.row_blocks(4096, widths, top, 1, item, None)  # an eighth of memory: fewer than 450 rows
     assert capped.one_pass and budget.ROW_FLOOR <= capped.rows < 450
     middle = budget.row_blocks(4096, widths, top, 1, item, 600 * per_row)

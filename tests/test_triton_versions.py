@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cgist import GistOptions
-from cgist.stage.devices import OLDEST_CHECKED_TRITON, arch_for, triton_release
+from cgist.stage.devices import OLDEST_CHECKED_TRITON, triton_release
 from cgist.stage.dispatch import route
 from cgist.stage.pytorch import dense as pytorch_dense
 
@@ -34,7 +34,7 @@ _spec = importlib.util.spec_from_file_location("compile_table", ROOT / "bench" /
 compile_table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compile_table)
 
-CUDA0 = torch.device("cuda:0")
+CPU = torch.device("cpu")
 #: What the per-release summaries compile: the arguments of bench/aot_compile.py and the architectures they name.
 SUMMARY_ARGS = "--arch 80 86 89 90 --dtypes bf16 fp32"
 SUMMARY_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -48,15 +48,10 @@ def _release_name(release: tuple[int, int]) -> str:
 
 
 @pytest.fixture
-def hopper(monkeypatch):
-    """``auto`` sees an H100 (sm_90) with Triton importable; returns a setter of the Triton version it finds."""
-    monkeypatch.setattr(route, "gpu_arch", lambda device: arch_for((9, 0)))
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    monkeypatch.delenv(route.BACKEND_ENV, raising=False)
-    route.reset()
-    yield lambda version: monkeypatch.setattr(triton, "__version__", version)
-    route.reset()
+def hopper(simulate, monkeypatch):
+    """``auto`` on a simulated H100 (sm_90) with Triton importable; returns a setter of the Triton version it finds."""
+    simulate("sm_90")
+    return lambda version: monkeypatch.setattr(triton, "__version__", version)
 
 
 def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hopper, caplog):
@@ -64,9 +59,9 @@ def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hoppe
     hopper(older)
     with caplog.at_level(logging.WARNING, logger="cgist"):
         for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
-            call = types.SimpleNamespace(options=GistOptions(), device=CUDA0, dtype=dtype, guide_dtype=dtype)
+            call = types.SimpleNamespace(options=GistOptions(), device=CPU, dtype=dtype, guide_dtype=dtype)
             assert route.select_stage(call, "auto") is pytorch_dense
-        chosen, why = route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16)
+        chosen, why = route.auto_route(CPU, torch.bfloat16, torch.bfloat16)
     assert chosen == "torch"
     notices = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(notices) == 1, notices
@@ -79,7 +74,7 @@ def test_auto_takes_the_pytorch_path_under_an_older_triton_with_one_notice(hoppe
 def test_auto_runs_the_kernels_under_a_checked_triton(hopper, caplog, version):
     hopper(f"{_release_name(OLDEST_CHECKED_TRITON)}.0" if version == "oldest" else version)
     with caplog.at_level(logging.WARNING, logger="cgist"):
-        assert route.auto_route(CUDA0, torch.bfloat16, torch.bfloat16) == ("triton", "sm_90: Triton kernels")
+        assert route.auto_route(CPU, torch.bfloat16, torch.bfloat16) == ("triton", "sm_90: Triton kernels")
     assert not caplog.records
 
 
@@ -87,7 +82,7 @@ def test_an_explicit_triton_backend_is_not_gated(hopper):
     from cgist.stage.triton import dense as triton_dense
 
     hopper("3.0.0")
-    call = types.SimpleNamespace(options=GistOptions(), device=CUDA0, dtype=torch.float32, guide_dtype=torch.float32)
+    call = types.SimpleNamespace(options=GistOptions(), device=CPU, dtype=torch.float32, guide_dtype=torch.float32)
     assert route.select_stage(call, "triton") is triton_dense
 
 

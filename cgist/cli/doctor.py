@@ -3,30 +3,36 @@
 It prints the device and its capability, the backend and the tiles that ``backend="auto"`` takes for each dtype
 pair, the first-use check that ``backend="auto"`` runs before it uses a kernel variant (``cgist.stage.dispatch.selfcheck``: a
 small problem through the Triton kernels and the PyTorch streaming path on the device, comparing the loss, the
-gradients and the guide's mask counts) for each dtype pair, a loss-stage timing beside the PyTorch path, and a
-verdict line. The exit status is 1 when the kernels disagree with the PyTorch path, else 0.
+gradients and the guide's mask counts) for every score's kernels (dense, MaxSim, XTR) and dtype, a loss-stage timing
+beside the PyTorch path, and a verdict line. The exit status is 1 when the kernels disagree with the PyTorch path,
+else 0.
 
 Without a CUDA device the kernels run only under the Triton interpreter (``TRITON_INTERPRET=1 cgist doctor``);
-otherwise the doctor says that they were not checked.
+otherwise the doctor says that they were not checked. ``--simulate ARCH`` (or ``CGIST_SIMULATE_DEVICE=ARCH``) shows
+what cgist would do on that GPU, with the CPU's tensors standing in for it and the kernels under the interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
-from .common import resolve_device
+from ..stage import devices
+from .common import UsageError, resolve_device
 
 if TYPE_CHECKING:
     from ..stage.dispatch.selfcheck import Check
 
-__all__ = ["PAIRS", "add_parser", "run_doctor"]
+__all__ = ["INTERPRETED_PAIRS", "INTERPRETED_ROWS", "PAIRS", "add_parser", "run_doctor"]
 
 #: The dtype pairs users train with: (name, student dtype, guide dtype).
 PAIRS = (
@@ -35,20 +41,53 @@ PAIRS = (
     ("fp16", torch.float16, torch.float16),
     ("bf16 + fp32 guide", torch.bfloat16, torch.float32),
 )
+#: The pairs checked under the interpreter: bf16 products are wrong there (its ``tl.dot`` multiplies their bit
+#: patterns), and fp64 is the exact reference.
+INTERPRETED_PAIRS = (("fp64", torch.float64, torch.float64), PAIRS[0])
+#: Rows of the check problems under the interpreter, where each kernel program runs in NumPy: a few seconds a
+#: score (on a GPU, ``cgist.stage.dispatch.selfcheck.ROWS`` at most, as "auto" checks).
+INTERPRETED_ROWS = 4
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register the ``doctor`` command and its option with the ``cgist`` parser's ``commands``."""
+    """Register the ``doctor`` command and its options with the ``cgist`` parser's ``commands``."""
     doctor = commands.add_parser(
         "doctor", help="check what cgist runs on this machine, and that its kernels agree with the PyTorch path",
         description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "),
     )
     doctor.add_argument("--device", help="torch device to check (default: cuda if available, else cpu)")
+    doctor.add_argument("--simulate", metavar="ARCH", choices=list(devices.SIMULATED),
+                        help="show what cgist would do on this GPU, simulated on the CPU with the kernels under the "
+                             f"Triton interpreter: one of {', '.join(devices.SIMULATED)}")
+
+
+@contextlib.contextmanager
+def _simulating(arch: str | None) -> Iterator[None]:
+    """``CGIST_SIMULATE_DEVICE=arch`` (and for an NVIDIA one ``TRITON_INTERPRET=1``) while the doctor runs; nothing
+    without ``arch``. The kernels must not have been imported without the interpreter."""
+    if arch is None:
+        yield
+        return
+    setting = {devices.SIMULATE_ENV: arch}
+    if devices.SIMULATED[arch].interpreted:
+        tiles = sys.modules.get("cgist.stage.triton.tiles")
+        if tiles is not None and not tiles.INTERPRET:
+            raise UsageError("--simulate: the Triton kernels were imported without the interpreter in this process; "
+                             "run cgist doctor --simulate in a new one")
+        setting["TRITON_INTERPRET"] = "1"
+    saved = {name: os.environ.get(name) for name in setting}
+    os.environ.update(setting)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _describe_device(device: torch.device) -> str:
-    from ..stage.devices import device_kind, gpu_arch
-
     versions = f"torch {torch.__version__}"
     try:
         import triton
@@ -56,15 +95,12 @@ def _describe_device(device: torch.device) -> str:
         versions += f", triton {triton.__version__}"
     except ImportError:
         versions += ", triton not installed"
-    if device_kind(device) == "cuda":
-        arch = gpu_arch(device)
-        shape = (f"{arch.name}, {arch.shared_bytes // 1024} KiB shared memory per block"
-                 + ("" if arch.known else f", unknown to cgist: tiles of sm_{arch.family}") if arch
-                 else "compute capability %d.%d" % torch.cuda.get_device_capability(device))
-        return f"device: {device} {torch.cuda.get_device_name(device)} ({shape}); {versions}"
-    if device_kind(device) == "rocm":
-        return f"device: {device} {torch.cuda.get_device_name(device)} (ROCm {torch.version.hip}); {versions}"
-    return f"device: {device}; {versions}"
+    arch = devices.gpu_arch(device)
+    if arch is not None:
+        shape = (f", {arch.shared_bytes // 1024} KiB shared memory per block"
+                 + ("" if arch.known else f", unknown to cgist: tiles of sm_{arch.family}"))
+        return f"device: {devices.describe(device)}{shape}; {versions}"
+    return f"device: {devices.describe(device)}; {versions}"
 
 
 def sentence_transformers_line() -> str:
@@ -137,14 +173,13 @@ def _run(backend: str, student: list[torch.Tensor], guide: list[torch.Tensor]):
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
-    sync()
+    devices.synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        sync()
+        devices.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -170,9 +205,10 @@ def timing(device: torch.device, use_triton: bool) -> str:
     from ..stage.budget import ROW_TARGET
     from ..stage.dispatch.route import auto_route
 
+    if devices.simulated(device) is not None:
+        return "loss stage timing: not measured (a simulated device's time would be the CPU's)"
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        batch = 16384 if free > 8 * 2**30 else 4096
+        batch = 16384 if devices.free_bytes(device) > 8 * 2**30 else 4096
         dtype = torch.bfloat16 if auto_route(device, torch.bfloat16, torch.bfloat16)[0] == "triton" else torch.float32
         sizes, repeats = (batch, batch, 768, 384, 1), 5
     else:
@@ -190,52 +226,80 @@ def timing(device: torch.device, use_triton: bool) -> str:
     return f"loss stage, forward and backward ({label}): " + ", ".join(parts)
 
 
+def _checks(device: torch.device, interpreted: bool) -> list[tuple[str, Check]]:
+    """The first-use check of every score's kernels (the registry's, ``cgist.stage.spec.scores``) for each dtype,
+    printed as they run: fp64 and fp32 under the interpreter, every pair users train with on a GPU."""
+    from ..stage.dispatch.route import check_kernels
+    from ..stage.dispatch.selfcheck import ROWS
+    from ..stage.spec.scores import SCORES
+
+    rows, dim, guide_dim, token_dim = (INTERPRETED_ROWS, 40, 24, 16) if interpreted else (ROWS, 768, 384, 128)
+    pairs = INTERPRETED_PAIRS if interpreted else (INTERPRETED_PAIRS[0], *PAIRS)
+    where = "under the Triton interpreter" if interpreted else f"on {device}"
+    print(f"first-use check of every score's kernels against the PyTorch path {where} (at most {rows} rows; "
+          'backend="auto" runs it before using each kernel variant):')
+    checks = []
+    for score in SCORES:
+        if "triton" not in score.backends:
+            print(f"  {score.name:<24} no Triton kernels: the PyTorch path")
+            continue
+        spec = importlib.import_module(score.spec)
+        # a token score's guide is its check problem's own: one check per student dtype
+        by_dtype: dict[object, tuple] = {}
+        for name, dtype, guide_dtype in pairs:
+            by_dtype.setdefault(dtype if score.tokens else (dtype, guide_dtype),
+                                (name.split()[0] if score.tokens else name, dtype, guide_dtype))
+        for name, dtype, guide_dtype in by_dtype.values():
+            calls = spec.sample_calls(device, dtype, guide_dtype, token_dim if score.tokens else dim, guide_dim)
+            for label, call in calls.items():
+                check = check_kernels(call, rows)
+                checks.append((f"{label} {name}", check))
+                print(f"  {label + ' ' + name:<24} {'agree' if check.ok else 'DISAGREE'}: {check.numbers()} "
+                      f"({check.seconds * 1e3:.0f} ms, compiling included)")
+    return checks
+
+
 def run_doctor(args: argparse.Namespace) -> int:
     """Print the report; 0 when everything that ran agrees, 1 when the kernels disagree with the PyTorch path."""
-    from ..stage.dispatch.route import auto_route, check_kernels
+    if args.simulate is not None and args.device not in (None, "cpu"):
+        raise UsageError("--simulate: a simulated device's tensors are the CPU's; leave --device out")
+    with _simulating(args.simulate):
+        return _report(resolve_device("cpu" if args.simulate else args.device))
+
+
+def _report(device: torch.device) -> int:
+    from ..stage.dispatch.route import auto_route
 
     start = time.perf_counter()
-    device = resolve_device(args.device)
     print(_describe_device(device))
     print(sentence_transformers_line())
     for line in _routes(device):
         print(line)
 
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    runs_kernels = auto_route(device, torch.float32, torch.float32)[0] == "triton" or interpreted
+    simulated = devices.simulated(device) is not None
+    interpreted = device.type == "cpu" and devices.interpreted()
+    route, why = auto_route(device, torch.float32, torch.float32)
     checks: list[tuple[str, Check]] = []
-    if runs_kernels:
-        from ..stage.dispatch.selfcheck import ROWS
-
-        where = "under the Triton interpreter" if interpreted else f"on {device}"
-        rows, dim, dim_g, k = (13, 40, 24, 1) if interpreted else (ROWS, 768, 384, 1)
-        # bf16 and fp16 products are broken in the interpreter; on a GPU they are the point
-        pairs = [("fp64", torch.float64, torch.float64), *PAIRS[:1]] if interpreted else \
-            [("fp64", torch.float64, torch.float64), *PAIRS]
-        print(f"first-use check, kernels against the PyTorch path {where} (B=N={rows}, D={dim}, Dg={dim_g}, k={k}; "
-              'backend="auto" runs it before using each kernel variant):')
-        for name, dtype, guide_dtype in pairs:
-            check = check_kernels(device, dtype, guide_dtype, rows, dim, dim_g, k)
-            checks.append((name, check))
-            print(f"  {name:<18} {'agree' if check.ok else 'DISAGREE'}: {check.numbers()} "
-                  f"({check.seconds * 1e3:.0f} ms, compiling included)")
+    if route == "triton" or (interpreted and not simulated):
+        checks = _checks(device, interpreted)
     else:
-        why = auto_route(device, torch.float32, torch.float32)[1]
         hint = "; TRITON_INTERPRET=1 cgist doctor runs them on the CPU under the Triton interpreter" \
-            if device.type == "cpu" else ""
+            if device.type == "cpu" and not simulated else ""
         print(f"kernels: not run ({why}{hint})")
-    print(timing(device, runs_kernels and not interpreted))
+    print(timing(device, route == "triton" and not interpreted))
 
     failed = [name for name, check in checks if not check.ok]
     elapsed = f"({time.perf_counter() - start:.0f} s)"
+    where = "under the Triton interpreter" if interpreted else f"on {device}"
+    if simulated:
+        where += f", {devices.describe(device)}"
     if failed:
-        print(f"verdict: FAIL: the kernels disagree with the PyTorch path on {device} for {', '.join(failed)}; "
+        print(f"verdict: FAIL: the kernels disagree with the PyTorch path {where} for {', '.join(failed)}; "
               f"train with backend='torch' (or CGIST_BACKEND=torch) and report this output {elapsed}")
         return 1
     if checks:
-        checked = ", ".join(name for name, _ in checks)
-        where = "under the Triton interpreter" if interpreted else f"on {device}"
-        print(f"verdict: ok: the kernels agree with the PyTorch path {where} ({checked}) {elapsed}")
+        print(f"verdict: ok: the kernels agree with the PyTorch path {where} ({len(checks)} checks: "
+              f"{', '.join(name for name, _ in checks)}) {elapsed}")
     else:
-        print(f"verdict: ok: the PyTorch path runs on {device}; the Triton kernels were not checked {elapsed}")
+        print(f"verdict: ok: the PyTorch path runs {where}; the Triton kernels were not checked {elapsed}")
     return 0

@@ -12,16 +12,17 @@ backend cuts its work to fit. This module is its only owner.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .devices import free_bytes, is_gpu
+
 __all__ = [
     "BACKWARD_BYTES", "DOC_ROWS", "GEMM_ROW_FLOOR", "MAX_BLOCK_BYTES", "MEMORY_SHARE", "MIN_BLOCK_BYTES", "ROW_FLOOR",
     "ROW_TARGET", "TILE_COLS", "TILE_FLOOR_BYTES", "XTR_ROW_QUERIES", "Chunks", "RowBlocks", "argmax_dtype",
-    "available_bytes", "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks",
+    "backward_chunks", "default_block_bytes", "kept_bytes", "maxsim_block_bytes", "row_blocks",
     "slab_rows", "split_budget", "threshold_rows", "tile_rows", "topk_bytes", "xtr_block_bytes", "xtr_kept_bytes",
 ]
 
@@ -38,20 +39,6 @@ MEMORY_SHARE = 8
 MAX_BLOCK_BYTES = 2**30
 
 
-def available_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: CUDA's free memory, or the host's MemAvailable (physical memory elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
     """The workspace budget when none is given (``block_bytes=None``), shared by both backends.
 
@@ -59,7 +46,7 @@ def default_block_bytes(device: torch.device, floor_bytes: int) -> int:
     efficient shape), but never above an eighth of the memory available on ``device``, nor above
     ``MAX_BLOCK_BYTES`` (a CPU keeps its buffers between calls: ``cgist.stage.pytorch.workspace.release_workspace``).
     """
-    cap = min(available_bytes(device) // MEMORY_SHARE, MAX_BLOCK_BYTES)
+    cap = min(free_bytes(device) // MEMORY_SHARE, MAX_BLOCK_BYTES)
     return max(min(max(MIN_BLOCK_BYTES, floor_bytes), cap), 1)
 
 
@@ -107,7 +94,7 @@ def row_blocks(batch: int, block_widths: Sequence[int], top: int, n_dims: int, i
     GEMM-efficient at any B, for one more set of score products.
     """
     # On a GPU one launch per block is better than cache-sized tiles.
-    tile = max(block_widths) if device.type == "cuda" else min(TILE_COLS, max(block_widths))
+    tile = max(block_widths) if is_gpu(device) else min(TILE_COLS, max(block_widths))
     # guide scores per tile column (the mask goes where the logits will), and with half products the tile's
     # score gradients as a half operand
     scratch = itemsize + (2 if half else 0)

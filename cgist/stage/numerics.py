@@ -1,4 +1,5 @@
-"""Numerics shared by the oracle, the PyTorch streaming path and the Triton launcher; imports only torch.
+"""Numerics shared by the oracle, the PyTorch streaming path and the Triton launcher; imports only torch and
+``cgist.stage.devices``.
 
 Each rule of the loss that more than one path applies lives here once: the normalisation, the accumulation dtype,
 the guide threshold, the guide-mask rule, and the half-precision products (``addmm_``, ``half_rows``). The tie ids
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .devices import bf16_tensor_cores, is_gpu
 
 __all__ = [
     "EPS", "HalfRows", "addmm_", "compute_dtype", "copy_rows", "guide_mask", "half_accumulation", "half_products",
@@ -95,10 +98,8 @@ def half_accumulation(device_type: str) -> str:
     an add (``"mm"``), or the operands widened first (``"upcast"``).
 
     Recent torch multiplies bf16 and fp16 into fp32 directly on CUDA (``out_dtype``), on the tensor cores; probed
-    once on tiny tensors. Elsewhere (CPU) it has no such call.
+    once per device type on tiny tensors (torch 2.13 has no such call on a CPU).
     """
-    if device_type != "cuda":
-        return "upcast"
     out = torch.zeros(2, 2, device=device_type)
     a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
     try:
@@ -179,8 +180,8 @@ def half_products(device: torch.device, dtype: torch.dtype) -> torch.dtype | Non
     applied to the float32 result; its gradient products take the softmax probabilities and the normalised rows
     rounded to the half dtype (a relative error of one half-ulp each).
     """
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if not is_gpu(device) or dtype not in (torch.float16, torch.bfloat16):
         return None
-    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if dtype == torch.bfloat16 and not bf16_tensor_cores(device):
         return torch.float16
     return dtype

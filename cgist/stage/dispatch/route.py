@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 
 from .. import devices
-from ..devices import OLDEST_CHECKED_TRITON, device_kind, gpu_arch
+from ..devices import OLDEST_CHECKED_TRITON, describe, device_key, device_kind, gpu_arch
 from ..spec.call import StageCall
-from ..spec.options import GistOptions
 from ..spec.scores import DENSE, Score
 from . import selfcheck
 
@@ -57,7 +56,10 @@ class Stage(Protocol):
 
 def backend_module(score: Score, backend: str) -> ModuleType:
     """The module of ``score``'s ``backend`` (``"torch"``, ``"triton"``), imported on first use; for the Triton
-    backend, a RuntimeError saying why it cannot run here (from the ImportError)."""
+    backend, a RuntimeError saying why it cannot run here: the ImportError, or a score that registers no Triton
+    backend."""
+    if backend == "triton" and backend not in score.backends:
+        raise RuntimeError(f"backend='triton' is unavailable: the {score.name} score has no Triton kernels")
     try:
         return importlib.import_module(score.backend(backend))
     except ImportError as err:
@@ -82,28 +84,13 @@ def _notice(message: str) -> None:
         logger.warning("cgist: %s", message)
 
 
-def _device_key(device: torch.device) -> str:
-    """``cuda:0`` for ``cuda`` too: one key per physical device."""
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
-
-
-def _describe(device: torch.device) -> str:
-    """``cuda:0 (NVIDIA A100-SXM4-80GB, sm_80)``, or the device itself off CUDA."""
-    if device.type != "cuda":
-        return str(device)
-    arch = gpu_arch(device)
-    return f"{_device_key(device)} ({torch.cuda.get_device_name(device)}, {arch.name if arch else 'unknown capability'})"
-
-
 def _device_route(device: torch.device) -> tuple[str, str]:
     """``auto_route`` by the device alone."""
     kind = device_kind(device)
     if kind == "rocm":
         return "torch", "ROCm: the Triton kernels are untested on AMD GPUs"
     if kind != "cuda":
-        return "torch", f"{device.type} tensors"
+        return "torch", f"{kind} tensors"
     arch = gpu_arch(device)
     if arch is None or not arch.mma:
         name = arch.name if arch else "this GPU"
@@ -126,7 +113,7 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     route = _device_route(device)
     if route[0] == "torch":
         return route
-    failure = _TRITON_FAILURES.get((score.name, _device_key(device), dtype, guide_dtype))
+    failure = _TRITON_FAILURES.get((score.name, device_key(device), dtype, guide_dtype))
     if failure is not None:
         return "torch", f"the Triton kernels failed here earlier ({failure})"
     if (why := devices.unchecked_triton()) is not None:
@@ -134,6 +121,8 @@ def auto_route(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtyp
     try:
         backend_module(score, "triton")
     except RuntimeError as err:
+        if err.__cause__ is None:  # the score has no kernels: nothing to install
+            return "torch", str(err).replace("backend='triton' is unavailable: ", "")
         oldest = ".".join(map(str, OLDEST_CHECKED_TRITON))
         _notice(f"the Triton kernels cannot be imported ({err.__cause__}), so backend='auto' runs the PyTorch "
                 f"path on CUDA devices; for the kernels, install Triton {oldest} or newer "
@@ -177,25 +166,33 @@ def _spec(score: Score) -> ModuleType:
     return importlib.import_module(score.spec)
 
 
-def _first_use_check(kernels: ModuleType, pytorch: ModuleType, call: StageCall) -> bool:
-    """Whether "auto" may use ``kernels`` for this call's variant: checked on its first call with the score's check
-    problem (``cgist.stage.dispatch.selfcheck``), the result remembered; a disagreement is logged once. Reads no
-    value on the host once the variant is known."""
-    spec = _spec(call.options.score)
-    variant = spec.variant_of(call, _device_key(call.device))
+def _first_use_check(call: StageCall) -> bool:
+    """Whether "auto" may use the kernels for this call's variant: checked on its first call (``check_kernels``), the
+    result remembered; a disagreement is logged once. Reads no value on the host once the variant is known."""
+    variant = _spec(call.options.score).variant_of(call, device_key(call.device))
     check = _SELF_CHECKS.get(variant)
     if check is None:
-        problem = spec.check_problem(call, variant, selfcheck.ROWS)
-        check = selfcheck.check_call(kernels, pytorch, problem, variant)
-        _SELF_CHECKS[variant] = check
+        check = _SELF_CHECKS[variant] = check_kernels(call)
         if not check.ok:
             logger.warning(
                 "cgist: the Triton kernels disagree with the PyTorch path on %s for %s (first-use check, %d rows): "
                 "%s; this and later calls of this variant use the PyTorch path; run `cgist doctor` on "
                 "this machine and report its output",
-                _describe(call.device), variant.describe(), check.rows, check.numbers(),
+                describe(call.device), variant.describe(), check.rows, check.numbers(),
             )
     return check.ok
+
+
+def check_kernels(call: StageCall, rows: int | None = None) -> selfcheck.Check:
+    """The first-use check of the kernels of ``call``'s variant (its score's ``variant_of``): the score's check problem
+    of that variant (``check_problem``, ``rows`` rows at most, None: ``selfcheck.ROWS``) through the kernels and the PyTorch path on the call's
+    device (``cgist.stage.dispatch.selfcheck``). "auto" runs it once per variant; ``cgist doctor`` on a small call of
+    every score's variants (``sample_calls``)."""
+    score = call.options.score
+    spec = _spec(score)
+    variant = spec.variant_of(call, device_key(call.device))
+    problem = spec.check_problem(call, variant, rows or selfcheck.ROWS)
+    return selfcheck.check_call(backend_module(score, "triton"), backend_module(score, "torch"), problem, variant)
 
 
 class _WithFallback:
@@ -214,7 +211,7 @@ class _WithFallback:
     def forward(self, call: StageCall, with_grad: bool, need_stats: bool) -> tuple[Tensor, object, object]:
         check = selfcheck.enabled()  # a bad value is the caller's error, raised here
         try:
-            if not check or _first_use_check(self.kernels, self.pytorch, call):
+            if not check or _first_use_check(call):
                 loss, state, counters = self.kernels.forward(call, with_grad, need_stats)
                 return loss, (self.kernels, state), counters
         except torch.cuda.OutOfMemoryError:
@@ -239,13 +236,13 @@ class _WithFallback:
     def _failed(self, call: StageCall, err: Exception) -> None:
         score = call.options.score
         message = f"{type(err).__name__}: {err}".strip()
-        _TRITON_FAILURES[(score.name, _device_key(call.device), call.dtype, call.guide_dtype)] = \
+        _TRITON_FAILURES[(score.name, device_key(call.device), call.dtype, call.guide_dtype)] = \
             message.splitlines()[0][:300]
         guide = f"a {_dtype_name(call.guide_dtype)} guide" if call.guide_dtype is not None else "no guide columns"
         logger.warning(
             "cgist: the Triton kernels of the %s score failed on %s for %s embeddings with %s (%s); this and later "
             "calls with these dtypes on this device use the PyTorch path (backend='triton' raises instead)",
-            score.name, _describe(call.device), _dtype_name(call.dtype), guide, message,
+            score.name, describe(call.device), _dtype_name(call.dtype), guide, message,
         )
 
 
@@ -288,7 +285,7 @@ def select_stage(call: StageCall, backend: object = "auto") -> Stage:
     if backend == "torch":
         return backend_module(score, "torch")
     if backend == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not devices.interpreted():
             raise RuntimeError(
                 "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing cgist, or use backend='torch'"
@@ -301,25 +298,16 @@ def select_stage(call: StageCall, backend: object = "auto") -> Stage:
 
 
 def kernel_tiles(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype) -> str:
-    """The tile configs the kernels' forward autotunes over for this dtype pair on ``device`` (``cgist doctor``)."""
-    from ..triton.launch import input_precision
+    """The tiles of the kernels for this dtype pair on ``device`` (``cgist doctor``): the configs the dense forward
+    autotunes over, and the token scores' forward launch."""
+    from ..triton.common import arch_of, input_precision
+    from ..triton.maxsim import launch_configs
     from ..triton.tiles import tile_configs
 
-    arch = gpu_arch(device)
+    arch = arch_of(device)
     configs = tile_configs(dtype, input_precision(dtype, arch), guide_dtype, input_precision(guide_dtype, arch),
                            arch=arch, interpret=False)
-    return ", ".join("{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
-                     for c in configs)
-
-
-def check_kernels(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, rows: int, dim: int,
-                  dim_g: int, k: int) -> selfcheck.Check:
-    """The first-use check (``selfcheck``) of the dense kernels for this dtype pair on ``device``, with the default
-    options (``cgist doctor``)."""
-    from ..spec import dense
-
-    options = GistOptions()
-    variant = dense.make_variant(_device_key(device), dtype, guide_dtype, dim, dim_g, options)
-    student, guide, checked, _ = dense.check_inputs(variant, options, 2 + k, device, rows)
-    problem = dense.dense_call(student, guide, checked)
-    return selfcheck.check_call(backend_module(DENSE, "triton"), backend_module(DENSE, "torch"), problem, variant)
+    dense = ", ".join("{BLOCK_M}x{BLOCK_N}x{BLOCK_K}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}"
+                      for c in configs)
+    tokens = launch_configs(dtype, arch, 32, 180, 128)["maxsim_fwd_kernel"].tiles
+    return f"dense {dense}; token scores {tokens}"

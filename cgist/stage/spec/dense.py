@@ -18,7 +18,7 @@ from .guide import kind_of
 from .options import GistOptions
 
 __all__ = ["MARGIN", "MIN_TEMPERATURE", "DenseCall", "Variant", "check_embeddings", "check_inputs", "check_problem",
-           "column_name", "dense_call", "make_variant", "scaled_gradients", "variant_of"]
+           "column_name", "dense_call", "make_variant", "sample_calls", "scaled_gradients", "variant_of"]
 
 
 @dataclass(frozen=True)
@@ -313,3 +313,14 @@ def check_problem(call: DenseCall, variant: Variant, rows: int) -> DenseCall:
     options and the columns of ``call``, on its device, every input differentiated."""
     student, guide, options, text_ids = check_inputs(variant, call.options, len(call.columns), call.device, rows)
     return dense_call([[s] for s in student], guide, options, text_ids=text_ids)
+
+
+def sample_calls(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, dim: int,
+                 guide_dim: int) -> dict[str, DenseCall]:
+    """A small call of each kernel variant of the score for these dtypes and dimensions, on ``device``, by name: the
+    GIST loss with a guide and a negative column. ``cgist doctor`` runs the first-use check of each (its problem is
+    ``check_problem``'s, whatever the call's rows)."""
+    gen = torch.Generator().manual_seed(0)
+    student = [torch.randn(2, dim, generator=gen).to(device, dtype) for _ in range(3)]
+    guide = [torch.randn(2, guide_dim, generator=gen).to(device, guide_dtype) for _ in range(3)]
+    return {"dense": dense_call(student, guide, GistOptions())}

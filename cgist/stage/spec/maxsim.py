@@ -32,7 +32,7 @@ from .problem import BoundGroup, bind_groups
 from .scores import MAXSIM
 
 __all__ = ["CHECK_ROWS", "EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "Part", "Variant", "check_problem",
-           "maxsim_call", "query_weights", "row_views", "variant_of"]
+           "maxsim_call", "query_weights", "row_views", "sample_calls", "sample_tokens", "variant_of"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -431,3 +431,25 @@ def check_problem(call: MaxSimCall, variant: Variant, rows: int) -> MaxSimCall:
         guide = [vectors[:rows], vectors[rows:2 * rows], vectors[2 * rows:]]
         options = options.replace(contrast_anchors=True, contrast_positives=True)
     return maxsim_call(queries, query_mask, documents, masks, options, guide=guide)
+
+
+def sample_tokens(device: torch.device, dtype: torch.dtype, dim: int, seed: int = 0
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """Two queries and two documents of three tokens, their masks and a single-vector guide of both columns: the
+    arguments of a small call of a token score (``sample_calls``)."""
+    gen = torch.Generator().manual_seed(seed)
+    queries, documents = (torch.randn(2, 3, dim, generator=gen).to(device, dtype) for _ in range(2))
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+    guide = [F.normalize(torch.randn(2, 16, generator=gen), dim=-1).to(device) for _ in range(2)]
+    return queries, mask, documents, mask, guide
+
+
+def sample_calls(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, dim: int,
+                 guide_dim: int) -> dict[str, MaxSimCall]:
+    """A small call of each kernel variant of the score for ``dtype`` and ``dim`` (the guide's are the check
+    problem's own), on ``device``, by name: streamed and held (a guide's mask). ``cgist doctor`` runs the first-use
+    check of each."""
+    queries, query_mask, documents, document_mask, guide = sample_tokens(device, dtype, dim)
+    options = GistOptions(similarity="maxsim", contrast_anchors=False, contrast_positives=False)
+    return {"maxsim": maxsim_call(queries, query_mask, [documents], [document_mask], options),
+            "maxsim, guided": maxsim_call(queries, query_mask, [documents], [document_mask], options, guide=guide)}

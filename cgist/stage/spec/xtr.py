@@ -29,12 +29,12 @@ from torch import Tensor
 
 from ..budget import split_budget, threshold_rows, xtr_block_bytes
 from ..numerics import compute_dtype
-from .maxsim import MaxSimCall, Part, maxsim_call
+from .maxsim import MaxSimCall, Part, maxsim_call, sample_tokens
 from .options import GistOptions
 from .scores import XTR
 
 __all__ = ["CHECK_TOP_K", "DOC_ROWS", "TopK", "Variant", "XTRCall", "check_problem", "lowered", "retrieved",
-           "run_length", "thresholds", "tie_slack", "token_call", "variant_of", "xtr_call"]
+           "run_length", "sample_calls", "thresholds", "tie_slack", "token_call", "variant_of", "xtr_call"]
 
 #: Document tiles of the thresholds' sweep, in documents.
 DOC_ROWS = 16
@@ -307,21 +307,37 @@ def check_problem(call: XTRCall, variant: Variant, rows: int) -> XTRCall:
 
     The tokens' entries are -1, 0 or 1 (a quarter of them non-zero), so every product is a small integer, exact in
     every dtype and on every path: the thresholds' sweep and either backend's tiles retrieve the same tokens, ties
-    (which are many) included, whatever their summation order."""
+    (which are many) included, whatever their summation order. Each document's last real token is twice the longest
+    token of the query of its row, its largest product by far (``2 |q|^2`` against at most ``|q|^2``, retrieved), so
+    that a kernel that stops a document one token short moves the scores; and the temperature, 0.25, spreads the
+    logits over several units, so that a scale off by 0.2% moves the loss and its gradients beyond the tolerance."""
     gen = torch.Generator().manual_seed(1)
     rows, lq, ld = min(rows, 8), 8, 40
     device, dtype = call.device, variant.dtype
 
     def tokens(n: int, length: int) -> Tensor:
         signs = torch.randint(-1, 2, (n, length, variant.dim), generator=gen)
-        return (signs * (torch.rand(signs.shape, generator=gen) < 0.25)).to(device, dtype)
+        return (signs * (torch.rand(signs.shape, generator=gen) < 0.25)).float()
 
     queries = tokens(rows, lq)
     documents = [tokens(rows, ld) for _ in range(2)]
     lengths = torch.randint(1, ld + 1, (2, rows), generator=gen)
+    longest = queries[torch.arange(rows), queries.norm(dim=2).argmax(1)]
+    for column, length in zip(documents, lengths):
+        column[torch.arange(rows), length - 1] = 2 * longest
     masks = [(torch.arange(ld) < lengths[n, :, None]).to(device) for n in range(2)]
     vectors = F.normalize(torch.randn(3 * rows, 16, generator=gen), dim=-1).to(device)
-    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=4.0, margin=0.1, contrast_anchors=False,
+    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=0.25, margin=0.1, contrast_anchors=False,
                           contrast_positives=False, block_bytes=2**20)
-    return xtr_call(queries, torch.ones(rows, lq, dtype=torch.bool, device=device), documents, masks, options,
+    return xtr_call(queries.to(device, dtype), torch.ones(rows, lq, dtype=torch.bool, device=device),
+                    [d.to(device, dtype) for d in documents], masks, options,
                     guide=[vectors[:rows], vectors[rows:2 * rows], vectors[2 * rows:]])
+
+
+def sample_calls(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dtype, dim: int,
+                 guide_dim: int) -> dict[str, XTRCall]:
+    """A small call of the score's one kernel variant for ``dtype`` and ``dim`` (MaxSim's held slabs; the guide's are
+    the check problem's own), on ``device``: ``cgist doctor`` runs its first-use check."""
+    queries, query_mask, documents, document_mask, guide = sample_tokens(device, dtype, dim)
+    options = GistOptions(similarity="xtr", top_k=2, contrast_anchors=False, contrast_positives=False)
+    return {"xtr": xtr_call(queries, query_mask, [documents], [document_mask], options, guide=guide)}

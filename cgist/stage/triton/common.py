@@ -1,19 +1,18 @@
 """What every score's launcher of the Triton backend shares: the accumulation dtypes as Triton types, the product
-precision of fp32 operands, the device's architecture, small constants on the device and the current CUDA device
-while launching. It imports only torch, triton and ``cgist.stage.devices``."""
+precision of fp32 operands, the device's architecture and small constants on the device. It imports only torch,
+triton and ``cgist.stage.devices``."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton.language as tl
 from torch import Tensor
 
-from cgist.stage.devices import Arch, gpu_arch
+from cgist.stage.devices import Arch, describe, device_kind, gpu_arch
 
-__all__ = ["TL_DTYPES", "arch_of", "device_constant", "input_precision", "launch_device"]
+__all__ = ["TL_DTYPES", "arch_of", "device_constant", "input_precision"]
 
 #: The accumulation dtypes (``cgist.stage.numerics.compute_dtype``) as the kernels' ``ACC``.
 TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -32,9 +31,16 @@ def input_precision(dtype: torch.dtype, arch: Arch | None = None) -> str:
 
 
 def arch_of(device: torch.device) -> Arch | None:
-    """The device's architecture on CUDA; None elsewhere (the interpreter), which ``input_precision`` reads as
-    tensor cores."""
-    return gpu_arch(device) if device.type == "cuda" else None
+    """The architecture whose tiles a launch on ``device`` takes: an NVIDIA GPU's (a simulated one's too,
+    ``cgist.stage.devices``); None for CPU tensors under the interpreter, which ``input_precision`` reads as tensor
+    cores. A RuntimeError for a GPU older than every known architecture."""
+    if device_kind(device) != "cuda":
+        return None
+    arch = gpu_arch(device)
+    if arch is None:
+        raise RuntimeError(f"{describe(device)} is older than every architecture the Triton tile configs know "
+                           "(sm_70 and newer)")
+    return arch
 
 
 @functools.lru_cache(maxsize=64)
@@ -42,8 +48,3 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> 
     """A small constant tensor on ``device``, made once: a copy from host memory waits for the stream, so
     each call would otherwise cost a host synchronisation. Read only."""
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def launch_device(device: torch.device):
-    """Make ``device`` current while launching: Triton launches on the current CUDA device."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -64,6 +64,7 @@ from cgist.kernels.gist import (
     pack_scalars,
 )
 from cgist.stage.budget import Chunks, backward_chunks
+from cgist.stage.devices import launch_context
 from cgist.stage.numerics import EPS, addmm_, compute_dtype, row_dots, stack_rows
 from cgist.stage.spec.dense import DenseCall, scaled_gradients
 from cgist.stage.spec.problem import (
@@ -80,7 +81,7 @@ from cgist.stage.spec.problem import (
 from cgist.stage.stats import BLOCKS
 from cgist.stage.ties import tie_ids
 
-from .common import TL_DTYPES, arch_of, device_constant, input_precision, launch_device
+from .common import TL_DTYPES, arch_of, device_constant, input_precision
 from .tiles import gemm_configs, tuned_fwd_kernel
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def tf32x3_addmm_(out: Tensor, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor
     (m, k), n = a_hi.shape, b_hi.shape[1]
     config = gemm_configs(arch_of(out.device))[0]
     grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]), triton.cdiv(n, config.kwargs["BLOCK_N"]))
-    with launch_device(out.device):
+    with launch_context(out.device):
         tf32x3_addmm_kernel[grid](
             out, a_hi, a_lo, b_hi, b_lo, m, n, k, out.stride(0), out.stride(1), a_hi.stride(0), a_hi.stride(1),
             b_hi.stride(0), b_hi.stride(1), num_warps=config.num_warps, num_stages=config.num_stages,
@@ -295,8 +296,9 @@ def prepare_forward(
 def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: bool = False) -> None:
     """Launch the forward row pass of one group (the AP group first); records the autotuner's pick."""
     batch = state.batch
-    with launch_device(state.pos.device):
-        tuned_fwd_kernel[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
+    fwd = tuned_fwd_kernel(arch_of(state.pos.device))
+    with launch_context(state.pos.device):
+        fwd[lambda meta: (triton.cdiv(batch, meta["BLOCK_M"]),)](
             **_kernel_args(state, group), dims_ptr=state.dims_tensor, theta_ptr=state.theta, pos_ptr=state.pos,
             masked_ptr=state.counts[_COUNTER_ROW[group.name]], left_ptr=state.counts[_LEFT_ROW],
             n_rows=state.batch, n_cols=group.n_cols,
@@ -305,7 +307,7 @@ def forward_group(state: ForwardState, group: BoundGroup[_KernelColumn], count: 
             relative=int(state.options.relative), count=int(count),
             DIMS_P2=triton.next_power_of_2(len(state.dims)), **state.flags,
         )
-    config = tuned_fwd_kernel.best_config
+    config = fwd.best_config
     state.tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -388,7 +390,7 @@ class BackwardWork:
         _, f, row_part, col_part = self.buffers()
         tiles = state.tiles
         grid = (triton.cdiv(r1 - r0, tiles["BLOCK_M"]), triton.cdiv(c1 - c0, tiles["BLOCK_N"]))
-        with launch_device(f.device):
+        with launch_context(f.device):
             gist_score_grad_kernel[grid](
                 **self.kernel_args(group), dims_ptr=state.dims_tensor, f_ptr=f, row_part_ptr=row_part,
                 col_part_ptr=col_part, row_stop=r1, col_stop=c1, row_start=r0, col_start=c0,

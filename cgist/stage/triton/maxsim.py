@@ -44,12 +44,12 @@ from cgist.kernels.maxsim import (
     maxsim_scores_kernel,
 )
 from cgist.stage.budget import kept_bytes, slab_rows
-from cgist.stage.devices import Arch
+from cgist.stage.devices import Arch, launch_context
 from cgist.stage.numerics import compute_dtype
 from cgist.stage.spec.block import BlockMasks, block_softmax
 from cgist.stage.spec.maxsim import MaxSimCall, Part, query_weights
 
-from .common import TL_DTYPES, arch_of, device_constant, input_precision, launch_device
+from .common import TL_DTYPES, arch_of, device_constant, input_precision
 from .tiles import SHARED_OVERHEAD, pipelined_loads
 
 __all__ = ["BLOCK_M", "KERNELS", "MAX_BLOCK_T", "MAX_REGISTERS", "XTR_KERNELS", "Launch", "backward", "forward",
@@ -262,7 +262,7 @@ def maxsim_forward_triton(call: MaxSimCall, *, block_tokens: int | None = None, 
     peaks = torch.empty(batch, n_blocks, dtype=packed.acc, device=device)
     totals = torch.empty(batch, n_blocks, dtype=packed.acc, device=device)
     labels = torch.empty(batch, dtype=packed.acc, device=device)
-    with launch_device(device):
+    with launch_context(device):
         packed.launch(maxsim_fwd_kernel, (batch, n_blocks), **packed.pointers(scalars), peak_ptr=peaks,
                       total_ptr=totals, n_docs=n_docs, **packed.shape_args)
         packed.launch(maxsim_label_kernel, (batch,), **packed.pointers(scalars), label_ptr=labels,
@@ -290,7 +290,7 @@ def maxsim_backward_triton(call: MaxSimCall, peak: Tensor, total: Tensor, grad_o
     rows = slab_rows(batch, n_docs * packed.acc.itemsize, call.budget_bytes) if block_queries is None \
         else max(1, min(batch, block_queries))
     grads = torch.empty(rows, n_docs, dtype=packed.acc, device=device)
-    with launch_device(device):
+    with launch_context(device):
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
             packed.launch(maxsim_grad_kernel, (n, triton.cdiv(n_docs, block_docs)), **packed.pointers(scalars),
@@ -384,7 +384,7 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
               torch.zeros(packed.documents.shape, dtype=acc, device=device)) for _, packed in parts] \
         if with_grad else []
     masks = None if call.guide_kind is None else BlockMasks(call)
-    with launch_device(device):
+    with launch_context(device):
         for start in range(0, batch, rows):
             n = min(rows, batch - start)
             _slab_scores(parts, start, scores[:n], None if counts is None else counts[:n])

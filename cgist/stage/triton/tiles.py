@@ -15,12 +15,12 @@ import torch
 import triton
 
 from cgist.kernels.gist import gist_fwd_kernel
-from cgist.stage.devices import Arch, arch_for, gpu_arch, triton_release
+from cgist.stage.devices import Arch, arch_for, simulated, triton_release
 
 __all__ = [
     "ALL_CONFIGS", "DEFAULT_ARCH", "FMA_CONFIGS", "GEMM_INTERPRET_CONFIGS", "INTERPRET", "INTERPRET_CONFIGS", "TRITON",
     "SHARED_OVERHEAD", "gemm_configs", "gemm_shared_memory_estimate", "operand_kind", "pipelined_loads",
-    "prune_configs", "shared_memory_estimate", "tile_configs", "tuned_fwd_kernel",
+    "shared_memory_estimate", "tile_configs", "tuned_fwd_kernel",
 ]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -213,15 +213,15 @@ def tile_configs(dtype: torch.dtype, precision: str, guide_dtype: torch.dtype, g
                  release: tuple[int, int] | None = None) -> list[triton.Config]:
     """Tile configs the forward autotunes over for these operands (the backward reuses its pick).
 
-    Under the interpreter there is exactly one, small enough that tests with odd sizes cross several
-    row, column and K tiles. On a GPU of architecture ``arch`` (a ``cgist.stage.devices.Arch``; None:
-    ``DEFAULT_ARCH``) the configs are its family's: from sm_80 on every dtype pair but fp64 runs on the
-    tensor cores (fp32 as tf32 or tf32x3), below it on FMA loops. On an architecture the tables do not know
-    (``arch.known`` false) only the configs whose ``shared_memory_estimate`` fits its shared memory are
-    kept, or the smallest one if none does. The tables are those of Triton ``release`` (``(major, minor)``;
+    On a GPU of architecture ``arch`` (a ``cgist.stage.devices.Arch``, a simulated device's too) the configs are its
+    family's: from sm_80 on every dtype pair but fp64 runs on the tensor cores (fp32 as tf32 or tf32x3), below it on
+    FMA loops. On an architecture the tables do not know (``arch.known`` false) only the configs whose
+    ``shared_memory_estimate`` fits its shared memory are kept, or the smallest one if none does. Without an
+    ``arch``: under the interpreter (CPU tensors) exactly one, small enough that tests with odd sizes cross several
+    row, column and K tiles; else ``DEFAULT_ARCH``'s. The tables are those of Triton ``release`` (``(major, minor)``;
     None: the running one, ``TRITON``).
     """
-    if interpret:
+    if arch is None and interpret:
         return INTERPRET_CONFIGS
     arch = arch or DEFAULT_ARCH
     kind = operand_kind(dtype, precision, guide_dtype, guide_precision, arch)
@@ -241,34 +241,28 @@ def _fitting(configs: list[triton.Config], estimate, arch: Arch) -> list[triton.
     return [c for c in configs if estimate(c) <= arch.shared_bytes] or [min(configs, key=estimate)]
 
 
-def _device_arch(device: torch.device) -> Arch | None:
-    """The architecture of a CUDA tensor's device; None for other devices (the interpreter's CPU tensors)."""
-    if device.type != "cuda":
-        return None
-    arch = gpu_arch(device)
-    if arch is None:
-        raise RuntimeError(f"{torch.cuda.get_device_name(device)} (compute capability "
-                           f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}) is older than every "
-                           "architecture the Triton tile configs know (sm_70 and newer)")
-    return arch
-
-
-def prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
-    """The autotuner's pruning: the configs ``tile_configs`` gives for a launch's operands, dimensions and device."""
+def _prune(configs, named_args, arch: Arch | None, **kwargs) -> list[triton.Config]:
+    """The autotuner's pruning: the configs ``tile_configs`` gives on ``arch`` for a launch's operands and
+    dimensions. A simulated device has no timings to choose by, so it takes the first (docs/devices.md#simulated-devices)."""
     args = {**named_args, **kwargs}  # keyword launches leave named_args empty
-    return tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
-                        args["N_DIMS"], _device_arch(args["q_ptr"].device))
+    configs = tile_configs(args["q_ptr"].dtype, args["PRECISION"], args["qg_ptr"].dtype, args["PRECISION_G"],
+                           args["N_DIMS"], arch)
+    return configs[:1] if simulated(args["q_ptr"].device) is not None else configs
 
 
-#: The forward row pass (``cgist.kernels.gist.gist_fwd_kernel``) autotuned over the tile configs of its launch
-#: (``prune_configs``), per batch and column bucket, dimensions and input precisions; the running state it updates
-#: is restored between trials. The score-gradient kernel takes its pick (``best_config``).
-tuned_fwd_kernel = triton.autotune(
-    configs=INTERPRET_CONFIGS if INTERPRET else ALL_CONFIGS,
-    key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G", "N_DIMS"],
-    prune_configs_by={"early_config_prune": prune_configs},
-    restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
-)(gist_fwd_kernel)
+@functools.lru_cache(maxsize=None)
+def tuned_fwd_kernel(arch: Arch | None) -> triton.runtime.Autotuner:
+    """The forward row pass (``cgist.kernels.gist.gist_fwd_kernel``) autotuned over the tile configs of ``arch``
+    (``cgist.stage.triton.common.arch_of``; None: the interpreter's one), per batch and column bucket, dimensions and input precisions; the
+    running state it updates is restored between trials. One autotuner per architecture, so that a pick made for one
+    device is never another's. The score-gradient kernel takes its pick (``best_config``)."""
+    return triton.autotune(
+        configs=INTERPRET_CONFIGS if arch is None else ALL_CONFIGS,
+        key=["b_bucket", "n_bucket", "dim", "dim_g", "PRECISION", "PRECISION_G", "N_DIMS"],
+        prune_configs_by={"early_config_prune": functools.partial(_prune, arch=arch)},
+        restore_value=["m_ptr", "l_ptr", "masked_ptr", "left_ptr"],
+    )(gist_fwd_kernel)
+
 
 # The tf32x3 GEMM of the backward (``cgist.kernels.gemm.tf32x3_addmm_kernel``): one config (BLOCK_M, BLOCK_N, BLOCK_K,
 # warps, stages) per tile family from sm_80 on (below it fp32 runs at "ieee", unsplit). Each K step loads four
@@ -295,10 +289,10 @@ def gemm_shared_memory_estimate(config: triton.Config) -> int:
 
 
 def gemm_configs(arch: Arch | None = None, interpret: bool = INTERPRET) -> list[triton.Config]:
-    """The configs of the tf32x3 GEMM on ``arch`` (None: ``DEFAULT_ARCH``), the first of which the launcher runs: its
-    family's (on an architecture the tables do not know, pruned as ``tile_configs`` prunes); under the interpreter
-    ``GEMM_INTERPRET_CONFIGS``."""
-    if interpret:
+    """The configs of the tf32x3 GEMM on ``arch``, the first of which the launcher runs: its family's (on an
+    architecture the tables do not know, pruned as ``tile_configs`` prunes); without one, under the interpreter
+    ``GEMM_INTERPRET_CONFIGS``, else ``DEFAULT_ARCH``'s."""
+    if arch is None and interpret:
         return GEMM_INTERPRET_CONFIGS
     arch = arch or DEFAULT_ARCH
     if not arch.mma:
