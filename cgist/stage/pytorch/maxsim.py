@@ -49,6 +49,7 @@ class _DocTile:
     remap: Tensor | None  # (bd, width) long
     empty: Tensor | None  # (bd,) bool
     real: Tensor | None  # (bd, width) bool: which positions are real tokens (None when all are)
+    largest: Tensor  # (bd, 1) the compute dtype: each document's largest token norm (``_tie_floor``)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class _QueryTile:
     tokens: Tensor  # (bq * width, D), contiguous
     weights: Tensor  # (bq, width) the compute dtype
     fill: Tensor  # (bq, 1) the compute dtype: the score of an empty document
+    norms: Tensor  # (bq * width,) the compute dtype: each token's norm (``_tie_floor``)
 
 
 def _width(mask: Tensor) -> int:
@@ -86,7 +88,8 @@ def _column_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int) 
                 remap = torch.where(tile_mask, torch.arange(width, device=mask.device), first)
                 tokens = tokens.gather(1, remap.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]))
                 real = tile_mask
-            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty, real)
+            largest = torch.linalg.vector_norm(tokens, dim=2, dtype=compute_dtype(tokens.dtype)).amax(1, keepdim=True)
+            yield _DocTile(c, start, stop, tokens.contiguous(), remap, empty, real, largest)
 
 
 def _query_tiles(chunks: Sequence[Tensor], masks: Sequence[Tensor], rows: int, budget: int, per_query: int,
@@ -117,7 +120,8 @@ def _query_tile(chunk: Tensor, mask: Tensor, c: int, start: int, stop: int, row:
     width = _width(tile_mask)
     weights, fill = query_weights(tile_mask[:, :width], length_normalize, compute_dtype(chunk.dtype))
     tokens = chunk[start:stop, :width].reshape(-1, chunk.shape[-1])
-    return _QueryTile(c, start, stop, row, tokens, weights, fill)
+    norms = torch.linalg.vector_norm(tokens, dim=1, dtype=weights.dtype)
+    return _QueryTile(c, start, stop, row, tokens, weights, fill, norms)
 
 
 def _widths(part: Part) -> tuple[int, int]:
@@ -182,15 +186,15 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
                  reduction: Reduction = MAXSIM, span: slice = slice(None), cols: slice = slice(None)) -> None:
     """The tile's scores into ``scores`` ``(bq, bd)`` (the compute dtype; ``reduction``'s of the maxima, at the row
     block's rows ``span`` and columns ``cols``), sentence-transformers' score where a document is empty; and, given
-    ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum is at (the first, on a tie), as
-    positions of ``doc.tokens``.
+    ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum is at, as positions of ``doc.tokens``:
+    the first token whose product ties with the maximum, within the products' rounding bound (``_tie_floor``).
 
     The product is laid out document token by query token, so that the maximum over a document's tokens runs down
     its rows, elementwise over contiguous rows, which vectorises (a maximum along a row does not). The argmax is not
     ``torch.max``'s, which does not vectorise either: once the maxima are known the product is no longer
-    needed, and becomes ``Ld - t`` where token ``t`` attains its query token's maximum, 0 elsewhere; the largest of
-    these, per query token, is the first position of its maximum (exact in a dtype that holds the integers up to
-    ``Ld``, else ``torch.max``)."""
+    needed, and becomes ``Ld - t`` where token ``t`` ties with its query token's maximum, 0 elsewhere; the largest of
+    these, per query token, is the first tied position (exact in a dtype that holds the integers up to ``Ld``, else
+    ``torch.max`` of the ties, which returns the first)."""
     bq, lq = query.weights.shape
     bd, ld = doc.tokens.shape[:2]
     product = _thread_buffer(bd * ld * bq * lq, query.tokens.dtype, query.tokens.device)
@@ -198,14 +202,27 @@ def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor
     torch.mm(doc.tokens.view(bd * ld, -1), query.tokens.T, out=product)
     per_token = product.view(bd, ld, bq * lq)
     maxima = reduction.tile_maxima(query, doc, per_token, span)
-    if where is not None and ld <= _exact_integers(per_token.dtype):
-        countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
-        first = per_token.eq_(maxima.unsqueeze(1)).mul_(countdown).amax(1)
-        where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
-    elif where is not None:
-        where.copy_(per_token.max(1).indices.view(bd, bq, lq).permute(1, 2, 0))
+    if where is not None:
+        tied = per_token.ge_(_tie_floor(query, doc, maxima).unsqueeze(1))
+        if ld <= _exact_integers(per_token.dtype):
+            countdown = torch.arange(ld, 0, -1, dtype=per_token.dtype, device=per_token.device).view(1, ld, 1)
+            first = tied.mul_(countdown).amax(1)
+            where.copy_(first.neg_().add_(ld).view(bd, bq, lq).permute(1, 2, 0))
+        else:
+            where.copy_(tied.max(1).indices.view(bd, bq, lq).permute(1, 2, 0))
     tile = reduction.scores(query, doc, maxima.view(bd, bq, lq).to(query.weights.dtype), span, cols)
     scores.copy_(tile if doc.empty is None else torch.where(doc.empty, query.fill, tile))
+
+
+def _tie_floor(query: _QueryTile, doc: _DocTile, maxima: Tensor) -> Tensor:
+    """The least product that ties with each maximum ``(bd, bq * Lq)``: the maximum lowered by the rounding bound of
+    the difference of two of its document's products, ``D * eps * |q_t| * max_u |d_u|`` (``eps`` the compute
+    dtype's), in the products' dtype (docs/design.md#ties-of-a-maximum). Two equal tokens of a document tie whatever
+    the summation order a CPU's matrix product gives each (it differs by position within a product on some CPUs),
+    so the first of them gets the gradient everywhere; half-precision products tie only when equal."""
+    eps = torch.finfo(query.norms.dtype).eps
+    slack = doc.largest * query.norms * (query.tokens.shape[1] * eps)
+    return maxima - slack.to(maxima.dtype)
 
 
 def _exact_integers(dtype: torch.dtype) -> int:

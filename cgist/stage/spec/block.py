@@ -117,7 +117,9 @@ def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, 
 
     Each query's softmax is exact: its largest logit ``peak`` and ``total``, the sum of ``exp(logit - peak)``, so the
     softmax of the largest logit is ``1 / total`` exactly; with a log-sum-exp alone its rounding (an ulp of the
-    log-sum-exp) would swamp the gradient of a query that already ranks its positive far above the rest. The loss is
+    log-sum-exp) would swamp the gradient of a query that already ranks its positive far above the rest. The label's
+    gradient, ``scale / B * (p_label - 1)``, is ``-scale / B`` times the other terms' sum (summed apart) over
+    ``total``: as precise as the other probabilities, where ``p_label - 1`` would cancel to an ulp of 1. The loss is
     ``(peak - label logit) + log(total)``, which keeps its value where every logit is the empty document's ``-1e9``.
     ``radial`` (0-dim), if given, gets the block's share of ``sum_ij dL/dz_ij z_ij`` over the logits ``z``: minus the
     temperature times its derivative of the loss (``cgist.stage.node``)."""
@@ -130,13 +132,17 @@ def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, 
     peak = logits.amax(1, keepdim=True)
     gap = peak.squeeze(1) - logits[local, labels]
     terms = logits.sub_(peak).exp_()  # in place: the scores are not needed again
-    total = terms.sum(1, keepdim=True)
+    label_terms = terms[local, labels]
+    terms[local, labels] = 0.0
+    others = terms.sum(1)  # summed apart from the label's: 1 - p_label without the cancellation
+    total = (others + label_terms).unsqueeze(1)
     losses[first:first + rows] = gap + torch.log(total).squeeze(1)
     if radial is not None:  # sum_j p_ij z_ij - z_i,label = gap + sum_j p_ij (z_ij - peak), with z - peak = log(term)
-        radial += (gap + torch.special.xlogy(terms, terms).sum(1) / total.squeeze(1)).sum() / call.n_queries
+        radial += (gap + (torch.special.xlogy(terms, terms).sum(1) + torch.special.xlogy(label_terms, label_terms))
+                   / total.squeeze(1)).sum() / call.n_queries
     if not with_grad:
         return None
     unit = call.scale / call.n_queries
     grad = terms.mul_(unit / total)
-    grad[local, labels] -= unit
+    grad[local, labels] = -unit * others / total.squeeze(1)  # unit * (p_label - 1), to p_label's relative precision
     return grad
