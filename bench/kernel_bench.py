@@ -195,7 +195,18 @@ def timed(fn: Callable[[], object], quick: bool = False) -> tuple[float, float, 
 
 
 def _device_name() -> str:
-    return torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (interpreter smoke test)"
+    """The GPU's name; on a CPU, what stands in for one (a simulated device, ``CGIST_SIMULATE_DEVICE``)."""
+    from cgist.stage.devices import describe, simulated
+
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{describe(DEVICE)}, simulated" if simulated(DEVICE) else "cpu (interpreter smoke test)"
+
+
+def _simulated_note() -> str:
+    """The line a report on a CPU starts with: no figure in it is a GPU's."""
+    return (f"SIMULATED: {_device_name()}: the kernels ran under the Triton interpreter on the CPU; every figure "
+            "below is the CPU's, none is a GPU's")
 
 
 def _row(impl, op, batch, n_cand, dim, dim_g, k, dtype_name, times, peak_mb=0.0, note="", impl_version=None):
@@ -501,11 +512,12 @@ def paper_estimates(batch: int, dim: int, dim_g: int, k: int, pair: str, dims: t
     return rows
 
 
-def warmup(pairs: list[str], dim: int, dim_g: int, k: int) -> None:
-    """Compile and tune every kernel variant the check runs, at a small size with the same specialisation."""
+def warmup(pairs: list[str], dim: int, dim_g: int, k: int, batch: int = 512) -> None:
+    """Compile and tune every kernel variant the check runs, at a small size (``batch`` rows) with the same
+    specialisation."""
     for pair in pairs:
         dtype, guide_dtype = PAIRS[pair]
-        student, guide = make_embeddings(512, 512, dim, dim_g, k, device=DEVICE, dtype=dtype)
+        student, guide = make_embeddings(batch, batch, dim, dim_g, k, device=DEVICE, dtype=dtype)
         guide = [g.to(guide_dtype) for g in guide]
         gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
         if (pair, True) in {(p, mat) for p, _, mat in CHECK_ORDER}:
@@ -573,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     if DEVICE.type != "cuda":
         print("no CUDA GPU: smoke test under the Triton interpreter, the numbers mean nothing", file=sys.stderr)
     if args.suite == "warmup":
-        warmup(pairs, args.dim, args.guide_dim, args.negatives)
+        warmup(pairs, args.dim, args.guide_dim, args.negatives, *(args.batch or [])[:1])
         return 0
     if args.suite == "estimates":
         rows = [r for pair in (args.dtype or ["bf16", "fp32", "bf16+fp32"]) for batch in (args.batch or [16384, 65536])
@@ -609,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "gpu_check" if args.suite == "check" else "kernel_bench"
     path = write_csv(args.out / f"{name}.csv", rows)
     table = _format(rows) + "\n\n" + summary(rows)
+    if DEVICE.type != "cuda":
+        table = _simulated_note() + "\n" + table
     if skipped:
         table += f"\nskipped (time budget of {args.budget_s:.0f} s): {', '.join(skipped)}"
     (args.out / f"{name}.txt").write_text(table + "\n")

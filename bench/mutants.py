@@ -447,8 +447,8 @@ def run_tests(copy: Path, runner: list[str], tests: list[str], timeout: float) -
     if check.returncode != 0:
         return 3, (check.stderr or check.stdout).strip(), copy / "_mutants_report.xml"
     report = copy / "_mutants_report.xml"
-    command = [pytest_executable(), *runner, "-p", "no:cacheprovider", "-p", GUARD_MODULE,
-               f"--junitxml={report}", "-o", "junit_family=xunit1", *tests]
+    command = [pytest_executable(), *runner, "-p", "no:cacheprovider", "--no-cov", "-p", GUARD_MODULE,
+               f"--junitxml={report}", "-o", "junit_family=xunit1", *tests]  # a mutant's run measures no coverage
     process = subprocess.Popen(command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

@@ -185,9 +185,9 @@ def _first_use_check(call: StageCall) -> bool:
 
 def check_kernels(call: StageCall, rows: int | None = None) -> selfcheck.Check:
     """The first-use check of the kernels of ``call``'s variant (its score's ``variant_of``): the score's check problem
-    of that variant (``check_problem``, ``rows`` rows at most, None: ``selfcheck.ROWS``) through the kernels and the PyTorch path on the call's
-    device (``cgist.stage.dispatch.selfcheck``). "auto" runs it once per variant; ``cgist doctor`` on a small call of
-    every score's variants (``sample_calls``)."""
+    of that variant (``check_problem``, at most ``rows`` rows, None: ``selfcheck.ROWS``) through the kernels and the
+    PyTorch path on the call's device (``cgist.stage.dispatch.selfcheck``). "auto" runs it once per variant;
+    ``cgist doctor`` on a small call of each variant of every score (its spec's ``sample_calls``)."""
     score = call.options.score
     spec = _spec(score)
     variant = spec.variant_of(call, device_key(call.device))
