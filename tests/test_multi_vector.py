@@ -31,6 +31,7 @@ from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, m
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
+from helpers import TOL  # noqa: E402
 from helpers_models import (  # noqa: E402
     DOCUMENTS,
     NEGATIVES,
@@ -290,7 +291,8 @@ CONFIGS = [dict(), dict(scale=4.0), dict(similarity_fct=mean_colbert_scores, sca
 def test_the_drop_ins_train_a_real_model_as_sentence_transformers_does(config, cached):
     """The loss to float32's rounding; the model's gradients, sums over every token where float32 rounding of the
     token gradients cancels unevenly (a key bias's true gradient is zero), as a whole to a relative norm of 1e-4 and
-    each entry to 1e-4 of the largest."""
+    each entry to the suite's tolerance of a model's parameter gradients (``helpers.TOL["models"]``: the embeddings'
+    rounding through the model's Jacobian, which no rule in u bounds where entries cancel)."""
     columns = [QUERIES, DOCUMENTS, NEGATIVES]
     model = _model()
     if cached:
@@ -308,7 +310,7 @@ def test_the_drop_ins_train_a_real_model_as_sentence_transformers_does(config, c
     assert grads.keys() == expected_grads.keys()
     flat, expected_flat = (torch.cat([g[name].flatten() for name in sorted(g)]) for g in (grads, expected_grads))
     assert (flat - expected_flat).norm() < 1e-4 * expected_flat.norm()
-    torch.testing.assert_close(flat, expected_flat, rtol=1e-3, atol=1e-4 * float(expected_flat.abs().max()))
+    torch.testing.assert_close(flat, expected_flat, **TOL["models"]["fp32"])
     assert ours.get_config_dict() == theirs.get_config_dict()
 
 

@@ -133,3 +133,49 @@ def test_tie_ids_agree_with_sorting_the_normalised_rows(name):
     unique = torch.unique(normalize(rows)[0], dim=0, return_inverse=True)[1]
     flat = torch.cat(ids)
     assert torch.equal(flat[:, None] == flat[None, :], unique[:, None] == unique[None, :])
+
+
+# Half products into float32: each way a device offers ------------------------------------------------------------
+
+_ADDMM, _MM = torch.addmm, torch.mm
+
+
+def _addmm_into_float32(input, a, b, *, beta=1.0, alpha=1.0, out_dtype=None, **kwargs):
+    """``torch.addmm`` with CUDA's ``out_dtype`` (half operands, a float32 result), emulated by widening them."""
+    if out_dtype is None:
+        return _ADDMM(input, a, b, beta=beta, alpha=alpha, **kwargs)
+    return _ADDMM(input, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, **kwargs)
+
+
+def _mm_into_float32(a, b, *, out_dtype=None, **kwargs):
+    """``torch.mm`` with CUDA's ``out_dtype``, emulated likewise."""
+    return _MM(a, b, **kwargs) if out_dtype is None else _MM(a.to(out_dtype), b.to(out_dtype), **kwargs)
+
+
+def _no_out_dtype(*args, out_dtype=None, **kwargs):
+    if out_dtype is not None:
+        raise TypeError("out_dtype is not supported here")
+    return _ADDMM(*args, **kwargs)
+
+
+@pytest.mark.parametrize("how", ["addmm", "mm", "upcast"])
+def test_half_products_accumulate_in_float32_each_way_a_device_offers(monkeypatch, how):
+    """``half_accumulation`` probes which call multiplies half operands into float32 (CUDA's ``out_dtype`` calls,
+    emulated here by widening, as a product of two half values is exact in float32), and ``addmm_`` takes it:
+    ``beta * out + alpha * a @ b`` as the widened product gives it, a ``beta`` of 0 reading nothing of ``out``."""
+    from cgist.stage import numerics
+
+    if how != "upcast":
+        monkeypatch.setattr(torch, "addmm", _addmm_into_float32 if how == "addmm" else _no_out_dtype)
+        monkeypatch.setattr(torch, "mm", _mm_into_float32)
+    assert numerics.half_accumulation.__wrapped__("cpu") == how
+    monkeypatch.setattr(numerics, "half_accumulation", lambda device_type: how)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(5, 7, generator=gen).to(torch.bfloat16), torch.randn(7, 4, generator=gen).to(torch.bfloat16))
+    start = torch.randn(5, 4, generator=gen)
+    for beta, alpha in ((1.0, 1.0), (0.5, -2.0), (0.0, 3.0)):
+        out = start.clone()
+        if beta == 0:
+            out[0, 0] = float("nan")  # not read
+        want = beta * start + alpha * (a.float() @ b.float()) if beta else alpha * (a.float() @ b.float())
+        torch.testing.assert_close(numerics.addmm_(out, a, b, beta=beta, alpha=alpha), want, rtol=1e-6, atol=1e-6)
