@@ -8,10 +8,11 @@
   ``triton.language.core``, those of its globals) the launch has patched already is skipped here, so every op runs
   as the interpreter runs it.
 * **Coverage of the kernels' bodies.** Under coverage (``pytest --cov``), the tracer costs 2.5 times a launch's time,
-  spent in the interpreter's own calls. Each kernel specialization (the kernel and its constexpr arguments) is traced
-  on its first launch in a process; later launches of it pause the tracer (coverage's collector ``pause``/``resume``,
-  which keeps its stack of frames) and record nothing. A line that ran in no traced launch counts as never executed,
-  so the coverage gate can only be stricter for it, never looser.
+  spent in the interpreter's own calls. Each kernel specialization (the kernel, its constexpr arguments and the
+  runtime arguments it branches on, ``BRANCHES``) is traced on its first launch in a process; later launches of it
+  pause the tracer (coverage's collector ``pause``/``resume``, which keeps its stack of frames) and record nothing.
+  A line that ran in no traced launch counts as never executed, so the coverage gate can only be stricter for it,
+  never looser.
 
 API:
     interpreter_runs()     a context manager installing both for the run (a no-op without the interpreter).
@@ -30,7 +31,10 @@ from triton.runtime import interpreter
 _STATE: dict = {"depth": 0, "patched": set()}
 #: The language modules each ``@triton.jit`` function sees, as ``_patch_lang`` finds them.
 _LANGS: dict = {}
-#: The kernel specializations traced once in this process: (kernel, constexpr arguments).
+#: The runtime arguments the kernels branch on (kernels/gist.py: ``if (rules & ...)``, ``if count``): a
+#: specialization is traced once per value of each, beside its constexprs.
+BRANCHES = ("rules", "count")
+#: The kernel specializations traced once in this process: (kernel, constexpr and branch arguments).
 _TRACED: set[tuple[int, str]] = set()
 
 
@@ -61,7 +65,8 @@ def interpreter_runs() -> Iterator[None]:
         return patch_lang(fn)
 
     def run(self, *args, **kwargs):
-        key = (id(self.fn), repr(sorted((name, kwargs[name]) for name in self.constexprs if name in kwargs)))
+        key = (id(self.fn), repr(sorted((name, kwargs[name]) for name in (*self.constexprs, *BRANCHES)
+                                        if name in kwargs)))
         collector = None if key not in _TRACED else _active_collector()
         _TRACED.add(key)
         _STATE["depth"] += 1

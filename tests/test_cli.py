@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_models import tiny_model
+from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 from test_data import write_csv, write_jsonl
 
@@ -125,7 +126,9 @@ def test_resume_command(argv, expected):
     "argv, message",
     [
         (["--batch-size", "many"], "--batch-size"),
+        (["--max-steps", "three"], "argument --max-steps: expected an integer, got 'three'"),
         (["--lr", "0"], "--lr"),
+        (["--lr", "fast"], "argument --lr: expected a number, got 'fast'"),
         (["--epochs", "-1"], "--epochs"),
         (["--max-steps", "0"], "--max-steps"),
         (["--eval-fraction", "1"], "--eval-fraction"),
@@ -154,6 +157,9 @@ def test_module_help():
 # ---------------------------------------------------------------------------------------------- bad inputs
 
 
+#: --data that cannot be trained on: (what the data is, what the message says). The data is the rows of a JSONL file
+#: (None: no file), the file's text (a str), or the splits of a directory saved by datasets (a dict; empty: an empty
+#: directory).
 BAD_DATA = {
     "missing-file": (None, "does not exist"),
     "unknown-column": ([{"anchor": "a b", "positive": "c d", "label": "x"}], "unknown column(s) ['label']"),
@@ -163,22 +169,51 @@ BAD_DATA = {
     "one-row": ([{"anchor": "a b", "positive": "c d"}], "at least 2"),
     "ragged-jsonl": ([{"anchor": "a b", "positive": "c d"}, {"anchor": "e", "positive": "f", "negative": "g"}],
                      "line 2 has keys"),
+    "invalid-json": ('{"anchor": "a b", "positive": "c d"}\n\n{"anchor": "e f", "positive"}\n',
+                     "pairs.jsonl: line 3 is not valid JSON (Expecting ':' delimiter)"),
+    "not-an-object": ([["a b", "c d"], ["e f", "g h"]], "pairs.jsonl: line 1 must be a JSON object, got list"),
+    "directory-not-a-dataset": ({}, "pairs is not a saved `datasets` directory (Directory "),
+    "directory-without-train-split": ({"test": [{"anchor": "a b", "positive": "c d"}] * 2},
+                                      "pairs holds splits ['test'], but no 'train' split"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
 def test_bad_data(case, tmp_path, capsys):
+    """Exit 2 before anything is written, with a message that names the file (and its line or split) and what is
+    wrong."""
     rows, message = BAD_DATA[case]
     path = tmp_path / "pairs.jsonl"
-    if rows is not None:
+    if isinstance(rows, str):
+        path.write_text(rows)
+    elif isinstance(rows, dict):
+        path = tmp_path / "pairs"
+        path.mkdir()
+        if rows:
+            DatasetDict({split: Dataset.from_list(r) for split, r in rows.items()}).save_to_disk(str(path))
+    elif rows is not None:
         write_jsonl(path, rows)
     _check(["--data", str(path)], capsys, code=2, out_dir=tmp_path / "out", message=message)
 
 
-@pytest.mark.parametrize("header, message", [(["anchor", "text"], "unknown column"), (["anchor", "positive"], "empty")],
-                         ids=["csv-unknown-column", "csv-empty"])
-def test_bad_csv(header, message, tmp_path, capsys):
-    path = write_csv(tmp_path / "pairs.csv", header, [])
+@pytest.mark.parametrize(
+    "header, rows, message",
+    [
+        (["anchor", "text"], [], "unknown column"),
+        (["anchor", "positive"], [], "empty"),
+        (None, [], "pairs.csv: the file is empty; it needs a header row (anchor,positive,...) and data rows"),
+        (["anchor", "positive"], [["a b", "c d"], [], ["e f"]], "pairs.csv: line 4 has 1 fields, but the header has 2"),
+    ],
+    ids=["csv-unknown-column", "csv-empty", "csv-no-header", "csv-short-row"],
+)
+def test_bad_csv(header, rows, message, tmp_path, capsys):
+    """A CSV file with bad columns, no rows, no header (None: an empty file) or a row whose fields do not match the
+    header's (the blank line between the rows counts as a line)."""
+    path = tmp_path / "pairs.csv"
+    if header is None:
+        path.write_text("")
+    else:
+        write_csv(path, header, rows)
     _check(["--data", str(path)], capsys, code=2, out_dir=tmp_path / "out", message=message)
 
 
@@ -187,6 +222,7 @@ def test_bad_csv(header, message, tmp_path, capsys):
     [
         (["--batch-size", "1"], "--batch-size must be at least 2"),
         (["--mini-batch-size", "0"], "--mini-batch-size"),
+        (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), got 1.0"),
         (["--temperature", "0"], "temperature"),
         (["--margin", "nan"], "margin"),
         (["--margin-strategy", "squared"], "margin_strategy"),
@@ -211,7 +247,7 @@ def test_bad_csv(header, message, tmp_path, capsys):
         (["--hardness-mode", "hardest"], "hardness_mode must be one of"),
         (["--hardness-mode", "hard_negatives", "--hardness-strength", "-1"], "hardness_strength must be"),
     ],
-    ids=["batch-1", "mini-batch-0", "temperature-0", "margin-nan", "strategy-squared", "backend-cuda", "device",
+    ids=["batch-1", "mini-batch-0", "warmup-1", "temperature-0", "margin-nan", "strategy-squared", "backend-cuda", "device",
          "model-missing", "guide-missing", "model-not-a-model", "self-with-guide", "none-with-guide",
          "cache-without-precomputed", "cache-is-a-file", "q2q-with-contrast-anchors", "d2d-with-contrast-positives",
          "no-q2d", "unknown-direction", "per-direction-with-contrast", "unknown-hardness", "negative-hardness"],

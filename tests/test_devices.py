@@ -10,6 +10,7 @@ answers, so that those lines run too.
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import pytest
@@ -215,3 +216,60 @@ def test_a_real_gpu_is_read_through_torch_cuda(monkeypatch):
         assert devices.device_kind(gpu) == "rocm" and devices.gpu_arch(gpu) is None
     finally:
         devices.reset_devices()
+
+
+# The seam's other answers -------------------------------------------------------------------------------------------
+
+
+def test_a_capability_older_than_every_known_one_has_no_tiles(simulate, monkeypatch):
+    """sm_60 has no ``Arch``; a launch on such a GPU (a simulated sm_90 made to read none) is refused by name."""
+    from cgist.stage.triton import common
+
+    assert devices.arch_for((6, 0)) is None
+    simulate("sm_90")
+    monkeypatch.setattr(common, "gpu_arch", lambda device: None)
+    with pytest.raises(RuntimeError, match=r"cpu simulating NVIDIA H100 80GB HBM3 \(sm_90\) is older than every "
+                                           r"architecture the Triton tile configs know \(sm_70 and newer\)"):
+        common.arch_of(CPU)
+
+
+def test_free_memory_without_proc_meminfo_is_the_physical_memory(monkeypatch):
+    def no_meminfo(path, *args, **kwargs):
+        raise OSError(f"no {path}")
+
+    monkeypatch.setattr(devices, "open", no_meminfo, raising=False)
+    assert devices.free_bytes(CPU) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_triton_version_that_cannot_be_read_is_not_trusted(monkeypatch, caplog):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "unknown")
+    devices.reset_notices()
+    with caplog.at_level(logging.WARNING, logger="cgist"):
+        why = devices.unchecked_triton()
+    devices.reset_notices()
+    assert why.startswith("Triton unknown is older than every release the kernels' compile check covers")
+    assert [r.getMessage() for r in caplog.records] == [f"cgist: {why}"]
+
+
+def test_a_pytorch_backend_that_cannot_be_imported_is_raised():
+    """Only the Triton backend's ImportError becomes "unavailable": a score's PyTorch module must import."""
+    broken = Score("broken", ("cos",), tokens=False, options=(), spec=DENSE.spec,
+                   backends={"torch": "cgist.stage.pytorch.no_such_module"})
+    with pytest.raises(ModuleNotFoundError, match="cgist.stage.pytorch.no_such_module"):
+        route.backend_module(broken, "torch")
+
+
+def test_the_check_names_a_dtype_without_kernels():
+    with pytest.raises(TypeError, match="the kernels take float64, float32, bfloat16 or float16 embeddings, got "
+                                        "torch.int32"):
+        selfcheck.score_precision(torch.int32)
+
+
+def test_a_device_other_than_the_cpu_gets_its_scratch_fresh():
+    """The kept workspace is the CPU's (a GPU's caching allocator reuses its blocks): elsewhere each call allocates."""
+    from cgist.stage.pytorch.workspace import _thread_buffer
+
+    scratch = _thread_buffer(12, torch.float32, torch.device("meta"))
+    assert scratch.device.type == "meta" and scratch.numel() == 12

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from test_selfcheck import _wrong_count
 
 import cgist.stage.triton.dense  # noqa: F401 - imported while conftest's TRITON_INTERPRET=1 holds, so interpreted
@@ -92,6 +93,7 @@ def test_doctor_refuses_a_missing_device(capsys, device):
 @pytest.mark.parametrize("version, says", [
     ("6.2.0", "6.2.0: in the tested range"), ("6.3.0", "6.3.0: in the tested range"),
     ("6.4.0", "6.4.0: newer than the newest tested (6.3.0)"), ("7.0.0", "7.0.0: beyond the supported range"),
+    ("6.1.0", "6.1.0: older than supported: import cgist fails"),
 ])
 def test_doctor_says_which_release_a_result_belongs_to(version, says, monkeypatch):
     monkeypatch.setattr(compat, "NEWEST_TESTED", "6.3.0")
@@ -100,6 +102,55 @@ def test_doctor_says_which_release_a_result_belongs_to(version, says, monkeypatc
     assert line.startswith(f"sentence-transformers {says}")
     rule = "always excluded" if compat.release_rules(version).self_pairs_excluded else "left to the guide"
     assert f"GIST self-pairs {rule}" in line
+
+
+def test_doctor_says_when_sentence_transformers_is_missing(monkeypatch):
+    """Without sentence-transformers the doctor says what still works; the rules are then the newest release's."""
+    monkeypatch.setattr(compat, "installed_version", lambda distribution: None)
+    assert sentence_transformers_line().startswith("sentence-transformers: not installed (tested: ")
+    assert sentence_transformers_line().endswith("the drop-ins need it, gist_loss does not")
+    assert compat.tested_range_status() == "not installed"
+    compat.release_rules.cache_clear()
+    try:
+        assert compat.release_rules() is compat.NEWEST_RULES
+    finally:
+        compat.release_rules.cache_clear()
+
+
+def test_an_installed_version_of_a_missing_distribution_is_none():
+    assert compat.installed_version("cgist-no-such-distribution") is None
+
+
+def test_doctor_names_a_missing_triton(monkeypatch):
+    from cgist.cli.doctor import _describe_device
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert _describe_device(torch.device("cpu")).endswith(", triton not installed")
+
+
+def test_doctor_names_a_score_without_kernels(capsys, monkeypatch):
+    """A score that registers no Triton backend is named, not checked (the checks: the registry's other scores)."""
+    from cgist.stage.spec import scores
+
+    torch_only = scores.Score("dense", scores.DENSE.similarities, tokens=False, options=scores.DENSE.options,
+                              spec=scores.DENSE.spec, backends={"torch": scores.DENSE.backend("torch")})
+    monkeypatch.setattr(scores, "SCORES", (torch_only,))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    status, lines = _doctor(capsys)
+    assert status == 0
+    assert "  dense                    no Triton kernels: the PyTorch path" in lines
+    assert not any(" agree: " in line for line in lines)
+
+
+def test_doctor_cannot_simulate_after_the_kernels_were_compiled_for_a_gpu(capsys, monkeypatch):
+    """In a process whose kernels were imported without the interpreter, ``--simulate`` says to start a new one."""
+    from cgist.stage.triton import tiles
+
+    monkeypatch.setattr(tiles, "INTERPRET", False)
+    assert main(["doctor", "--simulate", "sm_90"]) == 2
+    assert "--simulate: the Triton kernels were imported without the interpreter in this process" in \
+        capsys.readouterr().err
+    assert os.environ.get(devices.SIMULATE_ENV) is None
 
 
 # Every device docs/devices.md names, simulated ----------------------------------------------------------------------

@@ -254,3 +254,18 @@ def test_a_learned_gist_temperature_gets_the_losss_derivative(student, tiny_guid
     eps = 1e-7
     difference = (at(0.05 + eps) - at(0.05 - eps)) / (2 * eps)
     assert abs(float(temperature.grad) - difference) <= 1e-5 * abs(difference)
+
+
+def test_a_learned_temperature_gets_the_same_gradient_from_the_dense_kernels():
+    """``gist_loss`` with a learned temperature (a tensor that requires a gradient) on the kernels (under the
+    interpreter without CUDA) and on the PyTorch path: the same loss and gradients, the temperature's included."""
+    from helpers import make_inputs
+
+    grads = {}
+    for backend in BACKENDS:
+        student, guide = make_inputs(6, 9, 8, 5, 1, torch.float64, seed=8, requires_grad=True)
+        temperature = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+        loss = cgist.gist_loss(student, guide, temperature=temperature, margin=0.05, backend=backend)
+        grads[backend] = (loss, *torch.autograd.grad(loss, [*student, temperature]))
+    for got, want in zip(grads["triton"], grads["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -87,6 +87,18 @@ def test_the_kernels_folder_imported_as_kernels_is_the_pypi_package_where_one_is
         assert Path(found).resolve() == (KERNELS / "__init__.py").resolve() and nothing_else == "True"
 
 
+def test_the_kernels_folder_imported_as_kernels_stays_where_no_package_is_installed():
+    """With nothing but the checkout on ``sys.path`` (no PyPI package ``kernels`` to hand over to), ``import kernels``
+    is the kernels/ folder itself, and loads nothing else."""
+    probe = ("import sys; sys.path[:] = ['']; before = set(sys.modules); import kernels; print(kernels.__file__); "
+             "print(sorted(set(sys.modules) - before - {'kernels'}) == [])")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=KERNELS.parent, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, nothing_else = proc.stdout.splitlines()[:2]
+    assert Path(found).resolve() == (KERNELS / "__init__.py").resolve() and nothing_else == "True"
+
+
 def _has_distribution(name: str) -> bool:
     try:
         importlib.metadata.version(name)

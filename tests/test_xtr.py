@@ -346,8 +346,7 @@ def test_the_first_use_check_covers_xtr(dtype):
     call = xtr_call(queries.to(dtype), query_mask, [documents[0].to(dtype)], document_masks[:1], options)
     route.reset()
     try:
-        assert route._first_use_check(route.backend_module(call.options.score, "triton"),
-                                      route.backend_module(call.options.score, "torch"), call)
+        assert route._first_use_check(call)
         (variant,) = route.first_use_checks()
         assert "XTR" in variant.describe()
     finally:

@@ -151,9 +151,7 @@ def backward_chunks(batch: int, widest: int, tiles: dict, n_dims: int, entry_byt
     if size(bm, widest) <= block_bytes:
         rows = min(all_rows, bm * max(1, block_bytes // size(bm, widest)), bm * max(1, max_entries // (bm * widest)))
         return Chunks(rows, widest, size(rows, widest))
-    cols = bn * max(1, block_bytes // size(bm, bn))
-    while cols > bn and size(bm, cols) > block_bytes:  # the partials' ceil makes size slightly superlinear
-        cols -= bn
+    cols = bn * max(1, block_bytes // size(bm, bn))  # size(BLOCK_M, k * BLOCK_N) is k * size(BLOCK_M, BLOCK_N)
     return Chunks(bm, cols, size(bm, cols))
 
 

@@ -143,13 +143,6 @@ class MaxSimCall(StageCall):
         """The scores of a query's row: every part's."""
         return self.parts[-1].span.stop
 
-    def blocks(self) -> dict[str, list[slice]]:
-        """The spans of a query's row that each statistics block counts (``"ap"``, ``"aa"``, ``"pp"``, ``"an"``)."""
-        out: dict[str, list[slice]] = {}
-        for group, span in self.groups:
-            out.setdefault(group.name, []).append(span)
-        return out
-
     def part_gradients(self, grads: Sequence[Sequence[Tensor]]) -> list[tuple[list[Tensor], list[list[Tensor]]]]:
         """Each part's gradients as views of the call's (``grads``: one tensor per chunk of each column, ``columns``'
         layout): its rows' and its columns'. GIST's PP rows are rows ``offset + i`` of the first document column, and
