@@ -20,6 +20,7 @@ API:
     LossStageCalls(monkeypatch)   counts the drop-ins' loss-stage calls while a test runs.
     xtr_gap(...)                  how far apart XTR's top_k-th and next similarities are, at the closest query token.
     AllocationProbe()             records every new storage the torch ops run under it return.
+    unmeasured(env)               an environment for a process that coverage does not measure.
 
 It imports only torch, pytest and cgist: the model builders that need sentence-transformers live in
 ``helpers_models``.
@@ -459,3 +460,11 @@ class AllocationProbe(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                 self.allocations.append((t.untyped_storage().nbytes(), t.numel(), str(func)))
         return out
+
+
+def unmeasured(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without coverage's variable for the processes a test starts (pyproject.toml's ``patch =
+    ["subprocess"]``): for a benchmark's or the compiler's processes, whose lines of the package the suite executes
+    in-process, and where the tracer would cost up to 2.5 times their time (Triton's compiler and interpreter are
+    Python)."""
+    return {name: value for name, value in env.items() if name != "COVERAGE_PROCESS_CONFIG"}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import unmeasured
 
 pytest.importorskip("triton")
 
@@ -135,7 +136,7 @@ def tiles_wanted(archs, pairs, release: tuple[int, int] | None = None) -> dict[t
 
 
 def test_aot_compile_every_kernel_for_every_arch():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = unmeasured({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     command = [sys.executable, str(SCRIPT), "--arch", *map(str, CHECKED_ARCHS), "--dtypes", *CHECKED_PAIRS]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     assert proc.returncode == 0, f"aot_compile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"

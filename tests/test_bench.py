@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import unmeasured
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -47,7 +48,7 @@ VS_ST, VS_COS, X_GEMM, NOTE = 8, 9, 10, 11
 VERSION_PREFIX = {"st": "sentence-transformers ", "st-cos_sim": "sentence-transformers ",
                   "mat-st-cos_sim": "sentence-transformers ", "mnrl-st": "sentence-transformers ", "gemm": "torch ",
                   "dir-gemm": "torch ", "mnrl-gemm": "torch "}
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+ENV = unmeasured({**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
 ENV.pop("TRITON_INTERPRET", None)
 
 

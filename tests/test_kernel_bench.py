@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import unmeasured
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,10 +99,7 @@ def test_the_gpu_check_runs_end_to_end_under_a_simulated_sm_90(tmp_path):
     """bench/gpu_check.sh, the script that will first meet a GPU, from its first line to its last on the CPU standing
     in for an H100 (at a tiny size; the tests collected, not run): its exit status, the doctor's verdict, the warm-ups,
     and every figure the check must report, each file marked as simulated."""
-    # Not measured by coverage (its processes run the kernels under the interpreter, at 2.5 times the time measured;
-    # what they execute of the package, the suite executes in-process).
-    env = {name: value for name, value in os.environ.items() if name != "COVERAGE_PROCESS_CONFIG"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = unmeasured({**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path), "--simulate", "sm_90"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
