@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import errno
 import inspect
 import json
+import os
 import shlex
+import shutil
 import subprocess
 import sys
+import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -293,6 +298,29 @@ def test_existing_output_dir_kept(pairs, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
+def test_output_dir_that_is_a_file(pairs, tmp_path, capsys):
+    """An --output-dir that names a file stops the run (exit 2) and the file is left as it was."""
+    out = tmp_path / "notes.txt"
+    out.write_text("not a run")
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
+    _check(["--data", str(data)], capsys, code=2, out_dir=out,
+           message=f"--output-dir {out} exists and is not a directory")
+    assert out.read_text() == "not a run"
+
+
+def test_device_beyond_the_visible_cuda_devices(pairs, tmp_path, capsys, monkeypatch):
+    """--device cuda:N names a device that must exist: with one visible GPU (simulated: this machine may have none),
+    cuda:0 is taken and cuda:1 stops the run (exit 2) with the number of devices that are visible."""
+    from cgist.cli.common import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs[:6])
+    _check(["--data", str(data), "--device", "cuda:1"], capsys, code=2, out_dir=tmp_path / "out",
+           message="--device cuda:1: only 1 CUDA device(s) are visible")
+
+
 def test_the_run_config_resolves_every_option_once(student_dir, tmp_path, monkeypatch):
     """``RunConfig.from_args`` checks and resolves the options into one frozen object: the default guide, the
     device, the loaded data, the schedule, the loss options and the output directory."""
@@ -320,6 +348,26 @@ def test_the_run_config_resolves_every_option_once(student_dir, tmp_path, monkey
     with pytest.raises(TypeError):
         run_config.options["--lr"] = 1.0
     assert not (tmp_path / "runs").exists()  # building it writes nothing
+
+
+def test_built_in_pairs_and_their_fingerprint(pairs):
+    """Without --data the pairs are the standard library's (``stdlib_pairs``: --max-pairs of them, shuffled with
+    --seed), and their fingerprint, which --resume compares, is of their content: the same pairs give the same one,
+    other pairs another."""
+    from cgist.cli.data import stdlib_pairs
+
+    def fingerprint(*argv: str) -> str:
+        args = build_parser().parse_args(["train", *argv])
+        return config.data_fingerprint(args, config.load_data(args))
+
+    args = build_parser().parse_args(["train", "--max-pairs", "6", "--seed", "3"])
+    dataset = config.load_data(args)
+    assert dataset.column_names == ["anchor", "positive"] and dataset.to_list() == stdlib_pairs(6, seed=3)
+    digest = fingerprint("--max-pairs", "6", "--seed", "3")
+    assert digest.startswith("sha256:") and len(digest) == len("sha256:") + 64
+    assert digest == fingerprint("--seed", "3", "--max-pairs", "6", "--lr", "1e-3")
+    others = {fingerprint("--max-pairs", "6", "--seed", "4"), fingerprint("--max-pairs", "7", "--seed", "3")}
+    assert len({digest, *others}) == 3
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -378,6 +426,38 @@ def test_train_end_to_end(pairs, student_dir, tmp_path, capsys, monkeypatch):
     assert not guide.training and all(not p.requires_grad and p.grad is None for p in guide.parameters())
     assert loaded["--model"].max_seq_length == 32
     assert len(built) == 1 and summary["args"] == dict(built[0].given)  # the options are read once, at the start
+
+
+def test_stage_timer_times_the_loss_only_inside_a_step(monkeypatch):
+    """``StageTimer`` adds a ``calculate_loss`` call's time to ``loss_s`` only between a step's begin and end; a call
+    outside a step (an evaluation's, say) returns the same value and adds nothing. The clock is one that only the
+    loss advances, by a second a call."""
+    now = [0.0]
+    monkeypatch.setattr(report, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Loss:
+        def calculate_loss(self, value: float, *, scale: float) -> float:
+            now[0] += 1.0
+            return value * scale
+
+    loss = Loss()
+    timer = report.StageTimer(loss, torch.device("cpu"))
+    assert loss.calculate_loss(2.0, scale=3.0) == 6.0
+    assert timer.timing() == {"steps": 0, "step_s": 0.0, "loss_s": 0.0, "loss_share": 0.0}
+    timer.callback.on_step_begin(None, None, None)
+    assert loss.calculate_loss(2.0, scale=3.0) == 6.0
+    timer.callback.on_step_end(None, None, None)
+    assert loss.calculate_loss(1.0, scale=3.0) == 3.0
+    assert timer.timing() == {"steps": 1, "step_s": 1.0, "loss_s": 1.0, "loss_share": 1.0}
+
+
+def test_peak_memory_on_a_cuda_device(monkeypatch):
+    """On a CUDA device the summary's peak memory has the device's peak allocation, in MiB, besides the process's
+    resident set (simulated: this machine may have no GPU, so ``torch.cuda.max_memory_allocated`` answers for it)."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: {"cuda:1": 3 * 2**20}[str(device)])
+    peak = report.peak_memory(torch.device("cuda:1"))
+    assert set(peak) == {"peak_rss_mib", "peak_cuda_mib"} and peak["peak_cuda_mib"] == 3.0 and peak["peak_rss_mib"] > 0
+    assert set(report.peak_memory(torch.device("cpu"))) == {"peak_rss_mib"}
 
 
 # ---------------------------------------------------------------------------------------------- guide modes
@@ -479,17 +559,20 @@ def test_a_damaged_cache_entry_is_rebuilt(damage, mode_argv, guide_dir, tmp_path
     assert _train(argv, tmp_path / "warm", capsys)[0]["guide_embeddings"]["cached"]
 
 
-def test_cache_entries_are_checked_before_use(tmp_path):
-    """``load_entry`` takes only an entry of the same key whose files and texts are those recorded."""
-    from datasets import Dataset
-
-    from cgist.cli.output import fingerprint
-
+def _cache_entry(tmp_path: Path):
+    """A training split, its labelled form, a cache key for them and the entry's path under ``tmp_path``."""
     train = Dataset.from_dict({"anchor": ["a b", "c d"], "positive": ["e f", "g h"]})
     labelled = train.add_column("label", [[[0.5, 1.5], [2.5, 3.5]]] * 2)
     key = {"format": guide_cache.FORMAT, "guide": "g", "guide_files": "sha256:0",
            "train_texts": guide_cache.texts_digest(train), "student_tokenizer": "sha256:1", "max_seq_length": 8}
-    entry = guide_cache.entry_path(tmp_path, key)
+    return train, labelled, key, guide_cache.entry_path(tmp_path, key)
+
+
+def test_cache_entries_are_checked_before_use(tmp_path):
+    """``load_entry`` takes only an entry of the same key whose files and texts are those recorded."""
+    from cgist.cli.output import fingerprint
+
+    train, labelled, key, entry = _cache_entry(tmp_path)
     assert guide_cache.load_entry(entry, key, train) == (None, "")
     guide_cache.store_entry(entry, key, labelled)
     dataset, problem = guide_cache.load_entry(entry, key, train)
@@ -507,6 +590,183 @@ def test_cache_entries_are_checked_before_use(tmp_path):
     guide_cache.store_entry(entry, key, labelled)
     assert guide_cache.load_entry(entry, key, train)[1] == "" and fingerprint(state).startswith("sha256:")
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]
+    # Whole as its record says, and still of no use: a dataset that does not load (its data file gone, the record
+    # written again to match), or one without the label column.
+    for data in (entry / "dataset").glob("*.arrow"):
+        data.unlink()
+    record = json.loads((entry / guide_cache.ENTRY_NAME).read_text())
+    record["files"] = {path.relative_to(entry / "dataset").as_posix(): fingerprint(path)
+                       for path in sorted((entry / "dataset").rglob("*")) if path.is_file()}
+    (entry / guide_cache.ENTRY_NAME).write_text(json.dumps(record))
+    assert guide_cache.load_entry(entry, key, train)[1] == "its dataset cannot be loaded (FileNotFoundError)"
+    guide_cache.store_entry(entry, key, train)
+    assert guide_cache.load_entry(entry, key, train)[1] == "its dataset does not hold the training split"
+
+
+def test_a_cache_entry_another_run_put_in_place_meanwhile_is_kept(tmp_path, monkeypatch):
+    """Two runs rebuild the same unusable entry: the other one renames its entry into place after this one has
+    discarded the old entry and before it renames its own, so that rename fails (the name is taken); the entry in
+    place holds the same embeddings and stays, and this run's staging directory is removed."""
+    train, labelled, key, entry = _cache_entry(tmp_path)
+    guide_cache.store_entry(entry, key, labelled)
+    (entry / guide_cache.ENTRY_NAME).write_text("{}")  # unusable
+    discard = guide_cache.discard
+
+    def discard_while_the_other_run_finishes(path: Path) -> None:
+        discard(path)
+        guide_cache.store_entry(entry, key, labelled)  # the other run: the old entry is gone, so it renames at once
+
+    monkeypatch.setattr(guide_cache, "discard", discard_while_the_other_run_finishes)
+    guide_cache.store_entry(entry, key, labelled)
+    dataset, problem = guide_cache.load_entry(entry, key, train)
+    assert problem == "" and dataset.to_list() == labelled.to_list()
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
+def test_a_cache_entry_that_cannot_be_renamed_into_place(tmp_path, monkeypatch):
+    """A rename that fails while the entry's name is free is an error of its own (the run warns and goes on,
+    test_an_unwritable_guide_cache_only_warns): it propagates, and neither an entry nor the staging directory is
+    left."""
+    train, labelled, key, entry = _cache_entry(tmp_path)
+    rename = Path.rename
+
+    def failing_rename(self: Path, target):
+        if self.name.startswith(".building-"):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))  # e.g. the cache on another file system
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match=os.strerror(errno.EXDEV)):
+        guide_cache.store_entry(entry, key, labelled)
+    assert list(entry.parent.iterdir()) == []
+
+
+def _slow_tokenizer(vocab: Path):
+    """A tokenizer without a fast (Rust) backend: the Python BERT tokenizer of ``vocab``."""
+    try:
+        from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy as PythonBertTokenizer
+    except ImportError:  # transformers 4: BertTokenizer is the Python one
+        from transformers import BertTokenizer as PythonBertTokenizer
+    return PythonBertTokenizer(str(vocab))
+
+
+def test_tokenizer_digest_of_a_python_tokenizer(tmp_path):
+    """A tokenizer without a fast backend is keyed by its class and vocabulary: the same vocabulary gives the same
+    digest, another vocabulary another, and the fast tokenizer of the same vocabulary another (another class)."""
+    from transformers import BertTokenizerFast
+
+    def vocab(name: str, *words: str) -> Path:
+        path = tmp_path / name
+        path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+        return path
+
+    slow = _slow_tokenizer(vocab("a.txt", "query", "document"))
+    assert getattr(slow, "backend_tokenizer", None) is None
+    digest = guide_cache.tokenizer_digest(slow)
+    assert digest.startswith("sha256:")
+    assert guide_cache.tokenizer_digest(_slow_tokenizer(vocab("b.txt", "query", "document"))) == digest
+    assert guide_cache.tokenizer_digest(_slow_tokenizer(vocab("c.txt", "query", "documents"))) != digest
+    assert guide_cache.tokenizer_digest(BertTokenizerFast(str(vocab("d.txt", "query", "document")))) != digest
+
+
+def hub_snapshot(cache: Path, repo_id: str, model: Path) -> Path:
+    """``model``'s files as a download of the Hub repository ``repo_id`` leaves them in the cache directory
+    ``cache`` (the Hugging Face layout: ``models--org--name/snapshots/<commit>``, with ``refs/main`` naming it)."""
+    repo, commit = cache / f"models--{repo_id.replace('/', '--')}", "0" * 40
+    shutil.copytree(model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_guide_directory_of_local_and_downloaded_guides(guide_dir, tmp_path, monkeypatch):
+    """The guide's files are a local directory itself, or the snapshot of a Hub id (or of a bare name of the
+    sentence-transformers organisation) in the Hugging Face cache; None for an id that has not been downloaded."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # this test's Hugging Face cache
+    own = hub_snapshot(cache, "cgist-tests/tiny-guide", guide_dir)
+    organisation = hub_snapshot(cache, "sentence-transformers/cgist-tiny-guide", guide_dir)
+    monkeypatch.chdir(guide_dir.parent)
+    assert guide_cache.guide_directory(guide_dir.name) == guide_dir.resolve()
+    assert guide_cache.guide_directory("cgist-tests/tiny-guide").resolve() == own.resolve()
+    assert guide_cache.guide_directory("cgist-tiny-guide").resolve() == organisation.resolve()
+    assert guide_cache.guide_directory("cgist-tests/not-downloaded") is None
+    assert guide_cache.guide_directory("cgist-not-downloaded") is None
+
+
+def test_precomputed_guide_whose_files_are_not_local(mode_argv, guide_dir, tmp_path, capsys, monkeypatch):
+    """The cache is keyed by the guide's files: a Hub id that loads, but from elsewhere than the Hugging Face cache
+    (here the sentence-transformers cache in $SENTENCE_TRANSFORMERS_HOME), stops the run (exit 2) once loaded, asking
+    for a local directory; nothing is cached."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty Hugging Face cache
+    hub_snapshot(tmp_path / "st-home", "cgist-tests/tiny-guide", guide_dir)
+    monkeypatch.setenv("SENTENCE_TRANSFORMERS_HOME", str(tmp_path / "st-home"))
+    loads = Loads(monkeypatch)
+    argv = [*mode_argv, "--guide", "cgist-tests/tiny-guide", "--guide-mode", "precomputed",
+            "--guide-cache", str(tmp_path / "cache")]
+    _check(argv, capsys, code=2, out_dir=tmp_path / "out",
+           message="--guide-mode precomputed keys its cache by the guide's files, but the files of "
+           "'cgist-tests/tiny-guide' are not in a local directory or the Hugging Face cache; pass a local directory "
+           "as --guide")
+    assert loads.options == ["--model", "--guide"]  # the guide loaded: its files were looked for again
+    assert not (tmp_path / "cache").exists()
+
+
+def _precomputed_config(mode_argv: list[str], guide_dir: Path, cache: Path) -> config.RunConfig:
+    """The RunConfig of a --guide-mode precomputed run of ``mode_argv`` with the guide ``guide_dir``."""
+    argv = ["train", *mode_argv, "--guide", str(guide_dir), "--guide-mode", "precomputed", "--guide-cache", str(cache),
+            "--output-dir", str(cache.parent / "out")]
+    return config.RunConfig.from_args(build_parser().parse_args(argv), argv)
+
+
+def test_an_unwritable_guide_cache_only_warns(mode_argv, guide_dir, tmp_path, capsys):
+    """Where the cache entry cannot be written (here a file holds the name of the cache's folder), the guide's
+    embeddings are still returned for training, with a warning on stderr that names the entry and the error; the
+    file is left alone."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "guide-embeddings").write_text("mine")
+    run_config = _precomputed_config(mode_argv, guide_dir, cache)
+    student = run.load_model("--model", run_config.student, run_config.device, run_config.max_seq_length)
+    train_set = run_config.pairs.select(range(8))
+    labelled, precomputed = run.guide_embeddings(run_config, student, train_set)
+    captured = capsys.readouterr()
+    assert labelled.column_names == ["anchor", "positive", "label"] and labelled["anchor"] == train_set["anchor"]
+    entry = precomputed["entry"]
+    assert not precomputed["cached"] and Path(entry).parent == cache / "guide-embeddings"
+    assert (f"cgist train: warning: cannot write the guide cache {entry} ([Errno {errno.EEXIST}] File exists: "
+            in captured.err and "training goes on without it" in captured.err)
+    assert "Guide embeddings cached" not in captured.out
+    assert [p.name for p in cache.iterdir()] == ["guide-embeddings"]
+    assert (cache / "guide-embeddings").read_text() == "mine"
+
+
+def test_the_guide_is_freed_before_the_cuda_cache_is_emptied(mode_argv, guide_dir, tmp_path, monkeypatch):
+    """On a CUDA device, once the guide has embedded the training split, nothing holds it any more when the CUDA
+    cache is emptied, so its memory goes back to the device before training. The device is simulated (this machine
+    may have no GPU): the guide runs on the CPU, and ``torch.cuda.empty_cache`` records what is alive when called."""
+    run_config = dataclasses.replace(_precomputed_config(mode_argv, guide_dir, tmp_path / "cache"),
+                                     device=torch.device("cuda"))
+    student = run.load_model("--model", run_config.student, torch.device("cpu"), run_config.max_seq_length)
+    guides, alive = [], []
+    load_model = run.load_model
+
+    def load_on_the_cpu(option, path, device, *args):
+        assert (option, device.type) == ("--guide", "cuda")
+        model = load_model(option, path, torch.device("cpu"), *args)
+        guides.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(run, "load_model", load_on_the_cpu)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive.append([guide() is not None for guide in guides]))
+    train_set = run_config.pairs.select(range(8))
+    labelled, precomputed = run.guide_embeddings(run_config, student, train_set)
+    assert alive == [[False]]
+    assert labelled.column_names == ["anchor", "positive", "label"] and not precomputed["cached"]
 
 
 @pytest.mark.parametrize("mode", ["self", "none"])

@@ -249,8 +249,10 @@ def listing(directory: Path) -> list[tuple[str, int]]:
         (("--data", "{other data}"), "--data differs from the checkpoint's (compared by content): sha256:"),
         (("--no-contrast-anchors", None), "--no-contrast-anchors differs from the checkpoint's: given here, not given"),
         (("--guide-mode", "precomputed"), "--guide-mode differs from the checkpoint's: precomputed here, model in "),
+        (("--max-pairs", "50"), "--max-pairs differs from the checkpoint's: 50 here, unset in "),
     ],
-    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors", "guide-mode"],
+    ids=["batch-size", "mini-batch-size", "margin", "lr", "guide", "data", "contrast-anchors", "guide-mode",
+         "max-pairs"],
 )
 @pytest.mark.parametrize("resume", [["--resume"], ["--resume", "auto"]], ids=["resume", "resume-auto"])
 def test_resume_refuses_other_options(resume, change, message, setup, finished, tmp_path, capsys):
@@ -274,12 +276,17 @@ def test_resume_refuses_other_options(resume, change, message, setup, finished, 
 
 @pytest.mark.parametrize("resume", [["--resume"], ["--resume", "auto"]], ids=["resume", "resume-auto"])
 def test_resume_of_a_finished_run_trains_no_further(resume, setup, finished, tmp_path, capsys):
-    """As after a stop during the final evaluation: the last checkpoint is loaded, scored and published."""
+    """As after a stop during the final evaluation: the last checkpoint is loaded, scored and published. What a kill
+    while an older checkpoint was being deleted left beside it (a hidden trash folder) is removed."""
     out = tmp_path / "run"
     shutil.copytree(finished / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
+    trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=out / CHECKPOINTS_DIR)) / "checkpoint-1"
+    trash.mkdir()
+    (trash / "optimizer.pt").write_bytes(b"half deleted")
     argv = replace_option(setup["argv"], "--max-steps", "2")
     status, err = run_cli([*argv, "--output-dir", str(out), *resume], capsys)
     assert status == 0, err
+    assert [p.name for p in (out / CHECKPOINTS_DIR).iterdir()] == ["checkpoint-2"]
     summary, reference = (json.loads((d / "cgist_train.json").read_text()) for d in (out, finished))
     assert (summary["before"], summary["after"], summary["steps"]) == (reference["before"], reference["after"], 2)
     assert summary["timing"]["steps"] == 0 and summary["resumed_after"] == 2
@@ -361,6 +368,50 @@ def test_output_dir_usage_errors(extra, message, setup, finished, tmp_path, caps
     (line,) = err.strip().splitlines()
     assert message in line, line
     assert listing(finished) == before and not (tmp_path / "empty").exists()
+
+
+@pytest.mark.parametrize("when", ["loading-the-data", "loading-the-student", "loading-the-student-to-resume"])
+def test_sigint_before_training_stops_at_once(when, setup, finished, tmp_path, capsys, monkeypatch):
+    """Ctrl-C before training starts (the options being resolved, the models loaded) stops the run at once, exit 130,
+    with one line: start again where no checkpoint had been written, else the checkpoint and the command that
+    continues from it. Nothing is written."""
+    from cgist.cli import config
+
+    def interrupt() -> None:
+        signal.raise_signal(signal.SIGINT)  # Python's own handler: KeyboardInterrupt
+        raise AssertionError("SIGINT did not interrupt")
+
+    load_model = run.load_model
+
+    def load_model_interrupted(option, *args):
+        if option == "--model":
+            interrupt()
+        return load_model(option, *args)
+
+    if when == "loading-the-data":
+        monkeypatch.setattr(config, "load_data", lambda args: interrupt())
+    else:
+        monkeypatch.setattr(run, "load_model", load_model_interrupted)
+    out = tmp_path / "run"
+    argv = [*replace_option(setup["argv"], "--max-steps", "2"), "--output-dir", str(out)]
+    if when == "loading-the-student-to-resume":
+        shutil.copytree(finished / CHECKPOINTS_DIR, out / CHECKPOINTS_DIR)
+        argv.append("--resume")
+    before = listing(out) if out.exists() else None
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status, err = run_cli(argv, capsys)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert status == 130, err
+    (line,) = [line for line in err.splitlines() if line.startswith("cgist train:")]
+    if when == "loading-the-student-to-resume":
+        command = shlex.join(["cgist", "train", *argv])
+        assert line == (f"cgist train: interrupted; checkpoint: {out.resolve() / CHECKPOINTS_DIR / 'checkpoint-2'}; "
+                        f"resume with: {command}")
+    else:
+        assert line == "cgist train: interrupted; no checkpoint had been written, so start the run again"
+    assert (listing(out) if out.exists() else None) == before
 
 
 # ---------------------------------------------------------------------------------------------- --resume auto
@@ -481,6 +532,28 @@ def test_non_finite_from_a_huge_learning_rate(setup, tmp_path, capsys):
     line = assert_stopped_without_model(status, err, out, step)
     assert " is nan at step " in line or " is inf at step " in line or " is -inf at step " in line
     assert "--lr (now 1e+06)" in line
+
+
+@pytest.mark.parametrize("output", ["new", "existing-empty"])
+def test_non_finite_at_the_first_step_leaves_no_folders(output, setup, tmp_path, capsys, monkeypatch):
+    """A NaN loss in step 1, before any checkpoint: exit 3, no checkpoint named, and the folders the run made are
+    removed (the output directory itself only where the run made it)."""
+    calculate_loss = FusedCachedGISTLoss.calculate_loss
+
+    def nan_calculate_loss(self, *args, **kwargs):
+        return calculate_loss(self, *args, **kwargs) * float("nan")
+
+    monkeypatch.setattr(FusedCachedGISTLoss, "calculate_loss", nan_calculate_loss)
+    out = tmp_path / "run"
+    if output == "existing-empty":
+        out.mkdir()
+    status, err = run_cli([*setup["argv"], "--output-dir", str(out)], capsys)
+    assert status == 3, err
+    (line,) = [line for line in err.splitlines() if line.startswith("cgist train:")]
+    assert line.startswith("cgist train: error: the training loss is nan at step 1; ")
+    assert "(no checkpoint had been written)" in line
+    assert (list(out.iterdir()) if out.exists() else None) == ([] if output == "existing-empty" else None)
+    assert [p.name for p in tmp_path.iterdir()] == (["run"] if output == "existing-empty" else [])
 
 
 @pytest.mark.parametrize("fault", ["loss", "stats", "gradient"])

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 
 from cgist.cli.data import DataError, load_pairs, retrieval_task, split_pairs, stdlib_files, stdlib_pairs
 
@@ -30,14 +30,23 @@ def write_csv(path: Path, header: list[str], rows: list[list[str]]) -> Path:
 
 
 def test_load_pairs_formats(pairs, tmp_path):
+    """The same pairs from JSONL (key order free; blank lines skipped), CSV (blank lines skipped), a saved dataset and
+    the train split of a saved DatasetDict, in training column order."""
     rows = [{"anchor": p["anchor"], "positive": p["positive"], "negative": q["positive"]}
             for p, q in zip(pairs[:5], pairs[5:10])]
     reordered = [{"negative": r["negative"], "anchor": r["anchor"], "positive": r["positive"]} for r in rows]
     jsonl = load_pairs(write_jsonl(tmp_path / "pairs.jsonl", reordered[:1] + rows[1:]))  # key order may vary
+    blank_lines = tmp_path / "blank-lines.jsonl"
+    blank_lines.write_text("\n" + "\n  \n".join(json.dumps(row) for row in rows) + "\n\n", encoding="utf-8")
     table = load_pairs(write_csv(tmp_path / "pairs.csv", list(reordered[0]), [list(r.values()) for r in reordered]))
+    blank_rows = write_csv(tmp_path / "blank-rows.csv", list(reordered[0]),
+                           [row for r in reordered for row in ([], list(r.values()))])
     Dataset.from_list(reordered).save_to_disk(str(tmp_path / "saved"))
     saved = load_pairs(tmp_path / "saved")
-    for dataset in (jsonl, table, saved):
+    splits = DatasetDict({"test": Dataset.from_list(reordered[:2]), "train": Dataset.from_list(reordered)})
+    splits.save_to_disk(str(tmp_path / "splits"))
+    train_split = load_pairs(tmp_path / "splits")
+    for dataset in (jsonl, load_pairs(blank_lines), table, load_pairs(blank_rows), saved, train_split):
         assert dataset.column_names == ["anchor", "positive", "negative"]
         assert dataset.to_list() == rows
 
@@ -91,7 +100,9 @@ def test_stdlib_files_skip_private_and_tests():
 
 def test_stdlib_pairs_on_a_fake_library(tmp_path):
     """Only public top-level functions and classes with a docstring, from non-test, non-private modules;
-    a summary seen before (zipapp.other repeats textwrap.public's) is dropped."""
+    a summary seen before (zipapp.other repeats textwrap.public's) is dropped, and so is a module that does not
+    parse (shlex: a syntax error, colorsys: not UTF-8, sched: a null byte, a ValueError before Python 3.12), without
+    stopping the others."""
     module = '''
 import os
 
@@ -128,6 +139,9 @@ class Widget:
     (tmp_path / "email" / "_parseaddr.py").write_text(module.replace("Add one", "Add three"))
     (tmp_path / "test").mkdir()
     (tmp_path / "test" / "__init__.py").write_text(module.replace("Add one", "Test package"))
+    (tmp_path / "shlex.py").write_text(module.replace("Add one", "Does not parse") + "\ndef broken(:\n")
+    (tmp_path / "colorsys.py").write_bytes(module.replace("Add one", "Not UTF-8").encode("utf-16"))
+    (tmp_path / "sched.py").write_text(module.replace("Add one", "Null byte") + "\x00\n")
     found = sorted(stdlib_pairs(stdlib=tmp_path), key=lambda p: p["anchor"])
     assert [p["anchor"] for p in found] == [
         "A small gadget with a name that spans two lines.",
