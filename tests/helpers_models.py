@@ -12,6 +12,8 @@ API:
     other_vocab_tokenizer(directory)       a WordPiece tokenizer whose vocabulary differs from the guide's,
                                            so a model built on it forces ``must_retokenize``.
     random_texts(negatives, seed, ...)     columns [anchor, positive, *negatives] of random sentences over WORDS.
+    packed_features(model, texts)          ``texts`` as a packed (padding-free) batch: one row of every text's
+                                           tokens, cut at ``cu_seq_lens_q``.
     run_loss(loss, model, columns, seed)   a seeded forward and backward: the loss and every parameter gradient; a
                                            cgist drop-in must compute it on the path named (the fused stage by default).
     dropin_of(loss), computed_on(loss, path)  the drop-in inside a loss (or None), and a check of the path it ran.
@@ -169,6 +171,22 @@ def random_texts(negatives: int, seed: int = 0, *, batch: int = 13, duplicates: 
     if long:
         columns[1][3] = " ".join(rng.choices(words, k=3 * MAX_SEQ_LENGTH))
     return columns
+
+
+def packed_features(model: SentenceTransformer, texts: list[str]) -> dict[str, torch.Tensor]:
+    """``texts`` tokenised by ``model`` as a packed batch, the padding-free form sentence-transformers gives a model
+    that attends with flash attention's variable-length kernels (``transformers.DataCollatorWithFlattening``): every
+    text's tokens in one row (``input_ids`` of shape ``(1, total)``), with ``position_ids`` and the cumulative lengths
+    ``cu_seq_lens_q``, and no attention mask. The models of this module embed it on the CPU as they embed the padded
+    batch (to rounding)."""
+    from transformers import DataCollatorWithFlattening
+
+    padded = model.preprocess(texts)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(padded["input_ids"], padded["attention_mask"])]
+    collate = DataCollatorWithFlattening(return_seq_idx=True, return_flash_attn_kwargs=True, return_position_ids=True)
+    packed = collate([{"input_ids": row} for row in rows])
+    del packed["labels"]  # a language model's targets
+    return {name: torch.as_tensor(value) for name, value in packed.items()}
 
 
 def dropin_of(loss: object) -> FusedDropIn | None:

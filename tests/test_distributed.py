@@ -133,6 +133,8 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
         loss = loss_fn([student.preprocess(column) for column in _texts(case, _rows(rank, size))], None)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    if hasattr(loss_fn, "pop_training_stats"):  # the callback below logs the next call's statistics alone
+        loss_fn.pop_training_stats()
 
     embeddings, guide_embeddings = _embeddings(case)
     reps = [[x.clone().requires_grad_() for x in e[_rows(rank)].split(MINI)] for e in embeddings]
@@ -141,9 +143,15 @@ def _run(loss_cls, case: Case, rank: int, student, guide, size: int = LOCAL) -> 
         emb_loss = loss_fn.calculate_loss(reps, reps_guided, with_backward=True)
     emb_grads = [torch.cat([x.grad for x in column]) for column in reps]
     result = {"loss": loss.detach(), "grads": grads, "emb_loss": emb_loss.detach(), "emb_grads": emb_grads}
-    if hasattr(loss_fn, "last_stats"):  # the statistics of that call, and summed over ranks as the callback does
+    if hasattr(loss_fn, "last_stats"):  # the statistics of that call, summed over ranks, and the callback's logs
+        from transformers import TrainerState
+
+        from cgist import GuideStatsCallback
+
         result["stats"] = dataclasses.asdict(loss_fn.last_stats)
         result["stats_all_ranks"] = dataclasses.asdict(loss_fn.last_stats.sum_over_ranks(torch.device("cpu")))
+        result["logs"] = {}
+        GuideStatsCallback(loss_fn).on_log(None, TrainerState(), None, logs=result["logs"])
     return result
 
 
@@ -379,7 +387,10 @@ def test_embedding_grads_match_oracle(runs, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_statistics_count_on_the_rank_that_scores(runs, case):
-    """Each rank counts its anchors against all gathered candidates; summed over ranks, the whole batch."""
+    """Each rank counts its anchors against all gathered candidates; summed over ranks, the whole batch, which every
+    rank's ``GuideStatsCallback`` logs."""
+    from cgist.losses.callbacks import stats_logs
+
     embeddings, guide_embeddings = _embeddings(case)
     expected = [
         oracle_stats([embeddings[0][_rows(r)], *embeddings[1:]], [guide_embeddings[0][_rows(r)], *guide_embeddings[1:]],
@@ -396,6 +407,7 @@ def test_statistics_count_on_the_rank_that_scores(runs, case):
         assert (combined.masked, combined.candidates, combined.positive_only, combined.anchors) == (
             want.masked, want.candidates, want.positive_only, want.anchors)
         assert combined.theta_mean == pytest.approx(want.theta_mean, rel=1e-6)
+        assert run[case.id]["cgist"]["logs"] == pytest.approx(stats_logs(want), rel=1e-6)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.options.contrast_anchors], ids=lambda c: c.id)

@@ -106,7 +106,15 @@ def _local(world: int, rank: int):
 def _step(loss, reps, masks):
     leaves = [[chunk.clone().requires_grad_() for chunk in column] for column in reps]
     value = loss.calculate_loss(leaves, masks, with_backward=True)
-    return {"loss": value.detach(), "grads": [torch.cat([chunk.grad for chunk in column]) for column in leaves]}
+    return {"loss": value.detach(), "grads": [torch.cat([chunk.grad for chunk in column]) for column in leaves],
+            "path": getattr(loss, "last_path", None)}
+
+
+def _maxsim(queries, documents, queries_mask=None, documents_mask=None):
+    """MaxSim, as a score of the user's own: a callable the fused stage does not take for MaxSim."""
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+
+    return colbert_scores(queries, documents, queries_mask=queries_mask, documents_mask=documents_mask)
 
 
 def _worker(rank: int, world: int, port: int, out: Path) -> None:
@@ -128,11 +136,16 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
         "cgist": _step(cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs, block_bytes=400),
                        reps, chunked_masks),
     }
-    plain = cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, scale=2.0, gather_across_devices=True)
-    leaves = [[t.clone().requires_grad_()] for t in (queries, *documents)]
-    value = plain.calculate_loss(leaves, [[query_mask], *([m] for m in masks)])
-    value.backward()
-    results["plain"] = {"loss": value.detach(), "grads": [column[0].grad for column in leaves]}
+    # The plain drop-in's loss over given embeddings: its fused stage, and sentence-transformers' scoring with a score
+    # of the user's own.
+    for name, score in (("plain", {}), ("plain-unfused", {"similarity_fct": _maxsim})):
+        plain = cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, scale=2.0, gather_across_devices=True,
+                                                                   **score)
+        leaves = [[t.clone().requires_grad_()] for t in (queries, *documents)]
+        value = plain.calculate_loss(leaves, [[query_mask], *([m] for m in masks)])
+        value.backward()
+        results[name] = {"loss": value.detach(), "grads": [column[0].grad for column in leaves],
+                         "path": plain.last_path}
     from cgist.losses.base import StepInputs
 
     for kind, guide in GUIDED.items():
@@ -161,12 +174,16 @@ def world(request, tmp_path_factory) -> tuple[int, list[dict]]:
     return size, [torch.load(out / f"rank{rank}.pt") for rank in range(size)]
 
 
-@pytest.mark.parametrize("name", ["cgist", "plain"])
+@pytest.mark.parametrize("name", ["cgist", "plain", "plain-unfused"])
 def test_gathered_loss_and_gradients_equal_sentence_transformers(world, name):
     """To float32: sentence-transformers takes the token maxima to float32 even from float64 inputs (the oracle
-    test below holds cgist to float64)."""
+    test below holds cgist to float64). ``"plain-unfused"``: the plain drop-in with a score of the user's own runs
+    sentence-transformers' scoring over the gathered documents."""
+    from cgist.losses.base import FUSED, UNFUSED
+
     _, ranks = world
     for rank, result in enumerate(ranks):
+        assert result[name]["path"] == (UNFUSED if name == "plain-unfused" else FUSED)
         torch.testing.assert_close(result[name]["loss"].double(), result["st"]["loss"].double(), rtol=1e-6,
                                    atol=1e-6, msg=lambda m, rank=rank: f"rank {rank}: {m}")
         for got, expected in zip(result[name]["grads"], result["st"]["grads"]):

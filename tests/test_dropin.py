@@ -232,11 +232,56 @@ def test_the_first_bad_argument_is_the_familys_then_the_embedding_stages(student
         FusedCachedMultipleNegativesRankingLoss(student, scale="20", mini_batch_size=0)
 
 
+def test_a_sentence_transformers_class_taking_an_own_option_itself_is_refused():
+    """A sentence-transformers release whose class takes one of cgist's own options itself (here ``block_bytes``)
+    would give the argument two meanings: the drop-in class over it is refused where it is defined, naming the
+    options; a parameter of another name is sentence-transformers' own, as any."""
+    from cgist.losses.ranking import RankingFamily
+    from cgist.losses.steps import CachedStep
+
+    class WithBlocks(CachedMultipleNegativesRankingLoss):
+        def __init__(self, model, scale: float = 20.0, block_bytes: int | None = None) -> None:
+            super().__init__(model, scale=scale)
+
+    class WithChunks(CachedMultipleNegativesRankingLoss):
+        def __init__(self, model, scale: float = 20.0, chunk_bytes: int | None = None) -> None:
+            super().__init__(model, scale=scale)
+
+    with pytest.raises(TypeError, match=r"^WithBlocks takes \['block_bytes'\] itself, which are also options of "
+                                        r"cgist's table \(cgist.losses.options\): this sentence-transformers release "
+                                        "is not supported by this cgist$"):
+        class FusedWithBlocks(RankingFamily, CachedStep, WithBlocks):
+            pass
+
+    class FusedWithChunks(RankingFamily, CachedStep, WithChunks):
+        pass
+
+    assert FusedWithChunks.replaces is WithChunks
+    assert list(inspect.signature(FusedWithChunks.__init__).parameters)[:4] == ["self", "model", "scale", "chunk_bytes"]
+
+
+#: ``calculate_loss`` alone (no batch) of the GIST drop-ins guided by the student's own embeddings: (what is passed as
+#: ``reps_guided``, the error, its message).
+CALCULATE_LOSS_ALONE = [
+    pytest.param("nothing", TypeError, "takes reps_guided", id="no-reps_guided"),
+    pytest.param("one column", ValueError, r"^reps and reps_guided must have the same length, got 2 and 1$",
+                 id="reps_guided-one-column"),
+    # guide="self" masks the duplicate texts by default, which are found by their token ids, in the batch.
+    pytest.param("every column", ValueError, r"^mask_duplicates needs the batch's token ids: call the loss on the "
+                 r"batch's features \(calculate_loss alone does not see them\), or pass mask_duplicates=False$",
+                 id="mask_duplicates-without-the-batch"),
+]
+
+
+@pytest.mark.parametrize("reps_guided, error, match", CALCULATE_LOSS_ALONE)
 @pytest.mark.parametrize("cls", [FusedCachedGISTLoss, FusedGISTEmbedLoss])
-def test_gist_calculate_loss_without_the_guides_embeddings_says_so(cls, student):
+def test_gist_calculate_loss_without_what_it_reads_says_so(cls, reps_guided, error, match, student):
     reps = [[torch.randn(4, 8, dtype=torch.float64)] for _ in range(2)]
-    with pytest.raises(TypeError, match="takes reps_guided"):
-        cls(student, "self").calculate_loss(reps)
+    given = {"nothing": None, "one column": reps[:1], "every column": reps}[reps_guided]
+    with pytest.raises(error, match=match):
+        cls(student, "self").calculate_loss(reps, given)
+    if reps_guided == "every column":  # what the message advises computes the loss
+        assert torch.isfinite(cls(student, "self", mask_duplicates=False).calculate_loss(reps, given))
 
 
 # Bad assigned values get the constructor's error ---------------------------------------------------------------

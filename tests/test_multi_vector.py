@@ -338,6 +338,53 @@ def test_other_scores_run_sentence_transformers_code_with_one_warning(similarity
     assert sum("sentence-transformers' own loss computation" in r.getMessage() for r in caplog.records) == 1
 
 
+def _half_maxsim(*args, **kwargs):
+    """A model's own score that is not MaxSim: half of it."""
+    from sentence_transformers.util import similarity as st_similarity
+
+    return st_similarity.maxsim(*args, **kwargs) * 0.5
+
+
+@pytest.mark.parametrize("score", ["custom", "model-similarity"])
+def test_other_scores_over_given_embeddings_are_sentence_transformers_loss(score):
+    """``calculate_loss`` of the plain drop-in (given token embeddings, as its loss stage takes them) with a score
+    the fused stage does not compute: sentence-transformers' scoring and cross-entropy (its plain class's ``forward``
+    after the embedding), in chunks of ``score_mini_batch_size`` queries, the loss and gradients of its cached class's
+    ``calculate_loss`` over the same embeddings. ``"model-similarity"``: ``similarity_fct=None`` with a model whose
+    own similarity is another score, which sentence-transformers scores with."""
+    import copy
+
+    queries, query_mask, documents, document_masks = _inputs(10, 5, 2, 4, 6, 8, dtype=torch.float32)
+    reps = [_split(queries, 2), *(_split(d, 2) for d in documents)]
+    masks = [_split(query_mask, 2), *(_split(m, 2) for m in document_masks)]
+    model = copy.deepcopy(_model())
+    chunks = []  # the queries of each call of the custom score
+
+    def custom(queries, *args, **kwargs):
+        chunks.append(queries.shape[0])
+        return _custom(queries, *args, **kwargs)
+
+    if score == "custom":
+        kwargs = dict(similarity_fct=custom)
+    else:
+        model.similarity_fn_name  # noqa: B018 (sets the model's scorer, which the next line replaces)
+        model._similarity, kwargs = _half_maxsim, {}
+    expected, expected_grads = cached_loss_stage(
+        CachedMultiVectorMultipleNegativesRankingLoss(model, scale=3.0, mini_batch_size=2, **kwargs), reps, masks)
+    ours = cgist.FusedMultiVectorMultipleNegativesRankingLoss(model, scale=3.0, score_mini_batch_size=2, **kwargs)
+    assert ours.options is None
+    chunks.clear()
+    got, grads = cached_loss_stage(ours, reps, masks)
+    assert ours.last_path == UNFUSED
+    assert chunks == ([2, 2, 1] if score == "custom" else [])
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # the half score: half the logits of MaxSim, which is fused
+        maxsim = cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), scale=1.5).calculate_loss(reps, masks)
+    torch.testing.assert_close(got, maxsim)
+
+
 def test_assigned_attributes_take_effect_at_the_next_call():
     columns = [QUERIES[:4], DOCUMENTS[:4]]
     ours = cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), mini_batch_size=2)
@@ -366,6 +413,35 @@ def test_bad_constructor_arguments_are_named():
         cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), backend="cuda")
     with pytest.raises(TypeError, match="FusedMultiVectorMultipleNegativesRankingLoss"):
         cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), 2.0)  # keyword-only, as sentence-transformers'
+
+
+#: ``calculate_loss`` (and ``loss_stage``) of a multi-vector drop-in called without what it takes: (the call, error,
+#: message).
+BAD_CALLS = [
+    pytest.param("no masks", TypeError, r"^calculate_loss of a multi-vector drop-in takes the token embeddings' masks "
+                 r"beside them, one list of mini-batch masks per column \(masks_chunks\)$", id="no-masks"),
+    pytest.param("masks of one column", TypeError, r"takes the token embeddings' masks beside them",
+                 id="masks-of-one-column"),
+    # MatryoshkaLoss's dimensions are sentence-transformers' loop, a loss stage per dimension (fuses_matryoshka).
+    pytest.param("dimensions", NotImplementedError,
+                 r"^the multi-vector loss stage computes one Matryoshka dimension per call$", id="matryoshka-dims"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", BAD_CALLS)
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_a_call_without_what_the_loss_stage_takes_is_named(cached, call, error, match):
+    queries, query_mask, documents, document_masks = _inputs(11, 4, 1, 3, 5, 6, dtype=torch.float32)
+    reps, masks = [[queries], [documents[0]]], [[query_mask], [document_masks[0]]]
+    cls = (cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss if cached
+           else cgist.FusedMultiVectorMultipleNegativesRankingLoss)
+    loss = cls(_model())
+    with pytest.raises(error, match=match):
+        if call == "dimensions":
+            loss.loss_stage(reps, masks, with_backward=False, dims=((64, 1.0), (32, 0.5)))
+        else:
+            loss.calculate_loss(reps, None if call == "no masks" else masks[:1])
+    assert torch.isfinite(loss.calculate_loss(reps, masks))
 
 
 def test_bad_inputs_get_a_clear_error():

@@ -9,6 +9,7 @@ each guide source they equal the oracle over the embeddings the step made.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import itertools
@@ -23,9 +24,10 @@ from sentence_transformers.multi_vector_encoder.losses import (  # noqa: E402
     CachedMultiVectorMultipleNegativesRankingLoss,
     MultiVectorMultipleNegativesRankingLoss,
 )
+from sentence_transformers.multi_vector_encoder.scoring import colbert_scores  # noqa: E402
 
 import cgist  # noqa: E402
-from cgist.losses.base import FUSED  # noqa: E402
+from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_gist_loss_reference  # noqa: E402
 from helpers_models import DOCUMENTS, NEGATIVES, QUERIES, multi_vector_model  # noqa: E402
 
@@ -327,9 +329,9 @@ def _features(model, columns=COLUMNS):
     return [model.preprocess(texts, task="query" if c == 0 else "document") for c, texts in enumerate(columns)]
 
 
-def _step(loss, labels=None):
-    """One training step on the student: the loss, the student's parameter gradients, and the token embeddings and
-    masks the student made of the batch (captured as the loss stage read them)."""
+def _step(loss, labels=None, columns=COLUMNS):
+    """One training step on the student over ``columns``: the loss, the student's parameter gradients, and the token
+    embeddings and masks the student made of the batch (captured as the loss stage read them)."""
     model = loss.model
     model.eval()  # no dropout: two passes see the same vectors
     model.zero_grad()
@@ -343,7 +345,7 @@ def _step(loss, labels=None):
 
     cgist.losses.columns.token_call = capture
     try:
-        value = loss(_features(model), labels)
+        value = loss(_features(model, columns), labels)
         value.backward()
     finally:
         cgist.losses.columns.token_call = original
@@ -536,17 +538,103 @@ def test_the_constructor_takes_the_guide_after_the_model():
     (dict(guide="self", contrast_anchors=1), TypeError, "contrast_anchors must be a bool"),
     (dict(guide=None, contrast_positives=True, similarity_fct=lambda *a, **k: None), ValueError,
      "no multi-vector loss with contrast blocks"),
+    (dict(guide="a MultiVectorEncoder scoring otherwise"), ValueError,
+     r"^guide: a MultiVectorEncoder guide scores with MaxSim or MeanMaxSim \(its similarity_fn_name 'maxsim' or "
+     r"'meanmaxsim'\), got "),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     kwargs = dict(kwargs)
     guide = kwargs.pop("guide")
+    if guide == "a MultiVectorEncoder scoring otherwise":  # its own scorer replaced: no MaxSim the stage computes
+        guide = copy.deepcopy(_multi_vector_guide())
+        guide.similarity_fn_name  # noqa: B018 (sets the scorer, which the next line replaces)
+        guide._similarity = lambda *a, **k: None
     with pytest.raises(error, match=match):
         cgist.FusedCachedMultiVectorGISTLoss(_student(), guide, **kwargs)
 
 
-def test_a_custom_score_without_a_guide_runs_sentence_transformers_code():
-    loss = cgist.FusedMultiVectorGISTLoss(_student(), None, similarity_fct=lambda *a, **k: None)
-    assert loss.options is None
+def _half_colbert(queries, documents, queries_mask=None, documents_mask=None):
+    return colbert_scores(queries, documents, queries_mask=queries_mask, documents_mask=documents_mask) * 0.5
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_a_custom_score_without_a_guide_runs_sentence_transformers_code(cached, monkeypatch):
+    """Without a guide: sentence-transformers' multi-vector ranking loss and gradients, on its path, which reads
+    nothing off the batch for the fused stage (the texts' ids)."""
+    read = []
+    monkeypatch.setattr("cgist.losses.multi_vector_gist.text_fingerprints", lambda *args, **kwargs: read.append(1))
+    model, columns = _student(), [QUERIES[:3], DOCUMENTS[:3]]
+    if cached:
+        theirs = CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=2, similarity_fct=_half_colbert)
+        ours = cgist.FusedCachedMultiVectorGISTLoss(model, None, mini_batch_size=2, similarity_fct=_half_colbert)
+    else:
+        theirs = MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=_half_colbert)
+        ours = cgist.FusedMultiVectorGISTLoss(model, None, similarity_fct=_half_colbert)
+    assert ours.options is None
+    expected, expected_grads, _ = _step(theirs, columns=columns)
+    got, grads, captured = _step(ours, columns=columns)
+    assert ours.last_path == UNFUSED and not captured and not read  # the fused stage never ran, nor read the batch
+    torch.testing.assert_close(got, expected)
+    assert grads.keys() == expected_grads.keys()
+    torch.testing.assert_close(_flat(grads), _flat(expected_grads))
+
+
+class _WithoutTokenizer(torch.nn.Module):
+    """The student inside a module of its own, which has no ``tokenizer`` (the multi-vector losses take any module
+    whose output holds token embeddings)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features, **kwargs):
+        return self.model(features, **kwargs)
+
+
+#: A step of a guided drop-in given less than its guide reads: (the guide argument, what the step is given, error,
+#: message).
+STEP_ERRORS = [
+    pytest.param("labels", "calculate_loss alone", ValueError,
+                 r"^guide=labels: the guide's embeddings are read off the batch \(its labels or its texts\): call the "
+                 r"loss on a batch \(calculate_loss alone does not see it\)$", id="labels-calculate_loss-alone"),
+    pytest.param("model", "calculate_loss alone", ValueError,
+                 r"^guide=a model: the guide's embeddings are read off the batch", id="model-calculate_loss-alone"),
+    # "self" masks the duplicate texts by default, which are found by their token ids, in the batch.
+    pytest.param("self", "calculate_loss alone", ValueError,
+                 r"^mask_duplicates needs the batch's token ids: call the loss on the batch's features",
+                 id="self-calculate_loss-alone"),
+    pytest.param("model", "token embeddings", ValueError,
+                 r"^a guide model reads the batch's texts, decoded from the student's token ids, but these features "
+                 r"have no 'input_ids'; precompute the guide's embeddings \(guide='labels'\)$",
+                 id="model-features-without-input_ids"),
+    pytest.param("model", "a model without a tokenizer", ValueError,
+                 r"^guide=SentenceTransformer: a guide model reads the batch's texts, decoded from the student's token "
+                 r"ids by the student's tokenizer, but the model \(_WithoutTokenizer\) has no tokenizer; give the "
+                 r"model one, or precompute the guide's embeddings \(guide='labels'\)$",
+                 id="model-student-without-tokenizer"),
+]
+
+
+@pytest.mark.parametrize("source, given, error, match", STEP_ERRORS)
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_a_step_given_less_than_the_guide_reads_is_named(cached, source, given, error, match):
+    model = _student()
+    features = _features(model)
+    if given == "token embeddings":  # the batch as the student's token embeddings (inputs_embeds), no token ids
+        for feature in features:
+            feature["inputs_embeds"] = model[0].auto_model.get_input_embeddings()(feature.pop("input_ids")).detach()
+    cls = cgist.FusedCachedMultiVectorGISTLoss if cached else cgist.FusedMultiVectorGISTLoss
+    if given == "a model without a tokenizer":  # which has no similarity of its own either: MaxSim, named
+        loss = cls(_WithoutTokenizer(model), _single_vector_guide(), similarity_fct=colbert_scores)
+    else:
+        loss = cls(model, _single_vector_guide() if source == "model" else source)
+    with pytest.raises(error, match=match):
+        if given == "calculate_loss alone":
+            queries, documents = torch.randn(3, 4, 8), torch.randn(3, 6, 8)
+            loss.calculate_loss([[queries], [documents]], [[torch.ones(3, 4, dtype=torch.bool)],
+                                                            [torch.ones(3, 6, dtype=torch.bool)]])
+        else:
+            loss(features, None)
 
 
 def test_the_guide_sees_the_texts_not_the_student_tokens():

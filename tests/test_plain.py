@@ -4,19 +4,22 @@
 
 On real models in float64 (the all-MiniLM-L6-v2 guide, a tiny BERT student): the loss and every parameter gradient,
 dropout off and on, every GIST option, the ranking losses' directions, partitions, hardness and similarities, with
-duplicate texts; ``MatryoshkaLoss`` around each (one loss stage per step, ``n_dims_per_step``); the guide sources;
-gathering across ranks (simulated); the trainer with the guide's statistics in its logs.
+duplicate texts; ``MatryoshkaLoss`` around each (one loss stage per step, ``n_dims_per_step``); the guide sources, a
+guide that retokenises (padded and packed batches); gathering across ranks (simulated); the trainer with the guide's
+statistics in its logs.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import random
 
 import pytest
 import torch
 from datasets import Dataset
 from helpers import LossStageCalls, assert_close, one_thread, tolerance  # noqa: F401  (one_thread: autouse)
-from helpers_models import guide_model, run_loss, tiny_model
+from helpers_models import computed_on, guide_model, packed_features, run_loss, tiny_model
 from sentence_transformers import SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
@@ -172,6 +175,31 @@ def test_label_guide_equals_the_live_guide(student, guide):
     live = run_loss(FusedGISTEmbedLoss(student, guide, margin=0.05), student, columns, seed=2)
     precomputed = run_loss(FusedGISTEmbedLoss(student, "labels", margin=0.05), student, columns, seed=2, labels=labels)
     assert_close("labels vs live guide", live, precomputed, MODELS)
+
+
+def test_a_guide_that_retokenises_reads_the_texts_as_sentence_transformers(student, tiny_guide):
+    """A guide that reads fewer tokens than the student (``must_retokenize``) embeds the texts decoded from the
+    student's tokens and tokenised again, cut where the guide stops reading (8 tokens: most of these texts); a packed
+    batch (one row of every text's tokens, cut at ``cu_seq_lens_q``: ``helpers_models.packed_features``) is decoded
+    text by text. The loss and every parameter gradient of ``GISTEmbedLoss`` on the same features, and the packed
+    batch's are the padded batch's."""
+    guide = copy.deepcopy(tiny_guide)
+    guide.max_seq_length = 8
+    columns = _texts(1, seed=10)
+    results = {}
+    for form, make in (("padded", student.preprocess), ("packed", functools.partial(packed_features, student))):
+        for fused in (False, True):
+            loss = (FusedGISTEmbedLoss if fused else GISTEmbedLoss)(student, guide, margin=0.05)
+            assert loss.must_retokenize
+            student.zero_grad(set_to_none=True)
+            with computed_on(loss):
+                value = loss([make(texts) for texts in columns], None)
+            value.backward()
+            results[form, fused] = (value.detach(), {name: p.grad.clone() for name, p in student.named_parameters()
+                                                     if p.grad is not None})
+            student.zero_grad(set_to_none=True)
+        assert_close(f"{form}: drop-in vs sentence-transformers", results[form, False], results[form, True], MODELS)
+    assert_close("packed vs padded", results["padded", True], results["packed", True], MODELS)
 
 
 def _oracle_run(student, columns, options, guide) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

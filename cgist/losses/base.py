@@ -24,6 +24,7 @@ Each piece declares its hooks here, with what they must do. This module imports 
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 import logging
@@ -127,7 +128,7 @@ def check_equal_batches(batch_size: int, device: torch.device) -> None:
         )
 
 
-class FusedDropIn:
+class FusedDropIn(abc.ABC):
     """What every fused drop-in is: sentence-transformers' attributes and cgist's own options are the options of
     the fused loss stage, read at each call.
 
@@ -254,9 +255,9 @@ class FusedDropIn:
     def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
         """The family: what it keeps of the arguments after sentence-transformers' constructor (default: nothing)."""
 
+    @abc.abstractmethod
     def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
         """The step: the embedding stage's attributes (``embedding_attributes``) among ``values``, checked."""
-        raise NotImplementedError
 
     # -- the options, read off the attributes --------------------------------------------------------------------------
 
@@ -282,11 +283,11 @@ class FusedDropIn:
                 option.check(option.name, getattr(self, option.name))
         return self._family_options()
 
+    @abc.abstractmethod
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
         """The family: its hyperparameters checked (raising as its constructor does) and the fused stage's options,
         with cgist's own option fields (``own_fields``); or None and the reason the fused stage does not compute
         them."""
-        raise NotImplementedError
 
     def own_fields(self) -> dict[str, object]:
         """cgist's own options that are ``GistOptions`` fields, by name, as the attributes hold them."""
@@ -375,20 +376,20 @@ class FusedDropIn:
         it; else None (default)."""
         return None
 
+    @abc.abstractmethod
     def _stage_call(self, reps: list[list[Tensor]], reps_guided: object, options: GistOptions,
                     dims: tuple[tuple[int, float], ...] | None, temperature: Tensor | None) -> StageCall:
         """The score's columns (``cgist.losses.columns``): the loss stage's call over a step's embeddings ``reps``
         (each column's mini-batches, taken as row chunks, never concatenated) and what the family passes beside them
         (``reps_guided``), gathered across ranks with ``gather_across_devices``, with Matryoshka's ``dims``."""
-        raise NotImplementedError
 
     def _unfused_reps_guided(self, reps_guided: object, reps: list[list[Tensor]]) -> object:
         """The family: ``reps_guided`` as sentence-transformers' own computation takes it (default: as given)."""
         return reps_guided
 
+    @abc.abstractmethod
     def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
         """The step: sentence-transformers' own loss over a step's embeddings, where the fused stage does not run."""
-        raise NotImplementedError
 
     def _after_fused(self, reps: list[list[Tensor]], stats: GistStats, options: GistOptions) -> None:
         """The family: what follows a fused loss stage (default: nothing)."""

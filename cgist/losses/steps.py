@@ -12,6 +12,7 @@ over a step's embeddings for where the fused stage does not run.
 
 from __future__ import annotations
 
+import abc
 import numbers
 from collections.abc import Iterable, Mapping
 
@@ -110,19 +111,19 @@ class PlainStep(FusedDropIn):
         with self.reading(inputs):
             return self.calculate_loss(reps, reps_guided)
 
+    @abc.abstractmethod
     def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:
         """The columns: the batch embedded once, as the loss stage's columns (one chunk each), and what
         ``calculate_loss`` takes beside them."""
-        raise NotImplementedError
 
     def _st_forward_computes(self) -> bool:
         """The family: whether sentence-transformers' own ``forward`` computes this loss as it is configured (default:
         yes). Where it does not, the unfused path is ``_embeddings_loss`` after this ``forward``'s own embedding."""
         return True
 
+    @abc.abstractmethod
     def _embeddings_loss(self, reps: list[list[Tensor]], reps_guided: object) -> Tensor:
         """The family: sentence-transformers' own loss over given embeddings, differentiable."""
-        raise NotImplementedError
 
     def _unfused_loss(self, reps: list[list[Tensor]], reps_guided: object, with_backward: bool) -> Tensor:
         return backward_if(self._embeddings_loss(reps, reps_guided), with_backward)
