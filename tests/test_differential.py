@@ -15,13 +15,17 @@ range, and ``.ci/parity-oldest`` again under the oldest), so a release that move
   0 to 3 negative columns; mini-batches that do not divide the batch; dropout; every direction set, partition and
   hardness setting ``CachedMultipleNegativesRankingLoss`` accepts; ``cos_sim`` and ``dot_score``.
 * **Ties are exact here, by construction.** At margin 0 a duplicate of the positive ties with theta_i, and
-  sentence-transformers decides it by comparing two of its own cosines, which are bitwise equal only when the guide
-  embedded both texts bitwise equal. A text embedded with other padding (another column's width) differs by
-  rounding, and then sentence-transformers' own result is decided by that rounding, where cgist decides by the
-  texts (``cgist.stage.ties.tie_ids``). So every text of an example has the same number of tokens (words that are
-  one token each): no padding, every duplicate embedded bitwise equal, every tie exact on both sides. cgist's rule
-  where the two part is pinned apart (``test_a_duplicate_ties_by_its_text_whatever_its_rounding``,
-  ``test_the_mini_batches_do_not_move_the_loss``).
+  sentence-transformers decides it by comparing two of its own cosines, which are equal only when both were
+  computed without rounding apart. The same text embedded at another place of a batch, or padded to another
+  width, can differ in its last bits (a CPU's matrix products round a row by where it sits in the product, and
+  not alike on every CPU), and so can the cosines of one vector against two places of another product; then
+  sentence-transformers' own result is decided by that rounding, where cgist decides by the texts
+  (``cgist.stage.ties.tie_ids``). So the guide's embeddings lie on a lattice (``LatticeGuide``): 16 entries of
+  +-1/4 by the sign of the tiny BERT's, a norm of exactly 1, every cosine a multiple of 1/16 that every order of
+  summation gives exactly. A text's vector is its own whatever the rounding of the model below it, and every tie,
+  of a duplicate or of two texts that score alike, is exact on both sides, on every CPU. Every text of an example
+  also has the same number of tokens (words that are one token each). cgist's rule where the two part is pinned
+  apart (``test_a_duplicate_ties_by_its_text_whatever_its_rounding``, ``test_the_mini_batches_do_not_move_the_loss``).
 
 Profiles: "ci" (the default) replays a fixed set of ``CI_EXAMPLES`` examples per class on every run; "long"
 explores afresh:
@@ -192,12 +196,25 @@ def symmetric_options(draw) -> dict:
     return dict(scale=draw(st.sampled_from([1.0, 20.0, 50.0])), similarity_fct=draw(st.sampled_from([cos_sim, dot_score])))
 
 
+class LatticeGuide(torch.nn.Module):
+    """The guide's last module: each embedding becomes +-1/4 per entry by its sign (16 entries: a norm of exactly 1),
+    so every guide cosine is a sum of +-1/16 that no order of summation rounds (module docstring)."""
+
+    def forward(self, features: dict) -> dict:
+        embedding = features["sentence_embedding"]
+        assert embedding.shape[-1] == 16, "16 entries of 1/4 make a unit vector"
+        features["sentence_embedding"] = torch.where(embedding >= 0, 0.25, -0.25).to(embedding.dtype)
+        return features
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(student, guide): tiny float64 BERTs sharing all-MiniLM-L6-v2's tokenizer (no retokenisation), dropout 0.1."""
+    """(student, guide): tiny float64 BERTs sharing all-MiniLM-L6-v2's tokenizer (no retokenisation), dropout 0.1;
+    the guide's embeddings on the lattice of ``LatticeGuide``."""
     root = tmp_path_factory.mktemp("differential")
     student = tiny_model(root / "student", hidden_size=STUDENT_DIM, num_layers=1, seed=0)
-    guide = tiny_model(root / "guide", hidden_size=12, num_layers=1, seed=1)
+    guide = tiny_model(root / "guide", hidden_size=16, num_layers=1, seed=1)
+    guide.append(LatticeGuide())
     return student, guide
 
 
