@@ -16,6 +16,7 @@ more than the test suite's time allows; ``python bench/aot_compile.py`` runs it,
 tests/test_triton_versions.py checks against the sources.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from cgist.stage.devices import arch_for  # noqa: E402
 from cgist.stage.triton.common import input_precision  # noqa: E402
 from cgist.stage.triton.maxsim import KERNELS as MAXSIM_KERNELS  # noqa: E402
 from cgist.stage.triton.maxsim import launch_configs  # noqa: E402
+from cgist.stage.triton.maxsim import shared_memory_estimate as maxsim_shared_memory_estimate  # noqa: E402
 from cgist.stage.triton.tiles import gemm_configs, tile_configs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "aot_compile.py"
@@ -85,16 +87,21 @@ def launcher_tiles(arch: str, pair: str, n_dims: int, release: tuple[int, int] |
     return _names(tile_configs(*_operands(arch, pair), n_dims, ARCH[arch], interpret=False, release=release))
 
 
-def maxsim_tiles(arch: str, pair: str, lq: int) -> dict[str, set[str]]:
-    """The launches of each MaxSim kernel on this arch for a pair's student dtype, as the table writes them (``LQ``
-    aside): MaxSim's, and the slab kernels' XTR variants."""
+def maxsim_launches(arch: str, pair: str, lq: int) -> list[dict]:
+    """The launch of each MaxSim kernel on this arch for a pair's student dtype, by kernel name: MaxSim's, and the
+    slab kernels' XTR variants."""
     dtype, _, matmul = PAIRS[pair]
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        launches = [launch_configs(dtype, ARCH[arch], lq, MAXSIM_LD, MAXSIM_D, xtr=xtr) for xtr in (False, True)]
+        return [launch_configs(dtype, ARCH[arch], lq, MAXSIM_LD, MAXSIM_D, xtr=xtr) for xtr in (False, True)]
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def maxsim_tiles(arch: str, pair: str, lq: int) -> dict[str, set[str]]:
+    """``maxsim_launches`` as the table writes them (``LQ`` aside)."""
+    launches = maxsim_launches(arch, pair, lq)
     return {name: {each[name].tiles for each in launches} for name in launches[0]}
 
 
@@ -160,6 +167,13 @@ def test_aot_compile_every_kernel_for_every_arch():
         # tensor cores from sm_80 on, and warpgroup MMA on sm_90 (where every tile has 64+ rows)
         assert MMA_OPCODE[r["arch"]] in r["mma"].split("+"), r
         assert r["wgmma"] == ("yes" if r["arch"] == "sm_90" else "n/a"), r
+    # the MaxSim launcher's estimate, computed in this process for each launch the table built, is the table's
+    for r in (r for r in rows if r["kernel"] in MAXSIM_KERNELS):
+        lengths, tiles = r["tiles"].split("-", 1)
+        for pair, lq in itertools.product(r["dtype"].split(","), lengths.removeprefix("LQ").split(",")):
+            estimates = {maxsim_shared_memory_estimate(each[r["kernel"]], PAIRS[pair][0])
+                         for each in maxsim_launches(r["arch"], pair, int(lq)) if each[r["kernel"]].tiles == tiles}
+            assert estimates == {int(r["est"])}, r
     big = {(r["kernel"], r["dtype"]) for r in rows if r["arch"] == "sm_90" and r["tiles"].startswith("128x128")}
     # not tf32x3 (but for its GEMM, whose operands are split before it loads them)
     assert big == {(k, "bf16") for k in KERNELS} | {(k, "fp32") for k in GEMM_KERNELS}

@@ -29,6 +29,8 @@ from sentence_transformers.multi_vector_encoder.scoring import colbert_scores  #
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_gist_loss_reference  # noqa: E402
+from cgist.stage.spec.options import GistOptions  # noqa: E402
+from cgist.stage.spec.xtr import token_call  # noqa: E402
 from helpers_models import DOCUMENTS, NEGATIVES, QUERIES, multi_vector_model  # noqa: E402
 
 KINDS = ["self", "vectors", "tokens", "duplicates"]
@@ -301,6 +303,20 @@ def test_bad_guide_arguments_are_named(case, error, match):
     with pytest.raises(error, match=match):
         cgist.maxsim_loss(queries, query_mask, documents, document_masks, **case)
 
+
+
+@pytest.mark.parametrize("guide, guide_similarity, match", [
+    ("vectors", "maxsim", "scores a multi-vector guide"),
+    ("tokens", "cos", "are scored by MaxSim"),
+])
+def test_a_guide_given_the_other_kind_of_guide_score_is_named(guide, guide_similarity, match):
+    """The options name the guide's score (a multi-vector drop-in sets it from its guide): single-vector columns
+    with a token score, or token columns with the cosine, are refused with what was given."""
+    queries, query_mask, documents, document_masks, vectors, tokens, token_masks, _ = _problem(5)
+    options = GistOptions(similarity="maxsim", guide_similarity=guide_similarity)
+    given = dict(guide=vectors) if guide == "vectors" else dict(guide=tokens, guide_masks=token_masks)
+    with pytest.raises(ValueError, match=match):
+        token_call(queries, query_mask, documents, document_masks, options, **given)
 
 # -- the drop-ins ------------------------------------------------------------------------------------------------------
 

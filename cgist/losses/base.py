@@ -370,11 +370,11 @@ class FusedDropIn(abc.ABC):
         self._after_fused(reps, stats, options)
         return backward_if(loss, with_backward)
 
+    @abc.abstractmethod
     def temperature_tensor(self) -> Tensor | None:
         """The family: the temperature as a 0-dim tensor where the family's temperature (or scale) attribute is a
         tensor (a learned one, an ``nn.Parameter``: it then gets the loss's derivative), checked as the family checks
-        it; else None (default)."""
-        return None
+        it; else None."""
 
     @abc.abstractmethod
     def _stage_call(self, reps: list[list[Tensor]], reps_guided: object, options: GistOptions,

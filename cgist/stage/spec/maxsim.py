@@ -224,14 +224,12 @@ def _token_side(value: object, mask_value: object, name: str, mask_name: str, li
     return out, out_masks, named
 
 
-def _token_columns(values: object, mask_values: object, name: str, mask_name: str, count: int | None,
+def _token_columns(values: object, mask_values: object, name: str, mask_name: str,
                    like: Tensor) -> tuple[list[list[Tensor]], list[list[Tensor]], list[tuple[str, Tensor]]]:
     """A list of token columns (``values``) and their masks, each column checked by ``_token_side``."""
     if isinstance(values, Tensor) or not isinstance(values, Sequence) or not values:
         raise TypeError(f"{name} must be a non-empty list of columns, each a tensor or a list of row chunks; got "
                         f"{type(values).__name__}")
-    if count is not None and len(values) != count:
-        raise ValueError(f"{name} must hold {count} columns, got {len(values)}")
     if isinstance(mask_values, Tensor) or not isinstance(mask_values, Sequence) or len(mask_values) != len(values):
         raise ValueError(f"{mask_name} must be a list of one mask per column of {name} ({len(values)})")
     columns, masks, named = [], [], []
@@ -283,7 +281,7 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
     n_queries = rows(q_chunks)
     if n_queries == 0:
         raise ValueError("queries must hold at least one query, got 0 rows")
-    d_chunks, d_masks, more = _token_columns(documents, document_masks, "documents", "document_masks", None, first)
+    d_chunks, d_masks, more = _token_columns(documents, document_masks, "documents", "document_masks", first)
     named += more
     heights = [rows(c) for c in d_chunks]
     if len(set(heights)) > 1:
@@ -353,8 +351,7 @@ def _token_guide(call: MaxSimCall, guide: Sequence, guide_masks: object) -> MaxS
     q_chunks, q_masks, named = _token_side(detached[0], guide_masks[0], "guide[0]", "guide_masks[0]", None)
     if q_chunks[0].device != call.device:
         raise ValueError(f"guide[0] is on {q_chunks[0].device}, but the queries are on {call.device}")
-    d_chunks, d_masks, more = _token_columns(detached[1:], list(guide_masks[1:]), "guide", "guide_masks", None,
-                                             q_chunks[0])
+    d_chunks, d_masks, more = _token_columns(detached[1:], list(guide_masks[1:]), "guide", "guide_masks", q_chunks[0])
     for n, (column, height) in enumerate(zip([q_chunks, *d_chunks], call.sizes)):
         if rows(column) != height:
             what = "the queries" if n == 0 else f"documents[{n - 1}]"
