@@ -12,6 +12,7 @@ bf16, H200): forward ~135 ms.
 import csv
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,9 @@ def test_the_gpu_check_runs_end_to_end_under_a_simulated_sm_90(tmp_path):
     """bench/gpu_check.sh, the script that will first meet a GPU, from its first line to its last on the CPU standing
     in for an H100 (at a tiny size; the tests collected, not run): its exit status, the doctor's verdict, the warm-ups,
     and every figure the check must report, each file marked as simulated."""
-    env = unmeasured({**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    # the script runs `python`: this interpreter's, whether or not its environment is activated
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = unmeasured({**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path), "--simulate", "sm_90"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
