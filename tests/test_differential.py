@@ -67,8 +67,9 @@ from cgist import (
 )
 from cgist.losses.ranking import FusedCachedMultipleNegativesSymmetricRankingLoss
 
-#: Examples per class (plain and Matryoshka together) in the "ci" profile.
-CI_EXAMPLES = 200
+#: Examples per class (plain and Matryoshka together) in the "ci" profile: with the ">=" guide mask or a margin
+#: of 0 counted as positive, the first failing example is among them; the long profile explores beyond.
+CI_EXAMPLES = 75
 #: A failure is shrunk to a small batch (minutes: every example runs two models), not explained (more minutes).
 _PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 settings.register_profile("differential-ci", max_examples=CI_EXAMPLES, derandomize=True, deadline=None,
