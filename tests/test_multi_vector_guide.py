@@ -111,14 +111,24 @@ MARGINS = [(kind, relative, margin) for kind in KINDS for relative in (False, Tr
 #: The row blocks' budget of each backend: a few queries a block (the PyTorch stage's tiles, the kernels' slabs).
 ROW_BLOCK_BYTES = {"torch": 2500, "triton": 600}
 #: Both backends; the kernels run under the Triton interpreter without CUDA.
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="the MaxSim kernels need triton"))]
+_NO_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the MaxSim kernels need triton")
+BACKENDS = ["torch", pytest.param("triton", marks=_NO_TRITON)]
 
 
-@pytest.mark.parametrize("kind, relative, margin", MARGINS,
-                         ids=[f"{k}-{'relative' if r else 'absolute'}-{m}" for k, r, m in MARGINS])
-@pytest.mark.parametrize("row_blocks", [False, True], ids=["default", "row-blocks"])
-@pytest.mark.parametrize("backend", BACKENDS)
+def _grid(torch_cases: list[tuple], triton_cases: list[tuple]) -> list:
+    """``(backend, *case)`` parameters: the PyTorch stage's whole grid, and the part the kernels run under the
+    interpreter (seconds each): every case that exercises their own code, once."""
+    return ([pytest.param("torch", *case, id="-".join(map(str, ("torch", *case)))) for case in torch_cases]
+            + [pytest.param("triton", *case, id="-".join(map(str, ("triton", *case))), marks=_NO_TRITON)
+               for case in triton_cases])
+
+
+#: Every margin rule of every guide kind in row blocks, and one in a single row block, on the kernels.
+GUIDED = _grid([(*m, blocks) for m in MARGINS for blocks in (False, True)],
+               [(*m, True) for m in MARGINS] + [(*MARGINS[0], False)])
+
+
+@pytest.mark.parametrize("backend, kind, relative, margin, row_blocks", GUIDED)
 def test_the_guided_stage_equals_the_oracle(kind, relative, margin, row_blocks, backend):
     queries, query_mask, documents, document_masks, vectors, tokens, token_masks, ids = _problem(0)
     stats, mask = _against_the_oracle(
@@ -137,10 +147,10 @@ def test_the_guided_stage_equals_the_oracle(kind, relative, margin, row_blocks, 
 CONTRASTS = {"aa": (True, False), "pp": (False, True), "aa-pp": (True, True)}
 
 
-@pytest.mark.parametrize("kind", KINDS + ["none"])
-@pytest.mark.parametrize("contrast", list(CONTRASTS))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_the_contrast_blocks_equal_the_oracle(kind, contrast, backend):
+@pytest.mark.parametrize("backend, contrast, kind", _grid(
+    [(contrast, kind) for contrast in CONTRASTS for kind in KINDS + ["none"]],
+    [("aa-pp", kind) for kind in KINDS + ["none"]] + [("aa", "vectors"), ("pp", "vectors")]))
+def test_the_contrast_blocks_equal_the_oracle(backend, contrast, kind):
     """GIST's AA and PP blocks (the queries against each other, the positives as the left side against the first
     column) in each query's softmax, masked by every guide kind, in row blocks, against the oracle: loss, gradients
     and each block's mask counts. The margin rule alternates with the kind; ``"none"``: no guide, the self-pairs
