@@ -35,8 +35,9 @@ def _vectors(rows=3, dim=6, seed=2):
 
 MAXSIM_CASES = {
     "scale-zero": (dict(scale=0.0), ValueError, "scale must be a positive finite number, got 0.0"),
-    "masks-per-chunk": (dict(queries=[_tokens()[:2], _tokens()[2:]], query_mask=[_mask()]), ValueError,
-                        r"query_mask must have one mask per chunk of queries: got 1 masks for 2 chunks"),
+    "masks-per-chunk": (dict(queries=[_tokens()[:2], _tokens()[2:]], query_mask=[_mask(rows=2)]), ValueError,
+                        r"query_mask must have one mask per chunk of queries, or one \(rows, tokens\) mask over "
+                        r"chunks of one token width: got 1 masks for 2 chunks"),
     "not-tokens": (dict(queries=_tokens()[:, 0]), ValueError,
                    r"queries must be a floating \(rows, tokens, dim\) tensor of token embeddings"),
     "dim-zero": (dict(queries=_tokens(dim=0), documents=[_tokens(dim=0)]), ValueError,

@@ -470,6 +470,75 @@ def test_bad_inputs_get_a_clear_error():
         cgist.maxsim_loss(queries, query_mask.float() + query_mask[:, :1].float(), documents, document_masks)
 
 
+def _cached_against_sentence_transformers(reps, masks, ours_reps=None, ours_masks=None, **kwargs):
+    """``cached_loss_stage`` of sentence-transformers' cached class over ``reps`` and ``masks``, and of the drop-in over
+    ``ours_reps`` and ``ours_masks`` (default: the same)."""
+    theirs = cached_loss_stage(CachedMultiVectorMultipleNegativesRankingLoss(_model(), mini_batch_size=2, **kwargs),
+                               reps, masks)
+    ours = cached_loss_stage(cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(
+        _model(), mini_batch_size=2, **kwargs), reps if ours_reps is None else ours_reps,
+        masks if ours_masks is None else ours_masks)
+    return theirs, ours
+
+
+def test_a_nan_at_a_padding_token_is_masked_as_sentence_transformers_masks_it():
+    """A padding token is never scored: sentence-transformers' loss is the same with NaN there, and so is the
+    drop-in's, whose gradients are those of the padding zeroed (sentence-transformers' queries get NaN, 0 x NaN in
+    its backward's product); a NaN at a real token is refused."""
+    queries, query_mask, documents, document_masks = _inputs(8, 4, 1, 3, 5, 6, dtype=torch.float32)
+    padding = (~document_masks[0]).nonzero()[0].tolist()
+    nan = documents[0].clone()
+    nan[tuple(padding)] = float("nan")
+    masks = [[query_mask], [document_masks[0]]]
+    (expected, expected_grads), (got, grads) = _cached_against_sentence_transformers([[queries], [nan]], masks)
+    (zeroed, zeroed_grads), _ = _cached_against_sentence_transformers(
+        [[queries], [torch.where(document_masks[0].unsqueeze(-1), documents[0], 0.0)]], masks)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not expected_grads[0].isfinite().all()
+    for a, b in zip(grads, zeroed_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    real = documents[0].clone()
+    real[tuple(document_masks[0].nonzero()[0].tolist())] = float("nan")
+    with pytest.raises(ValueError, match=r"^documents\[0\] contains NaN or infinite values at a real token$"):
+        cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model()).calculate_loss([[queries], [real]], masks)
+
+
+def test_one_mask_over_a_columns_chunks_is_split_as_sentence_transformers_concatenates_them():
+    queries, query_mask, documents, document_masks = _inputs(9, 4, 1, 3, 5, 6, dtype=torch.float32)
+    reps = [_split(queries, 2), _split(documents[0], 3)]
+    (expected, expected_grads), (got, grads) = _cached_against_sentence_transformers(
+        reps, [_split(query_mask, 2), _split(document_masks[0], 3)], reps, [[query_mask], [document_masks[0]]])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ragged = [_split(queries, 2), [documents[0][:3], documents[0][3:, :4]]]
+    with pytest.raises(ValueError, match=r"^document_masks\[0\] must have one mask per chunk of documents\[0\], or "
+                       r"one \(rows, tokens\) mask over chunks of one token width: got 1 masks for 2 chunks$"):
+        cgist.maxsim_loss(ragged[0], [query_mask], ragged[1:], [[document_masks[0]]])
+
+
+def test_a_scale_whose_logits_overflow_is_named():
+    """sentence-transformers' loss is NaN at scale 1e38 (MaxSim sums up to a score per query token); the drop-in's
+    error names the scale."""
+    queries, query_mask, documents, document_masks = _inputs(10, 4, 1, 3, 5, 6, dtype=torch.float32)
+    reps, masks = [[queries], [documents[0]]], [[query_mask], [document_masks[0]]]
+    assert cached_loss_stage(CachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=1e38), reps, masks)[0].isnan()
+    with pytest.raises(ValueError, match=r"^the loss is nan: scale \(1 / temperature\) = 1e\+38 times the scores "
+                       r"overflows torch.float32; lower the scale \(or the embeddings' magnitude\)$"):
+        cached_loss_stage(cgist.FusedCachedMultiVectorMultipleNegativesRankingLoss(_model(), scale=1e38), reps, masks)
+
+
+def test_the_plain_class_ignores_a_score_mini_batch_size_of_0_as_sentence_transformers_does():
+    """Its plain class scores ``score_mini_batch_size or batch_size`` queries at a time; the cached class steps by it,
+    and 0 is refused there (``test_bad_constructor_arguments_are_named``)."""
+    columns = [QUERIES[:4], DOCUMENTS[:4]]
+    theirs = MultiVectorMultipleNegativesRankingLoss(_model(), score_mini_batch_size=0)
+    ours = cgist.FusedMultiVectorMultipleNegativesRankingLoss(_model(), score_mini_batch_size=0)
+    assert ours.score_mini_batch_size == 0
+    torch.testing.assert_close(_model_step(ours, columns)[0], _model_step(theirs, columns)[0], rtol=1e-5, atol=1e-6)
+    assert ours.last_path == FUSED
+
+
 def test_a_confident_query_keeps_its_small_gradient_in_float32():
     """Queries that rank their positives far above the rest (a loss of 8e-5) have a gradient of ``p - 1`` near zero
     at the positive. The stage keeps each softmax's normaliser as (largest logit, sum) and sums the other terms

@@ -116,7 +116,12 @@ class MultiVectorFamily(TokenColumns):
         super()._check_embedding_stage(values)
         # sentence-transformers' plain class embeds the documents in chunks of mini_batch_size rows, None: at once
         _check_optional_size("mini_batch_size", values["mini_batch_size"])
-        _check_optional_size("score_mini_batch_size", values["score_mini_batch_size"])
+        # its plain class scores `score_mini_batch_size or batch_size` queries at a time (0: all of them), its cached
+        # class steps through the queries by it
+        score_rows = values["score_mini_batch_size"]
+        if isinstance(self, PlainStep):
+            score_rows = score_rows or None
+        _check_optional_size("score_mini_batch_size", score_rows)
 
     def _family_key(self) -> tuple:
         model = getattr(self, "model", None)

@@ -33,24 +33,32 @@ def as_chunks(value: object, name: str) -> list[Tensor]:
     return list(value)
 
 
-def check_finite(named: Sequence[tuple[str, Tensor]]) -> None:
-    """Raise a ValueError naming the first tensor of ``named`` (``(name, tensor)`` pairs) that holds a NaN or an
-    infinity, with one host sync and no copy of any tensor.
+def check_finite(named: Sequence[tuple[str, Tensor] | tuple[str, Tensor, Tensor]]) -> set[str]:
+    """Raise a ValueError naming the first tensor of ``named`` that holds a NaN or an infinity, with one host sync and
+    no copy of any tensor. An entry is ``(name, tensor)``, or ``(name, token embeddings, mask)``, whose masked
+    (padding) tokens are never scored: a NaN or an infinity there is no error, and its name is returned, for the
+    caller to zero them.
 
     A NaN or an infinity makes its tensor's sum non-finite (one fast reduction each, in its compute dtype). A sum can
     also overflow, so only a tensor whose sum is not finite gets the exact test. The sums meet in the widest of their
     dtypes (float64 only when an input is float64)."""
-    named = [(where, t) for where, t in named if t.numel()]
+    named = [entry for entry in named if entry[1].numel()]
     if not named:
-        return
+        return set()
     with torch.no_grad():
-        wide = functools.reduce(torch.promote_types, (compute_dtype(t.dtype) for _, t in named))
-        sums = torch.stack([t.sum(dtype=compute_dtype(t.dtype)).to(wide) for _, t in named])
+        wide = functools.reduce(torch.promote_types, (compute_dtype(t.dtype) for _, t, *_ in named))
+        sums = torch.stack([t.sum(dtype=compute_dtype(t.dtype)).to(wide) for _, t, *_ in named])
+    padded = set()
     suspect = ~sums.isfinite()
     if bool(suspect.any()):
-        for where, t in (named[i] for i in suspect.nonzero().flatten().tolist()):
-            if not bool(t.isfinite().all()):
-                raise ValueError(f"{where} contains NaN or infinite values")
+        for where, t, *mask in (named[i] for i in suspect.nonzero().flatten().tolist()):
+            finite = t.isfinite()
+            if bool(finite.all()):
+                continue
+            if not mask or not bool(finite[mask[0]].all()):
+                raise ValueError(f"{where} contains NaN or infinite values" + (" at a real token" if mask else ""))
+            padded.add(where)
+    return padded
 
 
 def check_text_ids(text_ids: object, heights: Sequence[int], name: Callable[[int], str],

@@ -182,14 +182,17 @@ def _bound(options: GistOptions, columns: Sequence[Sequence[Tensor]], masks: Seq
 
 
 def _token_side(value: object, mask_value: object, name: str, mask_name: str, like: Tensor | None,
-                ) -> tuple[list[Tensor], list[Tensor], list[tuple[str, Tensor]]]:
+                ) -> tuple[list[Tensor], list[Tensor], list[tuple[str, Tensor, Tensor]]]:
     """One column's chunks checked against their masks and ``like`` (the queries: dim, dtype, device): the chunks
     (a zero-width token axis padded to one masked token, as sentence-transformers scores it), their masks as
-    contiguous bool, and each chunk with its name in messages (for ``check_finite``)."""
+    contiguous bool, and each chunk with its name in messages and its mask (for ``check_finite``). One mask may cover
+    a column's chunks of one token width (sentence-transformers concatenates both): its row slices are theirs."""
     chunks, masks = as_chunks(value, name), as_chunks(mask_value, mask_name)
+    if len(masks) == 1 < len(chunks) and _covers(masks[0], chunks):
+        masks = list(masks[0].split([x.shape[0] for x in chunks]))
     if len(masks) != len(chunks):
-        raise ValueError(f"{mask_name} must have one mask per chunk of {name}: got {len(masks)} masks for "
-                         f"{len(chunks)} chunks")
+        raise ValueError(f"{mask_name} must have one mask per chunk of {name}, or one (rows, tokens) mask over chunks "
+                         f"of one token width: got {len(masks)} masks for {len(chunks)} chunks")
     out, out_masks, named = [], [], []
     for k, (x, m) in enumerate(zip(chunks, masks)):
         where = name if len(chunks) == 1 else f"{name} chunk {k}"
@@ -220,12 +223,29 @@ def _token_side(value: object, mask_value: object, name: str, mask_name: str, li
             x, m = F.pad(x, (0, 0, 0, 1)), F.pad(m, (0, 1))
         out.append(x)
         out_masks.append(m)
-        named.append((where, x))
+        named.append((where, x, m))
     return out, out_masks, named
 
 
+def _covers(mask: Tensor, chunks: Sequence[Tensor]) -> bool:
+    """Whether ``mask`` is one ``(rows, tokens)`` mask over all of ``chunks``, of its token width each."""
+    return (mask.dim() == 2 and all(x.dim() == 3 and x.shape[1] == mask.shape[1] for x in chunks)
+            and mask.shape[0] == rows(chunks))
+
+
+def _zero_padded(columns: list[list[Tensor]], named: list[tuple[str, Tensor, Tensor]],
+                 padded: set[str]) -> list[list[Tensor]]:
+    """``columns`` with zeros at the masked tokens of the chunks ``check_finite`` found non-finite there only (a
+    padding token is never scored; zeros keep its NaN out of the products' sums). The gradient flows back to the given
+    chunk, 0 at the padding."""
+    if not padded:
+        return columns
+    zeroed = {id(x): torch.where(m.unsqueeze(-1), x, x.new_zeros(())) for where, x, m in named if where in padded}
+    return [[zeroed.get(id(x), x) for x in column] for column in columns]
+
+
 def _token_columns(values: object, mask_values: object, name: str, mask_name: str,
-                   like: Tensor) -> tuple[list[list[Tensor]], list[list[Tensor]], list[tuple[str, Tensor]]]:
+                   like: Tensor) -> tuple[list[list[Tensor]], list[list[Tensor]], list[tuple[str, Tensor, Tensor]]]:
     """A list of token columns (``values``) and their masks, each column checked by ``_token_side``."""
     if isinstance(values, Tensor) or not isinstance(values, Sequence) or not values:
         raise TypeError(f"{name} must be a non-empty list of columns, each a tensor or a list of row chunks; got "
@@ -290,8 +310,8 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
     if not 0 <= offset <= heights[0] - n_queries:
         raise ValueError(f"offset must be an int in [0, {heights[0] - n_queries}] (the first document column has "
                          f"{heights[0]} rows for {n_queries} queries), got {offset!r}")
-    check_finite(named)
-    columns, masks = [q_chunks, *d_chunks], [q_masks, *d_masks]
+    columns = _zero_padded([q_chunks, *d_chunks], named, check_finite(named))
+    masks = [q_masks, *d_masks]
     ids = None
     if text_ids is not None:
         ids = check_text_ids(text_ids, [n_queries, *heights], _text_name, first.device)
@@ -356,9 +376,9 @@ def _token_guide(call: MaxSimCall, guide: Sequence, guide_masks: object) -> MaxS
         if rows(column) != height:
             what = "the queries" if n == 0 else f"documents[{n - 1}]"
             raise ValueError(f"guide[{n}] has {rows(column)} rows, but {what} has {height}")
-    check_finite(named + more)
+    named += more
     guide_options = options.replace(similarity=options.guide_similarity, guide_similarity="cos", temperature=1.0)
-    columns, masks = [q_chunks, *d_chunks], [q_masks, *d_masks]
+    columns, masks = _zero_padded([q_chunks, *d_chunks], named, check_finite(named)), [q_masks, *d_masks]
     parts, groups = _bound(guide_options, columns, masks)
     return MaxSimCall(guide_options, columns, None, None, masks, parts, groups, budget_bytes=call.budget_bytes)
 
