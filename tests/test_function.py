@@ -28,6 +28,30 @@ TIGHT = Tol(**TOL["embeddings"]["fp64"])
 # The autograd Function ----------------------------------------------------------------------------------------
 
 
+def test_the_backward_hands_over_the_forwards_gradients_without_a_copy(monkeypatch):
+    """The forward makes the gradients; at an incoming gradient of 1 the backward passes them on as they are (the
+    leaves' ``.grad`` are those tensors), and a scaled loss gets them scaled."""
+    student, guide = make_inputs(4, 8, 5, 3, 1, seed=3, requires_grad=True)
+    made = []  # where the forward's gradients are (holding the tensors would make autograd copy them)
+
+    def forward(*args):
+        loss, (grads, radial), counters = original(*args)
+        made.append([g.data_ptr() for g in grads])
+        return loss, (grads, radial), counters
+
+    original = pytorch_dense.forward
+    monkeypatch.setattr(pytorch_dense, "forward", forward)
+    loss = cgist.gist_loss(student, guide, temperature=0.5, backend="torch")
+    loss.backward(retain_graph=True)
+    assert [s.grad.data_ptr() for s in student] == made[0]
+    expected = [s.grad.clone() for s in student]
+    for s in student:
+        s.grad = None
+    (3.0 * loss).backward()
+    for s, grad in zip(student, expected):
+        torch.testing.assert_close(s.grad, 3.0 * grad, rtol=1e-12, atol=1e-12)
+
+
 def _gradcheck(B, W, D, Dg, k, **options):
     """gradcheck of gist_loss in float64 on every student column, for each rank's offset."""
     student, guide = make_inputs(B, B * W, D, Dg, k, seed=B + D + k, requires_grad=True)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..budget import argmax_dtype, kept_bytes, split_budget, tile_rows
-from ..numerics import compute_dtype
+from ..numerics import compute_dtype, scale_gradients
 from ..spec.block import BlockMasks, block_softmax
 from ..spec.maxsim import MaxSimCall, Part, query_weights
 from .workspace import _thread_buffer
@@ -307,13 +307,10 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reducti
 
 def backward(call: MaxSimCall, state: tuple[Gradients, Tensor | None], grad_output: Tensor
              ) -> tuple[list[Tensor], Tensor | None]:
-    """The backend contract's backward: the gradients of ``grad_output`` times the loss, one per chunk of the
-    call's columns (those of ``forward``, scaled, or handed over as they are when ``grad_output`` is 1), and
-    ``grad_output`` times the temperature's share."""
+    """The backend contract's backward: the gradients ``forward`` made, one per chunk of the call's columns, and the
+    temperature's share, times ``grad_output`` (``scale_gradients``)."""
     grads, radial = state
-    scale = float(grad_output)
-    flat = [g if scale == 1.0 else g * scale for column in grads for g in column]
-    return flat, None if radial is None else radial * scale
+    return scale_gradients((g for column in grads for g in column), radial, grad_output)
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor, grads: Gradients | None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..numerics import scale_gradients
 from .call import StageCall
 from .checks import check_finite, check_text_ids, rows
 from .guide import kind_of
@@ -183,13 +184,11 @@ def _check_finite_and_shapes(student: list[list[Tensor]], guide: list[list[Tenso
 def scaled_gradients(call: DenseCall, state: tuple[Sequence[Tensor], Tensor | None],
                      grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
     """The backend contract's ``backward`` of both dense backends (docs/design.md#dispatch): their forward's state,
-    the gradients of whole columns (each in its column's dtype) and the temperature's share, times ``grad_output``,
-    one gradient per chunk of the call's columns."""
+    the gradients of whole columns (each in its column's dtype) and the temperature's share, split into one gradient
+    per chunk of the call's columns (views) and scaled by ``grad_output`` (``scale_gradients``)."""
     grads, radial = state
-    out = []
-    for grad, column in zip(grads, call.columns):
-        out += (grad * grad_output.to(grad.dtype)).split([t.shape[0] for t in column])
-    return out, None if radial is None else radial * grad_output
+    chunks = (piece for grad, column in zip(grads, call.columns) for piece in grad.split([t.shape[0] for t in column]))
+    return scale_gradients(chunks, radial, grad_output)
 
 
 # The first-use check of the kernels (cgist.stage.dispatch.selfcheck) ---------------------------------------------

@@ -45,7 +45,7 @@ from cgist.kernels.maxsim import (
 )
 from cgist.stage.budget import kept_bytes, slab_rows
 from cgist.stage.devices import Arch, launch_context
-from cgist.stage.numerics import compute_dtype
+from cgist.stage.numerics import compute_dtype, scale_gradients
 from cgist.stage.spec.block import BlockMasks, block_softmax
 from cgist.stage.spec.maxsim import MaxSimCall, Part, query_weights
 
@@ -444,10 +444,8 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, tau: Te
 def backward(call: MaxSimCall, state: tuple, grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
     """The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and ``grad_output``
     times the temperature's share."""
-    scale = float(grad_output)
-    if state[0] == "normaliser":
-        grads = maxsim_backward_triton(call, state[1], state[2], scale)
+    if state[0] == "normaliser":  # the kernels make the gradients now, scaled as they go
+        grads = maxsim_backward_triton(call, state[1], state[2], float(grad_output))
         return [g for column in grads for g in column], None
     _, grads, radial = state
-    flat = [g if scale == 1.0 else g * scale for column in grads for g in column]
-    return flat, None if radial is None else radial * scale
+    return scale_gradients((g for column in grads for g in column), radial, grad_output)
