@@ -41,8 +41,8 @@ _XTR_TOP_K = inspect.signature(xtr_scores).parameters["top_k"].default
 
 def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
     """Whether ``similarity_fct`` (with ``model``'s own similarity when it is None, as sentence-transformers 6.3
-    scores by default) is MeanMaxSim (True) or MaxSim (False); None for any other score (XTR, a custom callable),
-    which the fused stage does not compute."""
+    scores by default) is MeanMaxSim (True) or MaxSim (False); None for any other score (XTR, which ``score_fields``
+    reads, or a custom callable)."""
     if similarity_fct is None:
         getattr(model, "similarity_fn_name", None)  # sets the model's scorer on first use
         scorer = getattr(model, "_similarity", None)

@@ -364,9 +364,9 @@ def _token_guide(call: MaxSimCall, guide: Sequence, guide_masks: object) -> MaxS
     if isinstance(guide_masks, Tensor) or not isinstance(guide_masks, Sequence) or len(guide_masks) != len(guide):
         raise ValueError(f"a multi-vector guide needs guide_masks: one mask per guide column ({len(guide)}), each "
                          "a tensor or a list of row chunks as the column")
-    if options.guide_similarity not in MAXSIM.similarities:
+    if options.guide_similarity not in MAXSIM.guide_similarities:
         raise ValueError("a multi-vector guide's (rows, tokens, dim) columns are scored by MaxSim: guide_similarity "
-                         f"must be one of {MAXSIM.similarities}, got {options.guide_similarity!r}")
+                         f"must be one of {MAXSIM.guide_similarities}, got {options.guide_similarity!r}")
     detached = [[c.detach() for c in as_chunks(g, f"guide[{n}]")] for n, g in enumerate(guide)]
     q_chunks, q_masks, named = _token_side(detached[0], guide_masks[0], "guide[0]", "guide_masks[0]", None)
     if q_chunks[0].device != call.device:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .scores import SCORES, SIMILARITIES, Score, score_of
+from .scores import GUIDE_SIMILARITIES, SCORES, SIMILARITIES, Score, score_of
 
 __all__ = [
     "ANCHOR_DIRECTIONS", "DIRECTIONS", "GUIDE_SIMILARITIES", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES",
@@ -30,8 +30,6 @@ DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 ANCHOR_DIRECTIONS = ("query_to_query", "doc_to_query")
 PARTITION_MODES = ("joint", "per_direction")
 HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
-#: The guide's score: the cosine of two embeddings, or, for a multi-vector guide, its MaxSim or MeanMaxSim.
-GUIDE_SIMILARITIES = ("cos", "maxsim", "mean_maxsim")
 
 
 @dataclass(frozen=True)
@@ -105,10 +103,13 @@ def check_margin(margin: object, margin_strategy: object) -> None:
 
 @dataclass(frozen=True)
 class GistOptions:
-    """The loss options of ``CachedGISTEmbedLoss`` and the offset of this rank's labels.
+    """The options of one loss-stage call, for every family and score: the score (``similarity``, and what only some
+    scores take), GIST's guide rule and blocks, sentence-transformers' directions, partitions and hardness, the
+    Matryoshka dimensions, the offset of this rank's labels and the budget.
 
     Args:
-        temperature: divides the cosine similarities before the softmax; positive and finite.
+        temperature: divides the scores before the softmax (``1 / scale`` of the ranking losses); positive and
+            finite.
         margin: finite; with ``margin_strategy`` it sets the guide threshold ``T_i`` of anchor i.
         margin_strategy: ``"absolute"`` (``T_i = theta_i - margin``) or ``"relative"``
             (``T_i = theta_i - |theta_i| * margin``).
@@ -136,8 +137,8 @@ class GistOptions:
             positive); None adds nothing.
         similarity: the student's score, and with it the score of the stage (``cgist.stage.spec.scores``): ``"cos"``
             (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's embeddings are not
-            normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) over token
-            embeddings. The options of another score (``Score.options``) must stay at their defaults.
+            normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) or ``"xtr"`` (XTR)
+            over token embeddings. The options of another score (``Score.options``) must stay at their defaults.
         top_k: XTR's retrieval depth (``similarity="xtr"``, which needs it): each query token keeps its ``top_k``
             largest similarities among every real document token of the call (``cgist.stage.spec.xtr``).
         guide_similarity: the guide's score: ``"cos"`` (the cosine of its embeddings, for every score), or under a

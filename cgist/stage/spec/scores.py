@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "SIMILARITIES", "XTR", "Score", "score_of"]
+__all__ = ["BACKEND_NAMES", "DENSE", "GUIDE_SIMILARITIES", "MAXSIM", "SCORES", "SIMILARITIES", "XTR", "Score",
+           "score_of"]
 
 #: The backends a score may register, each a module with ``forward`` and ``backward`` (docs/design.md#dispatch).
 BACKEND_NAMES = ("torch", "triton")
@@ -33,7 +34,8 @@ class Score:
     ``similarities`` are the values of ``GistOptions.similarity`` it computes; ``tokens``: its columns are token
     embeddings ``(rows, tokens, dim)`` with masks (else embeddings ``(rows, dim)``); ``options``: the
     ``GistOptions`` fields beyond the common ones that it takes (a call of another score leaves them at their
-    defaults); ``spec``, ``backends`` and ``kernels``: the modules of each layer."""
+    defaults); ``spec``, ``backends`` and ``kernels``: the modules of each layer; ``guide_similarities``: the values
+    of ``GistOptions.guide_similarity`` it scores a guide's columns with (none: it is no guide's score)."""
 
     name: str
     similarities: tuple[str, ...]
@@ -42,6 +44,7 @@ class Score:
     spec: str
     backends: Mapping[str, str] = field(default_factory=dict)
     kernels: str | None = None
+    guide_similarities: tuple[str, ...] = ()
 
     def backend(self, name: str) -> str:
         """The module of backend ``name`` (``BACKEND_NAMES``)."""
@@ -55,12 +58,14 @@ DENSE = Score(
     spec="cgist.stage.spec.dense",
     backends={"torch": "cgist.stage.pytorch.dense", "triton": "cgist.stage.triton.dense"},
     kernels="cgist.kernels.gist",
+    guide_similarities=("cos",),
 )
 MAXSIM = Score(
     "maxsim", ("maxsim", "mean_maxsim"), tokens=True, options=("guide_similarity",),
     spec="cgist.stage.spec.maxsim",
     backends={"torch": "cgist.stage.pytorch.maxsim", "triton": "cgist.stage.triton.maxsim"},
     kernels="cgist.kernels.maxsim",
+    guide_similarities=("maxsim", "mean_maxsim"),
 )
 XTR = Score(
     "xtr", ("xtr",), tokens=True, options=("guide_similarity", "top_k"),
@@ -72,6 +77,8 @@ XTR = Score(
 SCORES = (DENSE, MAXSIM, XTR)
 #: Every value of ``GistOptions.similarity``.
 SIMILARITIES = tuple(name for score in SCORES for name in score.similarities)
+#: Every value of ``GistOptions.guide_similarity``: the guide's cosine, or a multi-vector guide's MaxSim or MeanMaxSim.
+GUIDE_SIMILARITIES = tuple(name for score in SCORES for name in score.guide_similarities)
 
 
 def score_of(similarity: str) -> Score:
