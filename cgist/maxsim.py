@@ -8,7 +8,7 @@ summed in float32), or MeanMaxSim (divided by the query's real token count); a d
 ``offset + i``; the loss is the mean over the queries. With ``top_k`` the scores are XTR's instead (sentence-transformers'
 ``xtr_scores``; docs/design.md#xtr). With a guide, GIST's mask leaves out the candidates that the
 guide scores above each query's threshold (docs/design.md#the-guide-for-late-interaction). Its arguments become one
-validated call (``cgist.stage.spec.xtr.token_call``: MaxSim's door or XTR's), which the stage runs
+validated call (its score's door, ``Score.door``: MaxSim's or XTR's), which the stage runs
 (``cgist.stage.node.run``) on the score's backends; it imports no backend.
 """
 
@@ -21,7 +21,6 @@ from torch import Tensor
 
 from .stage.node import run
 from .stage.spec.options import GistOptions, check_bools, real_number
-from .stage.spec.xtr import token_call
 from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
@@ -98,6 +97,7 @@ def maxsim_loss(
         mask_self=mask_self, mask_duplicates=mask_duplicates, offset=offset, block_bytes=block_bytes,
         guide_similarity=tokens_guide if guide_masks is not None else "cos",
     )
-    call = token_call(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
-                      text_ids=text_ids, temperature=learned)
+    door = options.score.door()
+    call = door(queries, query_mask, documents, document_masks, options, guide=guide, guide_masks=guide_masks,
+                text_ids=text_ids, temperature=learned)
     return run(call, backend, return_stats)

@@ -34,7 +34,7 @@ from cgist.stage.reference import (  # noqa: E402
     maxsim_scores_reference,
 )
 from cgist.stage.spec.maxsim import MaxSimCall  # noqa: E402
-from cgist.stage.spec.xtr import thresholds, token_call  # noqa: E402
+from cgist.stage.spec.xtr import thresholds  # noqa: E402
 from cgist.stage.stats import COUNT_FIELDS  # noqa: E402
 from cgist.stage.triton.maxsim import (  # noqa: E402
     maxsim_backward_triton,
@@ -138,15 +138,15 @@ def _problem(case: Case):
 
 
 def _call(case: Case, q_chunks, q_masks, d_chunks, d_masks, top_k: int | None = None, **guide) -> MaxSimCall:
-    """The call of these chunks on the test device (``token_call``, the door every caller goes through): MaxSim's,
+    """The call of these chunks on the test device (their score's door, which every caller goes through): MaxSim's,
     or XTR's with ``top_k``."""
     similarity = "xtr" if top_k else "mean_maxsim" if case.length_normalize else "maxsim"
     options = GistOptions(similarity=similarity, top_k=top_k, temperature=1 / case.scale, offset=case.offset,
                           block_bytes=2**20, contrast_anchors=False, contrast_positives=False,
                           margin=guide.pop("margin", 0.0))
-    return token_call([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],
-                      [[t.to(DEVICE) for t in c] for c in d_chunks], [[t.to(DEVICE) for t in c] for c in d_masks],
-                      options, **guide)
+    return options.score.door()([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],
+                                [[t.to(DEVICE) for t in c] for c in d_chunks],
+                                [[t.to(DEVICE) for t in c] for c in d_masks], options, **guide)
 
 
 def _oracle(case: Case, dense) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

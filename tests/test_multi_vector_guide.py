@@ -30,7 +30,7 @@ import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_gist_loss_reference  # noqa: E402
 from cgist.stage.spec.options import GistOptions  # noqa: E402
-from cgist.stage.spec.xtr import token_call  # noqa: E402
+from cgist.stage.spec.scores import Score  # noqa: E402
 from helpers_models import DOCUMENTS, NEGATIVES, QUERIES, multi_vector_model  # noqa: E402
 
 KINDS = ["self", "vectors", "tokens", "duplicates"]
@@ -326,7 +326,7 @@ def test_a_guide_given_the_other_kind_of_guide_score_is_named(guide, guide_simil
     options = GistOptions(similarity="maxsim", guide_similarity=guide_similarity)
     given = dict(guide=vectors) if guide == "vectors" else dict(guide=tokens, guide_masks=token_masks)
     with pytest.raises(ValueError, match=match):
-        token_call(queries, query_mask, documents, document_masks, options, **given)
+        options.score.door()(queries, query_mask, documents, document_masks, options, **given)
 
 # -- the drop-ins ------------------------------------------------------------------------------------------------------
 
@@ -362,19 +362,21 @@ def _step(loss, labels=None, columns=COLUMNS):
     model.eval()  # no dropout: two passes see the same vectors
     model.zero_grad()
     captured = {}
-    original = cgist.losses.columns.token_call
+    original = Score.door
 
-    def capture(queries, query_masks, documents, document_masks, options, **kwargs):
-        captured.update(queries=queries, query_masks=query_masks, documents=documents, masks=document_masks,
-                        options=options, kwargs=kwargs)
-        return original(queries, query_masks, documents, document_masks, options, **kwargs)
+    def door(score):
+        def capture(queries, query_masks, documents, document_masks, options, **kwargs):
+            captured.update(queries=queries, query_masks=query_masks, documents=documents, masks=document_masks,
+                            options=options, kwargs=kwargs)
+            return original(score)(queries, query_masks, documents, document_masks, options, **kwargs)
+        return capture
 
-    cgist.losses.columns.token_call = capture
+    Score.door = door
     try:
         value = loss(_features(model, columns), labels)
         value.backward()
     finally:
-        cgist.losses.columns.token_call = original
+        Score.door = original
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return value.detach(), grads, captured
 

@@ -2,7 +2,7 @@
 ``DenseColumns`` (embeddings, the dense score: the GIST and ranking families) and ``TokenColumns`` (token embeddings
 with their masks, the MaxSim and XTR scores: the multi-vector families). Each gathers its columns across ranks with
 ``gather_across_devices``, as sentence-transformers does, and builds the call with its score's door
-(``cgist.stage.spec.dense.dense_call``; ``cgist.stage.spec.xtr.token_call``: MaxSim's or XTR's), which checks it
+(``cgist.stage.spec.dense.dense_call``; a token score's door, ``Score.door``: MaxSim's or XTR's), which checks it
 once.
 """
 
@@ -25,7 +25,6 @@ from torch import Tensor
 
 from ..stage.spec.dense import DenseCall, dense_call
 from ..stage.spec.maxsim import MaxSimCall
-from ..stage.spec.xtr import token_call
 from ..stage.spec.options import GistOptions
 from .base import FusedDropIn, check_equal_batches
 
@@ -118,7 +117,8 @@ class TokenColumns(FusedDropIn):
             documents, document_masks = [[e] for e, _ in gathered], [[m] for _, m in gathered]
             options = options.replace(offset=get_rank() * batch)
             guide = _gathered_guide(guide)
-        return token_call(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide)
+        door = options.score.door()
+        return door(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide)
 
     def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
         """The family: the door's ``guide``, ``guide_masks`` and ``text_ids`` for a step (default: none)."""

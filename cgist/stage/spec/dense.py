@@ -19,7 +19,7 @@ from .guide import kind_of
 from .options import GistOptions
 
 __all__ = ["MARGIN", "MIN_TEMPERATURE", "DenseCall", "Variant", "check_embeddings", "check_inputs", "check_problem",
-           "column_name", "dense_call", "make_variant", "sample_calls", "scaled_gradients", "variant_of"]
+           "column_name", "dense_call", "door", "make_variant", "sample_calls", "scaled_gradients", "variant_of"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ def dense_call(embeddings: object, guide_embeddings: object, options: GistOption
         guide = student
     guide = None if guide is None else [[g.detach() for g in column] for column in guide]
     return DenseCall(options, student, None if guide is None else guide[0][0].dtype, temperature, guide, ids)
+
+
+#: The registry's door of the dense score (``Score.door``).
+door = dense_call
 
 
 def column_name(index: int) -> str:

@@ -32,7 +32,7 @@ from .problem import BoundGroup, bind_groups
 from .scores import MAXSIM
 
 __all__ = ["CHECK_ROWS", "EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "Part", "Variant", "check_problem",
-           "maxsim_call", "query_weights", "row_views", "sample_calls", "sample_tokens", "variant_of"]
+           "door", "maxsim_call", "query_weights", "row_views", "sample_calls", "sample_tokens", "variant_of"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -326,6 +326,10 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
     call = call_class(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
                       budget_bytes=options.block_bytes)
     return _with_guide(call, guide, guide_masks)
+
+
+#: The registry's door of the MaxSim score (``Score.door``).
+door = maxsim_call
 
 
 def _with_guide(call: MaxSimCall, guide: object, guide_masks: object) -> MaxSimCall:

@@ -17,7 +17,8 @@ modules are named, not imported: a backend is imported on a call's first use of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["BACKEND_NAMES", "DENSE", "GUIDE_SIMILARITIES", "MAXSIM", "SCORES", "SIMILARITIES", "XTR", "Score",
@@ -49,6 +50,11 @@ class Score:
     def backend(self, name: str) -> str:
         """The module of backend ``name`` (``BACKEND_NAMES``)."""
         return self.backends[name]
+
+    def door(self) -> Callable[..., object]:
+        """The score's door: its spec module's ``door``, which builds the checked call from a user's arguments (the
+        token scores': ``queries, query_mask, documents, document_masks, options, **arguments``)."""
+        return importlib.import_module(self.spec).door
 
 
 DENSE = Score(

@@ -33,8 +33,8 @@ from .maxsim import MaxSimCall, Part, maxsim_call, sample_tokens
 from .options import GistOptions
 from .scores import XTR
 
-__all__ = ["CHECK_TOP_K", "DOC_ROWS", "TopK", "Variant", "XTRCall", "check_problem", "lowered", "retrieved",
-           "run_length", "sample_calls", "thresholds", "tie_slack", "token_call", "variant_of", "xtr_call"]
+__all__ = ["CHECK_TOP_K", "DOC_ROWS", "TopK", "Variant", "XTRCall", "check_problem", "door", "lowered", "retrieved",
+           "run_length", "sample_calls", "thresholds", "tie_slack", "variant_of", "xtr_call"]
 
 #: Document tiles of the thresholds' sweep, in documents.
 DOC_ROWS = 16
@@ -85,12 +85,8 @@ def xtr_call(queries: object, query_mask: object, documents: object, document_ma
                        text_ids=text_ids, temperature=temperature, call_class=XTRCall)
 
 
-def token_call(queries: object, query_mask: object, documents: object, document_masks: object,
-               options: GistOptions, **arguments: object) -> MaxSimCall:
-    """The call of a token score's arguments (``cgist.maxsim_loss``'s, a multi-vector drop-in's) by its score's
-    door: ``xtr_call`` for XTR, ``maxsim_call`` for MaxSim and MeanMaxSim."""
-    door = xtr_call if options.score is XTR else maxsim_call
-    return door(queries, query_mask, documents, document_masks, options, **arguments)
+#: The registry's door of the XTR score (``Score.door``).
+door = xtr_call
 
 
 class TopK:
