@@ -28,6 +28,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 _empty, _empty_like = torch.empty, torch.empty_like
+# torch.device(...) as a context (transformers builds models under torch.device("meta")) lists its factory functions
+# once, on first use: listed while torch.empty is the NaN-filling one below, the meta device no longer takes it, and
+# every later model is built and randomly initialised for real, which moves the random stream (a multi-vector model's
+# projection, drawn after it, then differs with the order the tests run in). List them now, from torch's own.
+import torch.utils._device  # noqa: E402
+
+torch.utils._device._device_constructors()
 
 
 def _poison(t):
