@@ -58,18 +58,22 @@ class StageFunction(torch.autograd.Function):
 def run(call: StageCall, backend: str = "auto", return_stats: bool = False) -> Tensor | tuple[Tensor, GistStats]:
     """The loss of ``call`` on ``backend`` (``"auto"``, ``"torch"``, ``"triton"``), differentiable with respect to its
     inputs (and its learned temperature); with ``return_stats`` also a ``GistStats`` of what the guide masked (one
-    host sync), and a ValueError for a loss that overflowed (the inputs are finite: the logits were not)."""
+    host sync, which also reads whether the loss is finite: a ValueError for a loss that overflowed, as the inputs are
+    finite and the logits were not)."""
     stage = select_stage(call, backend)
     inputs = [*call.tensors, *([call.temperature] if call.temperature is not None else [])]
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     loss, counts, sums = StageFunction.apply(call, stage, return_stats, with_grad, *inputs)
     if not return_stats:
         return loss
-    if not bool(loss.isfinite()):  # the door let only finite inputs in: the logits overflowed
-        raise ValueError(f"the loss is {float(loss.detach())}: scale (1 / temperature) = "
-                         f"{1 / call.options.temperature:g} times the scores overflows {call.dtype}; lower the scale "
-                         "(or the embeddings' magnitude)")
     if counts.numel() == 0:  # nothing masks: the backend kept no counters
         counts = torch.zeros(len(COUNT_FIELDS), dtype=torch.int64, device=loss.device)
         sums = loss.new_zeros(len(SUM_FIELDS))
-    return loss, GistStats.from_counters(counts, sums, sizes=call.sizes, options=call.options, guided=call.guided)
+    finite = loss.detach().isfinite().reshape(1).to(torch.int64)  # read with the counters: the same host sync
+    stats, (finite,) = GistStats.from_counters(counts, sums, sizes=call.sizes, options=call.options,
+                                               guided=call.guided, flags=finite)
+    if not finite:  # the door let only finite inputs in: the logits overflowed
+        raise ValueError(f"the loss is {float(loss.detach())}: scale (1 / temperature) = "
+                         f"{1 / call.options.temperature:g} times the scores overflows {call.dtype}; lower the scale "
+                         "(or the embeddings' magnitude)")
+    return loss, stats
