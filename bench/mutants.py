@@ -241,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "maxsim-self-pair-first-block",
         "the guide's mask leaves out AA's and PP's self-pairs at the first row block's columns in every row block",
-        "cgist/stage/spec/block.py",
+        "cgist/stage/block.py",
         "mask[local, span.start + first + group.spec.excluded_offset + local] = True",
         "mask[local, span.start + group.spec.excluded_offset + local] = True",
         ("tests/test_multi_vector_guide.py",),
@@ -249,7 +249,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "maxsim-loss-after-the-sum",
         "a held row's loss is (peak + log total) - label, which float32 rounds to 0 where every logit is -1e9",
-        "cgist/stage/spec/block.py",
+        "cgist/stage/block.py",
         "losses[first:first + rows] = gap + torch.log(total).squeeze(1)",
         "losses[first:first + rows] = (peak + torch.log(total)).squeeze(1) - (peak.squeeze(1) - gap)",
         ("tests/test_door.py",),
@@ -289,7 +289,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "xtr-kernel-thresholds-one-too-deep",
         "the thresholds' sweep of the Triton path takes each query token's (top_k + 1)-th largest similarity",
-        "cgist/stage/spec/xtr.py",
+        "cgist/stage/xtr_thresholds.py",
         "            top = TopK(block.shape[0], call.top_k, acc, call.device)",
         "            top = TopK(block.shape[0], call.top_k + 1, acc, call.device)",
         ("tests/test_kernels_maxsim.py",),
@@ -305,7 +305,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "xtr-last-candidates-dropped",
         "the thresholds' sweep ends without merging the candidates listed since its last merge",
-        "cgist/stage/spec/xtr.py",
+        "cgist/stage/xtr_thresholds.py",
         "        if self.candidates:\n            self._merge_listed()\n        return self.floor",
         "        self.candidates = []\n        return self.floor",
         ("tests/test_xtr.py",),
@@ -322,8 +322,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fallback-backward-raises",
         "a MaxSim kernel failing in the backward after its check is retried instead of the PyTorch stage taking over",
         "cgist/stage/dispatch/route.py",
-        "stage, inner = self.pytorch, self.pytorch.forward(call, True, False)[1]",
-        "stage = self.kernels",
+        "            state = self.pytorch.forward(call, True, False)[1]",
+        "            return self.kernels.backward(call, state.state, grad_output)",
         ("tests/test_kernels_maxsim.py",),
     ),
 )

@@ -1,7 +1,8 @@
 """cgist: fused, streaming drop-ins for sentence-transformers' contrastive losses: GISTEmbed and the
 MultipleNegativesRanking family over embeddings (the dense score, cosine or dot product), and the multi-vector
 (late-interaction) ranking losses and their guided form over token embeddings (the MaxSim score, MaxSim or MeanMaxSim),
-cached or not. One loss stage computes them all; a score is a plug-in of it (docs/design.md#adding-a-score).
+cached or not. One loss stage computes them all; a score is a plug-in of it (``register_score``, ``cgist.scores``:
+docs/design.md#adding-a-score).
 
 ``gist_loss`` (the dense score), ``maxsim_loss`` (MaxSim), ``GistOptions`` and ``GistStats`` need only torch. The
 drop-ins subclass sentence-transformers losses, ``GuideStatsCallback`` a transformers callback, and
@@ -22,6 +23,7 @@ from .compat import check_sentence_transformers
 from .function import gist_loss
 from .maxsim import maxsim_loss
 from .stage.spec.options import GistOptions
+from .stage.spec.scores import Score, register_score
 from .stage.stats import GistStats
 
 # One clear ImportError, naming the version found and the range needed, for a sentence-transformers older than
@@ -30,8 +32,7 @@ check_sentence_transformers()
 
 if TYPE_CHECKING:
     from .losses.callbacks import GuideStatsCallback
-    from .losses.gist import FusedCachedGISTLoss
-    from .losses.gist import FusedGISTEmbedLoss
+    from .losses.gist import FusedCachedGISTLoss, FusedGISTEmbedLoss
     from .losses.multi_vector import (
         FusedCachedMultiVectorMultipleNegativesRankingLoss,
         FusedMultiVectorMultipleNegativesRankingLoss,
@@ -51,8 +52,8 @@ __all__ = [
     "FusedCachedMultiVectorGISTLoss", "FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedGISTEmbedLoss",
     "FusedMultiVectorGISTLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
     "FusedMultipleNegativesRankingLoss", "FusedMultipleNegativesSymmetricRankingLoss",
-    "GistOptions", "GistStats", "GuideStatsCallback",
-    "add_guide_embeddings", "gist_loss", "maxsim_loss", "__version__",
+    "GistOptions", "GistStats", "GuideStatsCallback", "Score",
+    "add_guide_embeddings", "gist_loss", "maxsim_loss", "register_score", "__version__",
 ]
 
 #: Names that need sentence-transformers or transformers, imported on first use.

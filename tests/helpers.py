@@ -317,6 +317,21 @@ BAD_OPTIONS = [
 ]
 
 
+def gradient_addresses(monkeypatch: pytest.MonkeyPatch, backend: object) -> list[list[int]]:
+    """Patch ``backend.forward`` (a backend module) to note where each forward's gradients (``Grads.inputs``) are:
+    their data pointers, a list per forward (holding the tensors themselves would make autograd copy them)."""
+    made: list[list[int]] = []
+    original = backend.forward
+
+    def forward(*args):
+        loss, grads, counters = original(*args)
+        made.append([g.data_ptr() for g in grads.inputs])
+        return loss, grads, counters
+
+    monkeypatch.setattr(backend, "forward", forward)
+    return made
+
+
 @contextmanager
 def single_thread() -> Iterator[None]:
     """Run the body with ``torch.set_num_threads(1)``, restoring the previous count afterwards.

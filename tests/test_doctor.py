@@ -4,6 +4,7 @@ every device docs/devices.md names (``--simulate``, ``CGIST_SIMULATE_DEVICE``)."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -132,9 +133,8 @@ def test_doctor_names_a_score_without_kernels(capsys, monkeypatch):
     """A score that registers no Triton backend is named, not checked (the checks: the registry's other scores)."""
     from cgist.stage.spec import scores
 
-    torch_only = scores.Score("dense", scores.DENSE.similarities, tokens=False, options=scores.DENSE.options,
-                              spec=scores.DENSE.spec, backends={"torch": scores.DENSE.backend("torch")})
-    monkeypatch.setattr(scores, "SCORES", (torch_only,))
+    torch_only = dataclasses.replace(scores.DENSE, backends={"torch": scores.DENSE.backend("torch")})
+    monkeypatch.setattr(scores, "SCORES", [torch_only])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     status, lines = _doctor(capsys)
     assert status == 0

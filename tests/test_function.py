@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from helpers import BAD_OPTIONS, TOL, Tol, assert_close, make_inputs
+from helpers import BAD_OPTIONS, TOL, Tol, assert_close, gradient_addresses, make_inputs
 from torch.overrides import TorchFunctionMode
 
 import cgist
@@ -32,15 +32,7 @@ def test_the_backward_hands_over_the_forwards_gradients_without_a_copy(monkeypat
     """The forward makes the gradients; at an incoming gradient of 1 the backward passes them on as they are (the
     leaves' ``.grad`` are those tensors), and a scaled loss gets them scaled."""
     student, guide = make_inputs(4, 8, 5, 3, 1, seed=3, requires_grad=True)
-    made = []  # where the forward's gradients are (holding the tensors would make autograd copy them)
-
-    def forward(*args):
-        loss, (grads, radial), counters = original(*args)
-        made.append([g.data_ptr() for g in grads])
-        return loss, (grads, radial), counters
-
-    original = pytorch_dense.forward
-    monkeypatch.setattr(pytorch_dense, "forward", forward)
+    made = gradient_addresses(monkeypatch, pytorch_dense)
     loss = cgist.gist_loss(student, guide, temperature=0.5, backend="torch")
     loss.backward(retain_graph=True)
     assert [s.grad.data_ptr() for s in student] == made[0]

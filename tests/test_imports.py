@@ -23,10 +23,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import cgist.kernels
 import pytest
 
 import cgist
-import cgist.kernels
 import cgist.stage.triton
 
 #: Run in a fresh interpreter: what the light imports load, then the lazy attribute.
@@ -131,6 +131,8 @@ ALLOWED_PACKAGES = {"torch", "triton"} | set(sys.stdlib_module_names)
 #: The loss stage's leaf modules, which every layer may import: none reaches the dispatch or a backend.
 LEAF_MODULES = {"cgist.stage.numerics", "cgist.stage.ties", "cgist.stage.budget", "cgist.stage.devices",
                 "cgist.stage.stats"}
+#: What runs beside the backends, shared by a score's backends (the spec imports none of it).
+SHARED_MODULES = {"cgist.stage.block", "cgist.stage.xtr_thresholds"}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -176,14 +178,16 @@ def _spec_or_leaf(module: str) -> bool:
 def backend_allowed(module: str) -> bool:
     """What a module of the Triton backend may import: what kernels/ may, the kernels (``cgist.kernels``), the spec
     and the leaf modules (``LEAF_MODULES``), its own modules. No other backend."""
-    return (kernels_allowed(module) or _spec_or_leaf(module) or module == "cgist.kernels"
+    return (kernels_allowed(module) or _spec_or_leaf(module) or module in SHARED_MODULES
+            or module in ("..block", "..xtr_thresholds") or module == "cgist.kernels"
             or module.startswith(("cgist.kernels.", "cgist.stage.triton.")))
 
 
 def pytorch_allowed(module: str) -> bool:
     """What a module of the PyTorch backend may import: torch and the standard library, its own modules (one leading
-    dot), the spec and the leaf modules (relative or absolute). No triton, no other backend, no dispatch."""
-    if module in ("..numerics", "..ties", "..budget", "..devices", "..stats"):
+    dot), the spec, the leaf modules (relative or absolute) and the shared ones. No triton, no other backend, no
+    dispatch."""
+    if module in ("..numerics", "..ties", "..budget", "..devices", "..stats", "..block", "..xtr_thresholds"):
         return True
     return (module.split(".")[0] != "triton" and kernels_allowed(module)) or _spec_or_leaf(module) \
         or module.startswith("cgist.stage.pytorch.")
@@ -267,10 +271,15 @@ def test_no_backend_imports_another_and_the_spec_imports_none():
     assert {"__init__.py", "common.py", "dense.py", "maxsim.py", "tiles.py"} <= {f.name for f in BACKEND.rglob("*.py")}
     seen = _checked(BACKEND, backend_allowed)
     assert {"torch", "triton", "cgist.kernels.gist", "cgist.kernels.maxsim", "cgist.stage.spec.problem",
-            "cgist.stage.spec.block"} <= seen
+            "cgist.stage.block"} <= seen
     assert {"__init__.py", "dense.py", "maxsim.py", "workspace.py"} <= {f.name for f in PYTORCH.rglob("*.py")}
-    assert {"..spec.block", "..spec.maxsim", "..budget"} <= _checked(PYTORCH, pytorch_allowed)
+    assert {"..block", "..xtr_thresholds", "..spec.maxsim", "..budget"} <= _checked(PYTORCH, pytorch_allowed)
     assert {".scores", ".problem", "..numerics"} <= _checked(SPEC, spec_allowed)
+    for name in SHARED_MODULES:  # what runs beside the backends: the spec and the leaf modules, no backend
+        source = (BACKEND.parent / f"{name.rpartition('.')[2]}.py").read_text(encoding="utf-8")
+        imported = {module for _, module in runtime_imports(ast.parse(source))}
+        assert {".spec.maxsim", ".numerics"} & imported and not {
+            m for m in imported if m.startswith((".pytorch", ".triton", ".dispatch", ".node", "triton", "cgist"))}, name
 
 
 # No import circle among cgist's modules -------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from cgist.stage.reference import (  # noqa: E402
     maxsim_scores_reference,
 )
 from cgist.stage.spec.maxsim import MaxSimCall  # noqa: E402
-from cgist.stage.spec.xtr import thresholds  # noqa: E402
+from cgist.stage.xtr_thresholds import thresholds  # noqa: E402
 from cgist.stage.stats import COUNT_FIELDS  # noqa: E402
 from cgist.stage.triton.maxsim import (  # noqa: E402
     maxsim_backward_triton,
@@ -180,7 +180,7 @@ def _flat(call: MaxSimCall, grads: list[list[torch.Tensor]]) -> list[torch.Tenso
 def _stage(call: MaxSimCall, need_stats: bool = False):
     """The PyTorch stage's loss, gradients (times ``GRAD_OUTPUT``, the call's columns' layout) and counters."""
     loss, state, counters = pytorch_maxsim.forward(call, True, need_stats)
-    grads, _ = pytorch_maxsim.backward(call, state, torch.tensor(GRAD_OUTPUT, dtype=torch.float64))
+    grads = state.scaled(torch.tensor(GRAD_OUTPUT, dtype=torch.float64)).inputs
     return loss, _columns(call, grads), counters
 
 
@@ -332,7 +332,7 @@ def test_the_guided_kernels_match_the_pytorch_stage_and_the_oracle(case):
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES if c.name in XTR_CASES])
 def test_the_xtr_kernels_match_the_pytorch_stage_and_the_oracle(case):
     """XTR on the held launcher (``maxsim_scores_kernel``, ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` with their
-    ``XTR`` constexpr, the thresholds of ``cgist.stage.spec.xtr.thresholds``) against the PyTorch stage and the XTR
+    ``XTR`` constexpr, the thresholds of ``cgist.stage.xtr_thresholds.thresholds``) against the PyTorch stage and the XTR
     oracle, at ``top_k`` 1, a few and half the pool, on tie-free batches."""
     _, dense = _problem(case)
     queries, query_mask, documents, document_masks = dense
@@ -347,7 +347,7 @@ def test_the_xtr_kernels_match_the_pytorch_stage_and_the_oracle(case):
                                             block_queries=case.block_queries, **case.tiles)
         grads = _flat(call, [[g * GRAD_OUTPUT for g in column] for column in grads])
         s_loss, state, _ = pytorch_xtr.forward(call, True)
-        s_grads = _flat(call, _columns(call, pytorch_xtr.backward(call, state, torch.tensor(GRAD_OUTPUT, dtype=torch.float64))[0]))
+        s_grads = _flat(call, _columns(call, state.scaled(torch.tensor(GRAD_OUTPUT, dtype=torch.float64)).inputs))
         leaves = [t.double().clone().requires_grad_() for t in (queries, *documents)]
         o_loss = maxsim_loss_reference(leaves[0], query_mask, leaves[1:], document_masks, scale=case.scale,
                                        offset=case.offset, top_k=top_k)

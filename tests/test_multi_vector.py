@@ -31,7 +31,7 @@ from sentence_transformers.multi_vector_encoder.scoring import colbert_scores, m
 import cgist  # noqa: E402
 from cgist.losses.base import FUSED, UNFUSED  # noqa: E402
 from cgist.stage.reference import maxsim_loss_reference  # noqa: E402
-from helpers import TOL  # noqa: E402
+from helpers import TOL, gradient_addresses  # noqa: E402
 from helpers_models import (  # noqa: E402
     DOCUMENTS,
     NEGATIVES,
@@ -113,15 +113,7 @@ def test_a_second_backward_and_a_scaled_loss_get_their_own_gradients(monkeypatch
     leaves = [queries.requires_grad_(), *(d.requires_grad_() for d in documents)]
     expected = torch.autograd.grad(maxsim_loss_reference(queries, query_mask, documents, document_masks, scale=2.0),
                                    leaves)
-    made = []  # where each backward's gradients are (holding the tensors would make autograd copy them)
-
-    def backward(*args):
-        grads, radial = original(*args)
-        made.append([g.data_ptr() for g in grads])
-        return grads, radial
-
-    original = stage.backward
-    monkeypatch.setattr(stage, "backward", backward)
+    made = gradient_addresses(monkeypatch, stage)
     loss = cgist.maxsim_loss(queries, query_mask, documents, document_masks, scale=2.0, block_bytes=2000)
     loss.backward(retain_graph=True)
     assert [leaf.grad.data_ptr() for leaf in leaves] == made[0]
@@ -645,7 +637,7 @@ def test_which_scores_are_fused():
     """``maxsim_normalization``: MaxSim (False), MeanMaxSim (True) or not fused (None), for every form of the score."""
     import copy
 
-    from cgist.losses.multi_vector import maxsim_normalization
+    from cgist.losses.scorers import maxsim_normalization
 
     model = copy.deepcopy(_model())
     assert maxsim_normalization(colbert_scores, model) is False

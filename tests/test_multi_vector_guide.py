@@ -220,7 +220,7 @@ def test_row_blocks_are_really_split(backend, monkeypatch):
     """The small budget of the test above makes several row blocks (else it tests one block twice)."""
     import importlib
 
-    from cgist.stage.spec.block import block_softmax
+    from cgist.stage.block import block_softmax
 
     queries, query_mask, documents, document_masks, *_ = _problem(0)
     firsts = []

@@ -284,7 +284,7 @@ def test_out_of_memory_is_not_a_kernel_failure(simulate):
     call = dense_call(*make_inputs(3, 3, 4, 4, 0, torch.float32), GistOptions())
     with pytest.raises(torch.cuda.OutOfMemoryError):
         stage.forward(call, False, False)
-    state = (stage.kernels, None)
+    state = route._KernelState(None)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         stage.backward(call, state, torch.ones(()))
     assert route.kernel_failures() == {}

@@ -51,7 +51,8 @@ from cgist.stage.reference import (  # noqa: E402
     maxsim_loss_reference,
     xtr_scores_reference,
 )
-from cgist.stage.spec.xtr import retrieved, thresholds, xtr_call  # noqa: E402
+from cgist.stage.spec.xtr import xtr_call  # noqa: E402
+from cgist.stage.xtr_thresholds import retrieved, thresholds  # noqa: E402
 
 multi_vector_model = functools.cache(_new_model)
 

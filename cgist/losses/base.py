@@ -31,7 +31,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,23 @@ class StepInputs:
 
     guide: object = None
     text_ids: list[Tensor] | None = None
+
+
+_NO_INPUTS = StepInputs()
+
+
+@dataclass
+class DropInState:
+    """What a drop-in keeps between its calls besides its attributes (``FusedDropIn.state``): the options resolved
+    for a key of the attributes and whether the unfused path's warning was shown (``resolve``), each path's count
+    (``record_path``), the statistics of the training calls not yet popped (a guided family's), and what the step
+    being run read off its batch (``reading``)."""
+
+    resolved: tuple[tuple, tuple[GistOptions | None, str | None]] | None = None
+    warned_unfused: bool = False
+    path_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    training_stats: list[GistStats] = field(default_factory=list)
+    inputs: StepInputs = _NO_INPUTS
 
 
 def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
@@ -296,16 +313,14 @@ class FusedDropIn(abc.ABC):
     def resolve(self) -> GistOptions | None:
         """The options of the next loss stage, from the attributes as they are now; None when sentence-transformers'
         own loss computation runs instead. A bad attribute raises here, with the constructor's error."""
-        key = self.options_key()
-        cached = self.__dict__.get("_resolved")
-        if cached is None:  # this drop-in's first options: name an untested sentence-transformers, once per process
+        key, state = self.options_key(), self.state
+        if state.resolved is None:  # this drop-in's first options: name an untested sentence-transformers, once
             note_untested_release()
-        if cached is None or cached[0] != key:
-            cached = (key, self.build_options())
-            self.__dict__["_resolved"] = cached  # past nn.Module.__setattr__: the cache is no attribute
-        options, reason = cached[1]
-        if options is None and not self.__dict__.get("_warned_unfused"):
-            self.__dict__["_warned_unfused"] = True
+        if state.resolved is None or state.resolved[0] != key:
+            state.resolved = (key, self.build_options())
+        options, reason = state.resolved[1]
+        if options is None and not state.warned_unfused:
+            state.warned_unfused = True
             logger.warning("%s runs sentence-transformers' own loss computation instead of the fused loss stage "
                            "(the same loss and gradients, with its time and memory): %s. This warning is shown once.",
                            type(self).__name__, reason)
@@ -318,20 +333,30 @@ class FusedDropIn(abc.ABC):
 
     # -- a step ---------------------------------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> DropInState:
+        """What this drop-in keeps between its calls (``DropInState``; made on first use, so that a loss built by
+        ``__new__`` has one too)."""
+        state = getattr(self, "_drop_in_state", None)
+        if state is None:
+            state = self._drop_in_state = DropInState()
+        return state
+
     @contextmanager
     def reading(self, inputs: StepInputs) -> Iterator[None]:
-        """``inputs`` are ``step_inputs`` for the duration (a step's ``forward`` around ``calculate_loss``)."""
-        previous = self.__dict__.get("_inputs_read")
-        self.__dict__["_inputs_read"] = inputs  # past nn.Module.__setattr__
+        """``inputs`` are ``step_inputs`` for the duration (a step's ``forward`` around ``calculate_loss``, which
+        sentence-transformers' own GradCache loop calls without them)."""
+        state = self.state
+        previous, state.inputs = state.inputs, inputs
         try:
             yield
         finally:
-            self.__dict__["_inputs_read"] = previous
+            state.inputs = previous
 
     @property
     def step_inputs(self) -> StepInputs:
         """What this step's ``forward`` read off the batch (``StepInputs``); empty outside a step."""
-        return self.__dict__.get("_inputs_read") or _NO_INPUTS
+        return self.state.inputs
 
     def _step_inputs(self, features: list[dict[str, Tensor]], labels: Tensor | None,
                      options: GistOptions | None) -> StepInputs:
@@ -407,14 +432,13 @@ class FusedDropIn(abc.ABC):
         """Note which path computed this loss (``FUSED`` or ``UNFUSED``) and the fused stage's statistics (None on
         the unfused path): ``last_path``, ``last_stats`` and the running counts of ``path_counts``."""
         self.last_path, self.last_stats = path, stats
-        counts = self.__dict__.setdefault("_path_counts", dict.fromkeys(PATHS, 0))  # past nn.Module.__setattr__
-        counts[path] += 1
+        self.state.path_counts[path] += 1
 
     @property
     def path_counts(self) -> dict[str, int]:
         """How many loss computations each path ran since this drop-in was built: ``{FUSED: n, UNFUSED: m}``. Under
         ``MatryoshkaLoss`` a fused step is one computation, an unfused one a computation per dimension."""
-        return dict(self.__dict__.get("_path_counts", dict.fromkeys(PATHS, 0)))
+        return dict(self.state.path_counts)
 
     def own_config(self) -> dict[str, object]:
         """cgist's own options that differ from their defaults, for ``get_config_dict``."""
@@ -430,8 +454,6 @@ class FusedDropIn(abc.ABC):
         where they differ from their defaults."""
         return {**super().get_config_dict(), **self._config_extras(), **self.own_config()}
 
-
-_NO_INPUTS = StepInputs()
 
 
 @functools.cache

@@ -118,10 +118,15 @@ class TokenColumns(FusedDropIn):
             options = options.replace(offset=get_rank() * batch)
             guide = _gathered_guide(guide)
         door = options.score.door()
-        return door(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide)
+        return door(queries, query_masks, documents, document_masks, options, temperature=temperature, **guide,
+                    **self._score_arguments())
 
     def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
         """The family: the door's ``guide``, ``guide_masks`` and ``text_ids`` for a step (default: none)."""
+        return {}
+
+    def _score_arguments(self) -> dict[str, object]:
+        """The family: the door's arguments of the score itself, such as a learned parameter (default: none)."""
         return {}
 
     def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:

@@ -18,7 +18,6 @@ from torch import Tensor
 from ..compat import release_rules
 from ..stage.spec.guide import NONE, SELF
 from ..stage.spec.options import MARGIN_STRATEGIES, GistOptions, _check_real, check_margin, real_number
-from ..stage.stats import GistStats
 from .base import StepInputs, attribute_key, text_fingerprints
 from .columns import DenseColumns
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
@@ -95,7 +94,6 @@ class GistFamily(GuidedFamily, DenseColumns):
 
     def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
         self.guide = arguments["guide"]
-        self._training_stats: list[GistStats] = []
 
     def _family_key(self) -> tuple:
         similarity, cross_entropy = getattr(self, "similarity_fct", None), getattr(self, "cross_entropy_loss", None)

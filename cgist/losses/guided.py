@@ -88,7 +88,7 @@ class GuidedFamily(FusedDropIn):
     _warned_positive_only = False
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in self.__dict__.get("_modules", {}):
+        if name == "guide" and not isinstance(value, torch.nn.Module) and "guide" in getattr(self, "_modules", {}):
             del self._modules["guide"]  # a guide model (or the student, see _for_sentence_transformers) gives way
         super().__setattr__(name, value)
 
@@ -105,7 +105,7 @@ class GuidedFamily(FusedDropIn):
 
     def _after_fused(self, reps: list[list[Tensor]], stats: GistStats, options: object) -> None:
         if torch.is_grad_enabled() and any(t.requires_grad for column in reps for t in column):  # a training step
-            self.__dict__.setdefault("_training_stats", []).append(stats)
+            self.state.training_stats.append(stats)
             self._check_positive_only(stats, options)
 
     def _check_positive_only(self, stats: GistStats, options: object) -> None:
@@ -122,7 +122,8 @@ class GuidedFamily(FusedDropIn):
 
     def pop_training_stats(self) -> list[GistStats]:
         """The statistics of the training calls since the last call of this method (for logging)."""
-        stats, self._training_stats = self.__dict__.get("_training_stats", []), []
+        state = self.state
+        stats, state.training_stats = state.training_stats, []
         return stats
 
     def _config_extras(self) -> dict[str, object]:

@@ -8,9 +8,6 @@ whose output holds ``token_embeddings`` (a ``MultiVectorEncoder``, or a module t
 
 from __future__ import annotations
 
-import functools
-import inspect
-import numbers
 from collections.abc import Mapping
 
 import torch
@@ -18,83 +15,33 @@ from sentence_transformers.multi_vector_encoder.losses import (
     CachedMultiVectorMultipleNegativesRankingLoss,
     MultiVectorMultipleNegativesRankingLoss,
 )
-from sentence_transformers.multi_vector_encoder.scoring import XTRScores, colbert_scores, mean_colbert_scores, xtr_scores
-from sentence_transformers.util import similarity as st_similarity
 from sentence_transformers.util import similarity_fct_name
 from torch import Tensor
 
 from ..stage.spec.options import GistOptions, check_scale
+from ..stage.spec.scores import SCORES
 from .columns import TokenColumns
+from .scorers import check_optional_size
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
-           "MultiVectorFamily", "maxsim_normalization", "score_fields"]
+           "MultiVectorFamily", "score_fields", "score_match"]
 
-#: sentence-transformers' MaxSim scorers, by whether they divide by the query's token count (MeanMaxSim).
-_SCORERS = {colbert_scores: False, mean_colbert_scores: True}
-#: The keywords a ``functools.partial`` of them may bind: ``chunk_elements`` only bounds their memory.
-_BINDABLE = {"chunk_elements", "length_normalize"}
-#: The keywords a ``functools.partial`` of ``xtr_scores`` may bind, and its ``top_k`` when it binds none.
-_XTR_BINDABLE = {"chunk_elements", "top_k"}
-_XTR_TOP_K = inspect.signature(xtr_scores).parameters["top_k"].default
-
-
-def maxsim_normalization(similarity_fct: object, model: object) -> bool | None:
-    """Whether ``similarity_fct`` (with ``model``'s own similarity when it is None, as sentence-transformers 6.3
-    scores by default) is MeanMaxSim (True) or MaxSim (False); None for any other score (XTR, which ``score_fields``
-    reads, or a custom callable)."""
-    if similarity_fct is None:
-        getattr(model, "similarity_fn_name", None)  # sets the model's scorer on first use
-        scorer = getattr(model, "_similarity", None)
-        if type(scorer).__name__ == "_MaxSimScorer":  # the model's kernels (use_kernels): the same scores
-            return bool(scorer.length_normalize)
-        for name, length_normalize in (("maxsim", False), ("mean_maxsim", True)):
-            if scorer is not None and scorer is getattr(st_similarity, name, None):
-                return length_normalize
-        return None
-    keywords: Mapping[str, object] = {}
-    if isinstance(similarity_fct, functools.partial):
-        if similarity_fct.args or not set(similarity_fct.keywords) <= _BINDABLE:
-            return None
-        similarity_fct, keywords = similarity_fct.func, similarity_fct.keywords
-    if similarity_fct not in _SCORERS:
-        return None
-    length_normalize = keywords.get("length_normalize", _SCORERS[similarity_fct])
-    return length_normalize if isinstance(length_normalize, bool) else None
+def score_match(similarity_fct: object, model: object) -> tuple[dict[str, object], dict[str, object]] | None:
+    """The loss stage's score of ``similarity_fct`` (with ``model``'s own similarity where it is None), asked of every
+    registered score's ``scorer`` (``Score.match``): the ``GistOptions`` fields of the score and its door's keyword
+    arguments, or None for a score that no registered score computes (a custom callable)."""
+    for score in SCORES:
+        match = score.match(similarity_fct, model)
+        if match is not None:
+            return match
+    return None
 
 
 def score_fields(similarity_fct: object, model: object) -> dict[str, object] | None:
-    """The loss stage's score of ``similarity_fct`` as ``GistOptions`` fields: ``similarity`` (``"maxsim"``,
-    ``"mean_maxsim"``, ``maxsim_normalization``; ``"xtr"``) and XTR's ``top_k``; None for a score the fused stage
-    does not compute (a custom callable). XTR: ``xtr_scores`` (its default ``top_k``), a ``functools.partial`` of it
-    binding ``top_k`` or ``chunk_elements``, or an ``XTRScores``; ``chunk_elements`` only bounds
-    sentence-transformers' memory, and is checked (the fused stage's is ``block_bytes``)."""
-    if type(similarity_fct) is XTRScores:
-        _check_optional_size("chunk_elements", similarity_fct.chunk_elements)
-        return {"similarity": "xtr", "top_k": similarity_fct.top_k}
-    if similarity_fct is xtr_scores:
-        return {"similarity": "xtr", "top_k": _XTR_TOP_K}
-    if isinstance(similarity_fct, functools.partial) and similarity_fct.func is xtr_scores:
-        keywords = similarity_fct.keywords
-        if similarity_fct.args or not set(keywords) <= _XTR_BINDABLE:
-            return None
-        _check_optional_size("chunk_elements", keywords.get("chunk_elements"))
-        return {"similarity": "xtr", "top_k": keywords.get("top_k", _XTR_TOP_K)}
-    length_normalize = maxsim_normalization(similarity_fct, model)
-    if length_normalize is None:
-        return None
-    if isinstance(similarity_fct, functools.partial):
-        _check_optional_size("chunk_elements", similarity_fct.keywords.get("chunk_elements"))
-    return {"similarity": "mean_maxsim" if length_normalize else "maxsim"}
-
-
-def _check_optional_size(name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+    """``score_match``'s ``GistOptions`` fields (``similarity``, XTR's ``top_k``), or None."""
+    match = score_match(similarity_fct, model)
+    return None if match is None else match[0]
 
 
 class MultiVectorFamily(TokenColumns):
@@ -115,13 +62,13 @@ class MultiVectorFamily(TokenColumns):
     def _check_embedding_stage(self, values: Mapping[str, object]) -> None:
         super()._check_embedding_stage(values)
         # sentence-transformers' plain class embeds the documents in chunks of mini_batch_size rows, None: at once
-        _check_optional_size("mini_batch_size", values["mini_batch_size"])
+        check_optional_size("mini_batch_size", values["mini_batch_size"])
         # its plain class scores `score_mini_batch_size or batch_size` queries at a time (0: all of them), its cached
         # class steps through the queries by it
         score_rows = values["score_mini_batch_size"]
-        if isinstance(self, PlainStep):
+        if self.replaces is MultiVectorMultipleNegativesRankingLoss:
             score_rows = score_rows or None
-        _check_optional_size("score_mini_batch_size", score_rows)
+        check_optional_size("score_mini_batch_size", score_rows)
 
     def _family_key(self) -> tuple:
         model = getattr(self, "model", None)
@@ -131,14 +78,18 @@ class MultiVectorFamily(TokenColumns):
 
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
         scale = check_scale(self.scale)
-        score = score_fields(self.similarity_fct, getattr(self, "model", None))
-        if score is None:
+        match = score_match(self.similarity_fct, getattr(self, "model", None))
+        if match is None:
             name = "the model's similarity" if self.similarity_fct is None else similarity_fct_name(self.similarity_fct)
             return None, (f"similarity_fct={name} (the fused stage computes MaxSim, MeanMaxSim and XTR: "
                           "colbert_scores, mean_colbert_scores, xtr_scores, XTRScores, a functools.partial of one, "
-                          "or the model's maxsim / meanmaxsim)")
+                          "or the model's maxsim / meanmaxsim; or one a registered score's scorer recognises)")
         fields = {"contrast_anchors": False, "contrast_positives": False, **self._option_fields()}
-        return GistOptions(**score, temperature=1.0 / scale, **fields), None
+        return GistOptions(**match[0], temperature=1.0 / scale, **fields), None
+
+    def _score_arguments(self) -> dict[str, object]:
+        """The door's keyword arguments of the score (``score_match``): a learned parameter of ``similarity_fct``."""
+        return score_match(self.similarity_fct, getattr(self, "model", None))[1]
 
     def _option_fields(self) -> dict[str, object]:
         """The family: the options' fields beyond the score and the scale (default: cgist's own options)."""

@@ -24,7 +24,8 @@ from ..stage.spec.options import GistOptions, check_bools
 from .base import StepInputs, text_fingerprints
 from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
-from .multi_vector import MultiVectorFamily, maxsim_normalization
+from .multi_vector import MultiVectorFamily
+from .scorers import maxsim_normalization
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
@@ -76,7 +77,6 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
     def _keep_arguments(self, arguments: Mapping[str, object]) -> None:
         for name in _GUIDE_ARGUMENTS:
             setattr(self, name, arguments[name])
-        self._training_stats = []
 
     def _family_key(self) -> tuple:
         guide = getattr(self, "guide", None)
@@ -142,7 +142,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
             raise ValueError("a guide model reads the batch's texts, decoded from the student's token ids, but these "
                              "features have no 'input_ids'; precompute the guide's embeddings (guide='labels')")
         ids = [feature["input_ids"] for feature in features]
-        kept = self.__dict__.get("_last_guide_columns")
+        kept = getattr(self, "_last_guide_columns", None)
         if kept is not None and kept[0] is self.guide and len(kept[1]) == len(ids) and all(
                 a.shape == b.shape and torch.equal(a, b) for a, b in zip(kept[1], ids)):
             return kept[2]

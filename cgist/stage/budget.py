@@ -220,7 +220,7 @@ def slab_rows(n_queries: int, per_query: int, block_bytes: int) -> int:
 
 
 def topk_bytes(query_tokens: int, top_k: int, acc_bytes: int) -> int:
-    """What ``cgist.stage.spec.xtr.TopK`` holds for ``query_tokens`` query tokens: ``top_k`` values each, and the
+    """What ``cgist.stage.xtr_thresholds.TopK`` holds for ``query_tokens`` query tokens: ``top_k`` values each, and the
     candidates it lists (at most a quarter as many) and merges (their values and rows, their order and place, a
     merge's rows): ``4 * acc_bytes + 24`` bytes per value kept, an upper bound."""
     return query_tokens * top_k * (4 * acc_bytes + 24)
@@ -233,7 +233,7 @@ def xtr_kept_bytes(query_tokens: int, n_documents: int, top_k: int, acc_bytes: i
 
 
 def threshold_rows(top_k: int, tile_tokens: int, acc_bytes: int, product_bytes: int) -> int:
-    """Query tokens per block of XTR's thresholds' sweep (``cgist.stage.spec.xtr.thresholds``): a block's
+    """Query tokens per block of XTR's thresholds' sweep (``cgist.stage.xtr_thresholds.thresholds``): a block's
     similarities with a tile of ``tile_tokens`` document tokens (in ``acc_bytes`` elements, with a bool each: which
     pass) and its ``TopK`` (``topk_bytes``) fit ``product_bytes``; at least one."""
     per_token = tile_tokens * (acc_bytes + 1) + topk_bytes(1, top_k, acc_bytes)

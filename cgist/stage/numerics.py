@@ -2,15 +2,14 @@
 ``cgist.stage.devices``.
 
 Each rule of the loss that more than one path applies lives here once: the normalisation, the accumulation dtype,
-the guide threshold, the guide-mask rule, the half-precision products (``addmm_``, ``half_rows``) and the gradients
-scaled by the loss's incoming gradient (``scale_gradients``). The tie ids
+the guide threshold, the guide-mask rule and the half-precision products (``addmm_``, ``half_rows``). The tie ids
 the guide-mask rule reads are ``cgist.stage.ties``'.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from .devices import bf16_tensor_cores, is_gpu
 
 __all__ = [
     "EPS", "HalfRows", "addmm_", "compute_dtype", "copy_rows", "guide_mask", "half_accumulation", "half_products",
-    "half_rows", "normalize", "row_chunks", "row_dots", "scale_gradients", "stack_rows", "theta_above", "threshold",
+    "half_rows", "normalize", "row_chunks", "row_dots", "stack_rows", "theta_above", "threshold",
 ]
 
 #: Norm floor of the normalisation, as in ``torch.nn.CosineSimilarity``.
@@ -186,15 +185,3 @@ def half_products(device: torch.device, dtype: torch.dtype) -> torch.dtype | Non
     if dtype == torch.bfloat16 and not bf16_tensor_cores(device):
         return torch.float16
     return dtype
-
-
-def scale_gradients(grads: Iterable[Tensor], share: Tensor | None,
-                    grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
-    """The backend contract's backward (docs/design.md#dispatch) of every backend whose forward made the gradients:
-    ``grads`` (one per input chunk) and the temperature's ``share`` times the loss's incoming gradient
-    ``grad_output``. Where it is 1 (a loss stage's own backward) they are handed over as they are, without a copy:
-    autograd then keeps each as its input's ``.grad``."""
-    scale = float(grad_output)
-    if scale == 1.0:
-        return list(grads), share
-    return [g * scale for g in grads], None if share is None else share * scale

@@ -75,16 +75,16 @@ class GistStats:
 
     @classmethod
     def from_counters(cls, counts: Tensor, sums: Tensor, *, sizes: Sequence[int], options: GistOptions,
-                      guided: bool = True, flags: Tensor | None = None) -> tuple[GistStats, list[int]]:
+                      guided: bool, flags: Tensor) -> tuple[GistStats, list[int]]:
         """Read a backend's counters (``cgist.stage.stats.COUNT_FIELDS`` and ``SUM_FIELDS``) and the caller's int64
-        ``flags`` (returned as Python ints, ``[]`` without them) in one host sync.
+        ``flags`` (returned as Python ints: ``cgist.stage.node.run``'s, whether the loss is finite) in one host sync.
 
         ``sizes``: the rows of each column of the call (the anchors first; with ``options.all_anchors`` every rank's
         anchors last). The candidates of each block follow from the column groups
         (``cgist.stage.spec.problem.candidates``); ``guided``: whether a guide scored them (else no means).
         """
-        n_flags = 0 if flags is None else flags.numel()
-        host = _to_host(counts if flags is None else torch.cat([flags, counts]), sums)
+        n_flags = flags.numel()
+        host = _to_host(torch.cat([flags, counts]), sums)
         values = dict(zip(COUNT_FIELDS + SUM_FIELDS, host[n_flags:]))
         batch = sizes[0]
         candidates = problem.candidates(options, sizes)

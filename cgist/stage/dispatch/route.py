@@ -13,9 +13,11 @@ they serve is logged once. ``"torch"`` and ``"triton"`` force a backend; ``$CGIS
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from .. import devices
 from ..devices import OLDEST_CHECKED_TRITON, describe, device_key, device_kind, gpu_arch
-from ..spec.call import StageCall
+from ..spec.call import TEMPERATURE, Grads, StageCall, gradients
 from ..spec.scores import DENSE, Score
 from . import selfcheck
 
@@ -42,16 +44,18 @@ class Stage(Protocol):
     two of them.
 
     ``forward(call, with_grad, need_stats) -> (loss, state, counters)``: the loss (0-dim, float64 for float64 inputs,
-    else float32), the state its backward reads (the gradients themselves, made in the forward as GradCache needs
-    them, or what makes them), and with ``need_stats`` the guide's counters ``(counts, sums)`` in the layout of
-    ``cgist.stage.stats`` (None where nothing masks). ``backward(call, state, grad_output) -> (gradients, radial)``:
-    one gradient per input chunk (``StageCall.tensors``), and with a learned temperature ``grad_output`` times
-    ``sum_ij dL/dz_ij z_ij`` over the logits (``cgist.stage.node``). The guide's tensors get no gradient.
+    else float32); with ``with_grad`` the state of the backward: the gradients themselves (``Grads``, made in the
+    forward as GradCache needs them), or a saved state of the backend's own; and with ``need_stats`` the guide's
+    counters ``(counts, sums)`` in the layout of ``cgist.stage.stats`` (None where nothing masks).
+    ``backward(call, state, grad_output) -> Grads``: the gradients of ``grad_output`` times the loss from a saved
+    state of the backend's own (a backend whose forward always makes ``Grads`` needs none: the node scales them,
+    ``Grads.scaled``, ``cgist.stage.spec.call.gradients``). ``Grads`` hold one gradient per input chunk (``StageCall.tensors``) and one per learned
+    parameter (``StageCall.parameters``); the guide's tensors get none.
     """
 
     def forward(self, call: StageCall, with_grad: bool, need_stats: bool) -> tuple[Tensor, object, object]: ...
 
-    def backward(self, call: StageCall, state: object, grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]: ...
+    def backward(self, call: StageCall, state: object, grad_output: Tensor) -> Grads: ...
 
 
 def backend_module(score: Score, backend: str) -> ModuleType:
@@ -186,12 +190,16 @@ def _first_use_check(call: StageCall) -> bool:
 def check_kernels(call: StageCall, rows: int | None = None) -> selfcheck.Check:
     """The first-use check of the kernels of ``call``'s variant (its score's ``variant_of``): the score's check problem
     of that variant (``check_problem``, at most ``rows`` rows, None: ``selfcheck.ROWS``) through the kernels and the
-    PyTorch path on the call's device (``cgist.stage.dispatch.selfcheck``). "auto" runs it once per variant;
-    ``cgist doctor`` on a small call of each variant of every score (its spec's ``sample_calls``)."""
+    PyTorch path on the call's device (``cgist.stage.dispatch.selfcheck``). Where ``call`` learns its temperature,
+    so does the problem (at the problem's value), and the check compares its gradient too. "auto" runs it once per
+    variant; ``cgist doctor`` on a small call of each variant of every score (its spec's ``sample_calls``)."""
     score = call.options.score
     spec = _spec(score)
     variant = spec.variant_of(call, device_key(call.device))
     problem = spec.check_problem(call, variant, rows or selfcheck.ROWS)
+    if call.temperature is not None and problem.temperature is None:
+        learned = torch.tensor(problem.options.temperature, device=call.device, requires_grad=True)
+        problem = dataclasses.replace(problem, parameters={**problem.parameters, TEMPERATURE: learned})
     return selfcheck.check_call(backend_module(score, "triton"), backend_module(score, "torch"), problem, variant)
 
 
@@ -202,8 +210,8 @@ class _WithFallback:
 
     A build or launch failure is logged once, naming the score, the device, the dtype pair and the error, and
     remembered, so that later calls with this pair on this device go straight to the PyTorch path; a disagreement
-    likewise, for its variant. Running out of GPU memory is not a kernel failure and is raised as it is. The state
-    of a forward names the stage that made it, which its backward uses."""
+    likewise, for its variant. Running out of GPU memory is not a kernel failure and is raised as it is. A saved
+    state of the kernels' own is wrapped (``_KernelState``), so that the backward knows which stage made it."""
 
     def __init__(self, kernels: ModuleType, pytorch: ModuleType) -> None:
         self.kernels, self.pytorch = kernels, pytorch
@@ -213,25 +221,23 @@ class _WithFallback:
         try:
             if not check or _first_use_check(call):
                 loss, state, counters = self.kernels.forward(call, with_grad, need_stats)
-                return loss, (self.kernels, state), counters
+                return loss, state if isinstance(state, Grads) else _KernelState(state), counters
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 - any build or launch error: keep training on the PyTorch path
             self._failed(call, err)
-        loss, state, counters = self.pytorch.forward(call, with_grad, need_stats)
-        return loss, (self.pytorch, state), counters
+        return self.pytorch.forward(call, with_grad, need_stats)
 
-    def backward(self, call: StageCall, state: tuple, grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
-        stage, inner = state
-        if stage is self.kernels:
+    def backward(self, call: StageCall, state: object, grad_output: Tensor) -> Grads:
+        if isinstance(state, _KernelState):
             try:
-                return stage.backward(call, inner, grad_output)
+                return self.kernels.backward(call, state.state, grad_output)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as err:  # noqa: BLE001 - as in the forward: the PyTorch path makes the gradients
                 self._failed(call, err)
-            stage, inner = self.pytorch, self.pytorch.forward(call, True, False)[1]
-        return stage.backward(call, inner, grad_output)
+            state = self.pytorch.forward(call, True, False)[1]
+        return gradients(self.pytorch, call, state, grad_output)
 
     def _failed(self, call: StageCall, err: Exception) -> None:
         score = call.options.score
@@ -244,6 +250,13 @@ class _WithFallback:
             "calls with these dtypes on this device use the PyTorch path (backend='triton' raises instead)",
             score.name, describe(call.device), _dtype_name(call.dtype), guide, message,
         )
+
+
+@dataclass(frozen=True)
+class _KernelState:
+    """The kernels' own saved state (not ``Grads``), as ``_WithFallback``'s forward returns it."""
+
+    state: object
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from ..spec.call import StageCall
+from ..spec.call import StageCall, gradients
 from ..stats import COUNT_FIELDS
 
 __all__ = ["ENV", "ROWS", "TOLERANCE", "Check", "check_call", "enabled", "score_precision"]
@@ -102,9 +102,9 @@ def _relative(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _results(stage: ModuleType, call: StageCall) -> tuple[Tensor, list[Tensor], Tensor]:
-    """A stage's loss, gradients (with respect to every input, by the backend contract) and mask counts."""
+    """A stage's loss, gradients (every input's, then every learned parameter's: ``Grads.every``) and mask counts."""
     loss, state, counters = stage.forward(call, True, True)
-    grads, _ = stage.backward(call, state, torch.ones((), dtype=loss.dtype, device=loss.device))
+    grads = gradients(stage, call, state, torch.ones((), dtype=loss.dtype, device=loss.device)).every
     counts = counters[0] if counters is not None else torch.zeros(len(COUNT_FIELDS), dtype=torch.int64,
                                                                   device=loss.device)
     return loss, grads, counts

@@ -1,6 +1,6 @@
 """The dense score on the PyTorch backend (``similarity`` ``"cos"`` or ``"dot"``): the streaming GIST loss, the CPU
-path and the fallback for GPUs without Triton; the backend contract, ``forward`` and ``backward``
-(docs/design.md#dispatch), and both in one call, ``gist_loss_and_grads``. The algorithm is
+path and the fallback for GPUs without Triton; the backend contract's ``forward`` (docs/design.md#dispatch), which
+makes the gradients with the loss, and the same over raw columns, ``gist_loss_and_grads``. The algorithm is
 docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
 against the columns of every column group bound to the call (``cgist.stage.spec.problem.bind_groups``) in tiles:
 one matrix product for the guide scores (the mask), one for the student logits, then ``exp2``; the gradients with
@@ -32,7 +32,8 @@ from ..numerics import (
     EPS, HalfRows, addmm_, compute_dtype, copy_rows, guide_mask, half_products, half_rows, row_chunks, row_dots,
     theta_above, threshold,
 )
-from ..spec.dense import DenseCall, scaled_gradients
+from ..spec.call import Grads
+from ..spec.dense import DenseCall
 from ..spec.options import GistOptions
 from ..spec.problem import (
     BoundGroup, Dims, bind_groups, label_terms, normalization_backward_, prefix_norms, row_losses, row_weights, totals,
@@ -41,7 +42,7 @@ from ..stats import COUNT_FIELDS, SUM_FIELDS
 from ..ties import TieIndex, tie_ids
 from .workspace import Workspace
 
-__all__ = ["backward", "forward", "gist_loss_and_grads"]
+__all__ = ["forward", "gist_loss_and_grads"]
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 #: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
@@ -587,12 +588,9 @@ def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids
 
 
 @torch.no_grad()
-def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
-    """The loss, ``backward``'s state (the gradients, the temperature's share) and the guide's counters."""
+def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, Grads | None, object]:
+    """The backend contract's forward: the loss, the gradients (made here ``with_grad``, one per chunk of the call's
+    columns, the learned temperature's included) and the guide's counters."""
     loss, grads, counters, radial = _run(call.columns, call.guide, call.options, with_grad, need_stats,
                                          call.text_ids, want_radial=call.temperature is not None)
-    return loss, (grads, radial), counters
-
-
-#: The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and the temperature's share.
-backward = scaled_gradients
+    return loss, call.grads(call.split(grads), radial) if with_grad else None, counters

@@ -7,7 +7,7 @@ A tile is ``bq`` queries against ``bd`` documents: one matrix product of their t
 sum over the query's tokens, weighted by its mask (``cgist.stage.spec.maxsim.query_weights``), in float32 (float64 for
 float64 inputs). The queries go in row blocks, each swept twice over every document of every part of the call (its
 row sides, ``cgist.stage.spec.maxsim.Part``): the first sweep keeps the block's scores and each tile's argmax, which
-make the block's softmax exact (``cgist.stage.spec.block``: the guide's mask and the softmax, written once); the
+make the block's softmax exact (``cgist.stage.block``: the guide's mask and the softmax, written once); the
 second sends each score's gradient along the argmax. The gradient of a score reaches one document token per query
 token, so the gradients are a gather (``embedding_bag``) and a scatter (``index_add_``) instead of products as large as
 the forward's, and no product is computed twice. The gradients are made in the forward (``backward`` scales them by
@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..block import BlockMasks, block_softmax
 from ..budget import argmax_dtype, kept_bytes, split_budget, tile_rows
-from ..numerics import compute_dtype, scale_gradients
-from ..spec.block import BlockMasks, block_softmax
+from ..numerics import compute_dtype
+from ..spec.call import Grads
 from ..spec.maxsim import MaxSimCall, Part, query_weights
 from .workspace import _thread_buffer
 
-__all__ = ["MAXSIM", "Reduction", "backward", "forward", "maxsim_scores"]
+__all__ = ["MAXSIM", "Reduction", "forward", "maxsim_scores"]
 
 
 @dataclass
@@ -277,13 +278,13 @@ Gradients = list[list[Tensor]]
 
 
 def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reduction: Reduction = MAXSIM
-            ) -> tuple[Tensor, tuple[Gradients | None, Tensor | None], tuple[Tensor, Tensor] | None]:
-    """The backend contract's forward: the mean loss over the local queries, the state ``backward`` reads (the
-    gradients, made here ``with_grad``, and the temperature's share of them), and the guide's counters.
+            ) -> tuple[Tensor, Grads | None, tuple[Tensor, Tensor] | None]:
+    """The backend contract's forward: the mean loss over the local queries, the gradients (made here
+    ``with_grad``, the learned temperature's included), and the guide's counters.
 
     A row block of queries is swept twice. The first sweep computes every tile of the block against every document
     of every part and keeps the tiles' scores and (``with_grad``) argmax: a byte per query token and document (up to
-    256 document tokens). The block's mask and exact softmax are ``cgist.stage.spec.block``'s. The second sweep
+    256 document tokens). The block's mask and exact softmax are ``cgist.stage.block``'s. The second sweep
     sends each score's gradient ``scale / B * (softmax - label)`` along the kept argmax: to each query token, the
     document token where its maximum is, and back (``_tile_backward``). No tile's product is computed twice, and
     what is held between the sweeps is bounded by the budget (``cgist.stage.budget.kept_bytes``), whatever the batch.
@@ -302,15 +303,8 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reducti
                           call.length_normalize)
     for block in blocks:
         _row_block(call, block, doc_rows, losses, grads, masks, radial, reduction)
-    return losses.mean(), (grads, radial), None if masks is None or not need_stats else masks.counters
-
-
-def backward(call: MaxSimCall, state: tuple[Gradients, Tensor | None], grad_output: Tensor
-             ) -> tuple[list[Tensor], Tensor | None]:
-    """The backend contract's backward: the gradients ``forward`` made, one per chunk of the call's columns, and the
-    temperature's share, times ``grad_output`` (``scale_gradients``)."""
-    grads, radial = state
-    return scale_gradients((g for column in grads for g in column), radial, grad_output)
+    state = call.grads((g for column in grads for g in column), radial) if with_grad else None
+    return losses.mean(), state, None if masks is None or not need_stats else masks.counters
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor, grads: Gradients | None,

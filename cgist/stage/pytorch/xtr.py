@@ -2,7 +2,7 @@
 with XTR's reduction of the maxima, the thresholds found in the first sweep itself.
 
 A row block's first sweep keeps each query token's maximum over every document (not only the scores), and feeds
-each tile's products to the block's ``cgist.stage.spec.xtr.TopK``, which finds their maxima as it reads them, before
+each tile's products to the block's ``cgist.stage.xtr_thresholds.TopK``, which finds their maxima as it reads them, before
 the argmax takes them over: no token product is formed a second time for the thresholds, nor read once more for the
 maxima. Once the sweep is done, the block's thresholds are known (lowered by ``tie_slack``), and with them which
 maxima are retrieved, each score's ``Z`` and the scores. The second sweep sends a retrieved maximum its score's
@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 
 from ..budget import xtr_kept_bytes
-from ..spec.xtr import TopK, XTRCall, lowered, retrieved, tie_slack
+from ..spec.xtr import XTRCall
+from ..xtr_thresholds import TopK, lowered, retrieved, tie_slack
 from . import maxsim
 
-__all__ = ["backward", "forward"]
+__all__ = ["forward"]
 
 
 class _Retrieval(maxsim.Reduction):
@@ -79,6 +80,3 @@ def forward(call: XTRCall, with_grad: bool, need_stats: bool = False):
     """The backend contract's forward (``cgist.stage.pytorch.maxsim.forward``'s), with XTR's reduction."""
     return maxsim.forward(call, with_grad, need_stats, _Retrieval(call))
 
-
-#: The backward reads the gradients the forward made: MaxSim's.
-backward = maxsim.backward

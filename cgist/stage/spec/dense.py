@@ -12,14 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..numerics import scale_gradients
-from .call import StageCall
+from .call import StageCall, learned
 from .checks import check_finite, check_text_ids, rows
 from .guide import kind_of
 from .options import GistOptions
 
 __all__ = ["MARGIN", "MIN_TEMPERATURE", "DenseCall", "Variant", "check_embeddings", "check_inputs", "check_problem",
-           "column_name", "dense_call", "door", "make_variant", "sample_calls", "scaled_gradients", "variant_of"]
+           "column_name", "dense_call", "door", "make_variant", "sample_calls", "variant_of"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,8 @@ def dense_call(embeddings: object, guide_embeddings: object, options: GistOption
     if source == "self":  # the student's own vectors, detached, are the guide
         guide = student
     guide = None if guide is None else [[g.detach() for g in column] for column in guide]
-    return DenseCall(options, student, None if guide is None else guide[0][0].dtype, temperature, guide, ids)
+    return DenseCall(options, student, None if guide is None else guide[0][0].dtype, learned(temperature), guide,
+                     ids)
 
 
 #: The registry's door of the dense score (``Score.door``).
@@ -183,16 +183,6 @@ def _check_finite_and_shapes(student: list[list[Tensor]], guide: list[list[Tenso
             f"matryoshka_dims {too_large} exceed the student embedding dimension D={dim} of embeddings[0]"
         )
     check_finite(named)
-
-
-def scaled_gradients(call: DenseCall, state: tuple[Sequence[Tensor], Tensor | None],
-                     grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
-    """The backend contract's ``backward`` of both dense backends (docs/design.md#dispatch): their forward's state,
-    the gradients of whole columns (each in its column's dtype) and the temperature's share, split into one gradient
-    per chunk of the call's columns (views) and scaled by ``grad_output`` (``scale_gradients``)."""
-    grads, radial = state
-    chunks = (piece for grad, column in zip(grads, call.columns) for piece in grad.split([t.shape[0] for t in column]))
-    return scale_gradients(chunks, radial, grad_output)
 
 
 # The first-use check of the kernels (cgist.stage.dispatch.selfcheck) ---------------------------------------------

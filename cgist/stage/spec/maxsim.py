@@ -15,8 +15,8 @@ out alike. It imports only torch and the spec.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..budget import maxsim_block_bytes
 from ..numerics import compute_dtype, normalize
-from .call import StageCall
+from .call import StageCall, learned
 from .checks import as_chunks, check_finite, check_text_ids, rows
 from .options import GistOptions
 from .problem import BoundGroup, bind_groups
@@ -287,12 +287,13 @@ def _text_name(i: int) -> str:
 def maxsim_call(queries: object, query_mask: object, documents: object, document_masks: object,
                 options: GistOptions, *, guide: object = None, guide_masks: object = None,
                 text_ids: object = None, temperature: Tensor | None = None,
-                call_class: type[MaxSimCall] | None = None) -> MaxSimCall:
+                call_class: type[MaxSimCall] | None = None,
+                parameters: Mapping[str, Tensor] | None = None) -> MaxSimCall:
     """The call of ``cgist.maxsim_loss``'s arguments, checked once (each error names the argument): shapes, masks
     (bool, or 0/1 values; any layout), dtypes, devices, finiteness, the offset's range, the text ids and the
     guide. ``options`` carries the score (``"maxsim"``, ``"mean_maxsim"``; another score over token embeddings
-    passes its ``call_class``), the scale (``1 / temperature``), GIST's rule and blocks, the offset and the budget
-    (None: ``cgist.stage.budget.maxsim_block_bytes``)."""
+    passes its ``call_class``, and its own learned ``parameters`` by name), the scale (``1 / temperature``), GIST's
+    rule and blocks, the offset and the budget (None: ``cgist.stage.budget.maxsim_block_bytes``)."""
     if not options.score.tokens or (call_class is None and options.score is not MAXSIM):
         raise ValueError(f"similarity={options.similarity!r} is not a MaxSim score; maxsim_call takes "
                          f"{MAXSIM.similarities}")
@@ -323,7 +324,7 @@ def maxsim_call(queries: object, query_mask: object, documents: object, document
         ld = max(x.shape[1] for column in d_chunks for x in column)
         options = options.replace(block_bytes=call_class.default_budget(options, first, lq, ld, sum(heights)))
     parts, groups = _bound(options, columns, masks)
-    call = call_class(options, columns, None, temperature, masks, parts, groups, text_ids=ids,
+    call = call_class(options, columns, None, learned(temperature, **(parameters or {})), masks, parts, groups, text_ids=ids,
                       budget_bytes=options.block_bytes)
     return _with_guide(call, guide, guide_masks)
 
@@ -384,7 +385,7 @@ def _token_guide(call: MaxSimCall, guide: Sequence, guide_masks: object) -> MaxS
     guide_options = options.replace(similarity=options.guide_similarity, guide_similarity="cos", temperature=1.0)
     columns, masks = _zero_padded([q_chunks, *d_chunks], named, check_finite(named)), [q_masks, *d_masks]
     parts, groups = _bound(guide_options, columns, masks)
-    return MaxSimCall(guide_options, columns, None, None, masks, parts, groups, budget_bytes=call.budget_bytes)
+    return MaxSimCall(guide_options, columns, None, {}, masks, parts, groups, budget_bytes=call.budget_bytes)
 
 
 # The first-use check of the kernels (cgist.stage.dispatch.selfcheck) ---------------------------------------------

@@ -2,7 +2,8 @@
 as one object.
 
 Every drop-in, ``gist_loss`` and ``maxsim_loss`` build it; the autograd node and every backend read it. The score is
-its ``similarity`` (``cgist.stage.spec.scores``: ``"cos"``, ``"dot"``, ``"maxsim"``, ``"mean_maxsim"``); a field that
+its ``similarity`` (``cgist.stage.spec.scores``: ``"cos"``, ``"dot"``, ``"maxsim"``, ``"mean_maxsim"``, ``"xtr"``, or
+a registered score's); a field that
 only some scores take (``Score.options``) stays at its default under the others. It imports only the standard library
 and the registry of scores.
 """
@@ -16,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .scores import GUIDE_SIMILARITIES, SCORES, SIMILARITIES, Score, score_of
+from .scores import SCORES, Score, guide_similarities, score_of
 
 __all__ = [
-    "ANCHOR_DIRECTIONS", "DIRECTIONS", "GUIDE_SIMILARITIES", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES",
-    "SIMILARITIES", "ColumnGroup", "GistOptions", "check_bools", "check_margin", "check_scale", "real_number",
+    "ANCHOR_DIRECTIONS", "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES",
+    "ColumnGroup", "GistOptions", "check_bools", "check_margin", "check_scale", "real_number",
 ]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -138,7 +139,8 @@ class GistOptions:
         similarity: the student's score, and with it the score of the stage (``cgist.stage.spec.scores``): ``"cos"``
             (cosine, as ``cos_sim``) or ``"dot"`` (dot product, as ``dot_score``: the student's embeddings are not
             normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) or ``"xtr"`` (XTR)
-            over token embeddings. The options of another score (``Score.options``) must stay at their defaults.
+            over token embeddings; or a similarity of a score added with ``cgist.register_score``. The options of
+            another score (``Score.options``) must stay at their defaults.
         top_k: XTR's retrieval depth (``similarity="xtr"``, which needs it): each query token keeps its ``top_k``
             largest similarities among every real document token of the call (``cgist.stage.spec.xtr``).
         guide_similarity: the guide's score: ``"cos"`` (the cosine of its embeddings, for every score), or under a
@@ -171,9 +173,9 @@ class GistOptions:
     partition_mode: Literal["joint", "per_direction"] = "joint"
     hardness_mode: str | None = None
     hardness_strength: float = 0.0
-    similarity: Literal["cos", "dot", "maxsim", "mean_maxsim", "xtr"] = "cos"
+    similarity: str = "cos"
     top_k: int | None = None
-    guide_similarity: Literal["cos", "maxsim", "mean_maxsim"] = "cos"
+    guide_similarity: str = "cos"
     all_anchors: bool = False
     offset: int = 0
     matryoshka_dims: tuple[int, ...] | None = None
@@ -266,19 +268,11 @@ class GistOptions:
         object.__setattr__(self, "hardness_strength", float(self.hardness_strength))
 
     def _check_score(self) -> None:
-        """The score's own options: those of another score at their defaults."""
+        """The score's options: those of another score at their defaults, its own by its checks
+        (``Score.check_options``)."""
         score = score_of(self.similarity)
-        if self.guide_similarity not in GUIDE_SIMILARITIES:
-            raise ValueError(f"guide_similarity must be one of {GUIDE_SIMILARITIES}, got {self.guide_similarity!r}")
-        if self.top_k is not None:
-            if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
-                raise TypeError(f"top_k must be an int, got {type(self.top_k).__name__}")
-            if self.top_k < 1:
-                raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
-            object.__setattr__(self, "top_k", int(self.top_k))
-        elif "top_k" in score.options:
-            raise ValueError(f"similarity={self.similarity!r} needs top_k, the number of document tokens each query "
-                             "token retrieves")
+        if self.guide_similarity not in guide_similarities():
+            raise ValueError(f"guide_similarity must be one of {guide_similarities()}, got {self.guide_similarity!r}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in sorted({name for s in SCORES for name in s.options}):
             value = getattr(self, name)
@@ -286,6 +280,8 @@ class GistOptions:
                 owners = " and the ".join(s.name for s in SCORES if name in s.options)
                 raise ValueError(f"{name}={value!r} is an option of the {owners} score; similarity="
                                  f"{self.similarity!r} (the {score.name} score) takes it only at its default")
+        for name, value in score.check_options(self).items():  # its own checks, and the values they normalise
+            object.__setattr__(self, name, value)
 
     def column_groups(self, n_columns: int) -> tuple[tuple[ColumnGroup, ...], int, dict[str, int]]:
         """The column groups of a call of ``n_columns`` columns, in their order (GIST's AP, AA, PP, AN_1..AN_k,

@@ -21,8 +21,8 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BACKEND_NAMES", "DENSE", "GUIDE_SIMILARITIES", "MAXSIM", "SCORES", "SIMILARITIES", "XTR", "Score",
-           "score_of"]
+__all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "XTR", "Score", "guide_similarities", "register_score",
+           "score_of", "similarities"]
 
 #: The backends a score may register, each a module with ``forward`` and ``backward`` (docs/design.md#dispatch).
 BACKEND_NAMES = ("torch", "triton")
@@ -36,7 +36,11 @@ class Score:
     embeddings ``(rows, tokens, dim)`` with masks (else embeddings ``(rows, dim)``); ``options``: the
     ``GistOptions`` fields beyond the common ones that it takes (a call of another score leaves them at their
     defaults); ``spec``, ``backends`` and ``kernels``: the modules of each layer; ``guide_similarities``: the values
-    of ``GistOptions.guide_similarity`` it scores a guide's columns with (none: it is no guide's score)."""
+    of ``GistOptions.guide_similarity`` it scores a guide's columns with (none: it is no guide's score); ``scorer``:
+    ``"module:function"``, the function that recognises the score in a multi-vector drop-in's ``similarity_fct``
+    (``function(similarity_fct, model)``: None, or the ``GistOptions`` fields of the score and the door's keyword
+    arguments, ``(fields, arguments)``: a learned parameter of the ``similarity_fct``, for one), or None (no drop-in
+    fuses it)."""
 
     name: str
     similarities: tuple[str, ...]
@@ -46,6 +50,7 @@ class Score:
     backends: Mapping[str, str] = field(default_factory=dict)
     kernels: str | None = None
     guide_similarities: tuple[str, ...] = ()
+    scorer: str | None = None
 
     def backend(self, name: str) -> str:
         """The module of backend ``name`` (``BACKEND_NAMES``)."""
@@ -55,6 +60,19 @@ class Score:
         """The score's door: its spec module's ``door``, which builds the checked call from a user's arguments (the
         token scores': ``queries, query_mask, documents, document_masks, options, **arguments``)."""
         return importlib.import_module(self.spec).door
+
+    def check_options(self, options: object) -> dict[str, object]:
+        """Check ``options``' fields of this score (its spec module's ``check_options``, if it has one: an error that
+        names the field, or the fields' normalised values by name)."""
+        check = getattr(importlib.import_module(self.spec), "check_options", None)
+        return {} if check is None else check(options)
+
+    def match(self, similarity_fct: object, model: object) -> tuple[dict[str, object], dict[str, object]] | None:
+        """``scorer``'s answer for a drop-in's ``similarity_fct`` (None where the score has no scorer)."""
+        if self.scorer is None:
+            return None
+        module, name = self.scorer.split(":")
+        return getattr(importlib.import_module(module), name)(similarity_fct, model)
 
 
 DENSE = Score(
@@ -72,24 +90,58 @@ MAXSIM = Score(
     backends={"torch": "cgist.stage.pytorch.maxsim", "triton": "cgist.stage.triton.maxsim"},
     kernels="cgist.kernels.maxsim",
     guide_similarities=("maxsim", "mean_maxsim"),
+    scorer="cgist.losses.scorers:maxsim",
 )
 XTR = Score(
     "xtr", ("xtr",), tokens=True, options=("guide_similarity", "top_k"),
     spec="cgist.stage.spec.xtr",
     backends={"torch": "cgist.stage.pytorch.xtr", "triton": "cgist.stage.triton.xtr"},
     kernels="cgist.kernels.maxsim",
+    scorer="cgist.losses.scorers:xtr",
 )
-#: Every score, in the order the documentation lists them.
-SCORES = (DENSE, MAXSIM, XTR)
-#: Every value of ``GistOptions.similarity``.
-SIMILARITIES = tuple(name for score in SCORES for name in score.similarities)
-#: Every value of ``GistOptions.guide_similarity``: the guide's cosine, or a multi-vector guide's MaxSim or MeanMaxSim.
-GUIDE_SIMILARITIES = tuple(name for score in SCORES for name in score.guide_similarities)
+#: Every score, in the order the documentation lists them, then those registered (``register_score``).
+SCORES: list[Score] = [DENSE, MAXSIM, XTR]
+
+
+def similarities() -> tuple[str, ...]:
+    """Every value of ``GistOptions.similarity``: every registered score's."""
+    return tuple(name for score in SCORES for name in score.similarities)
+
+
+def guide_similarities() -> tuple[str, ...]:
+    """Every value of ``GistOptions.guide_similarity``: the guide's cosine, or a multi-vector guide's MaxSim or
+    MeanMaxSim (every registered score's ``guide_similarities``)."""
+    return tuple(name for score in SCORES for name in score.guide_similarities)
+
+
+def register_score(score: Score) -> Score:
+    """Add ``score`` to the registry (docs/design.md#adding-a-score): from then on ``GistOptions(similarity=...)``
+    takes its similarities, the router runs its backends (a PyTorch one is required; without a Triton one ``"auto"``
+    takes the PyTorch path everywhere), ``cgist doctor`` checks it, and a multi-vector drop-in fuses the
+    ``similarity_fct`` its ``scorer`` recognises. Registering the same entry again does nothing; a ValueError names
+    a name or a similarity that another score has, or a backend that is missing or unknown."""
+    if not isinstance(score, Score):
+        raise TypeError(f"score must be a cgist Score, got {type(score).__name__}")
+    if score in SCORES:
+        return score
+    for other in SCORES:
+        if other.name == score.name:
+            raise ValueError(f"a score named {score.name!r} is registered already")
+        taken = set(score.similarities) & set(other.similarities + other.guide_similarities)
+        taken |= set(score.guide_similarities) & set(other.similarities + other.guide_similarities)
+        if taken:
+            raise ValueError(f"similarity {sorted(taken)[0]!r} is the {other.name} score's")
+    if "torch" not in score.backends or not set(score.backends) <= set(BACKEND_NAMES):
+        raise ValueError(f"backends must name a module for 'torch' (and may for 'triton'), got {dict(score.backends)}")
+    if not score.similarities:
+        raise ValueError("similarities must name at least one value of GistOptions.similarity")
+    SCORES.append(score)
+    return score
 
 
 def score_of(similarity: str) -> Score:
-    """The score that computes ``similarity`` (one of ``SIMILARITIES``)."""
+    """The score that computes ``similarity`` (one of ``similarities()``)."""
     for score in SCORES:
         if similarity in score.similarities:
             return score
-    raise ValueError(f"similarity must be one of {SIMILARITIES}, got {similarity!r}")
+    raise ValueError(f"similarity must be one of {similarities()}, got {similarity!r}")

@@ -66,7 +66,8 @@ from cgist.kernels.gist import (
 from cgist.stage.budget import Chunks, backward_chunks
 from cgist.stage.devices import launch_context
 from cgist.stage.numerics import EPS, addmm_, compute_dtype, row_dots, stack_rows
-from cgist.stage.spec.dense import DenseCall, scaled_gradients
+from cgist.stage.spec.call import Grads
+from cgist.stage.spec.dense import DenseCall
 from cgist.stage.spec.problem import (
     BoundGroup,
     Dims,
@@ -88,7 +89,7 @@ if TYPE_CHECKING:
     from cgist.stage.spec.options import GistOptions
 
 __all__ = [
-    "BackwardWork", "ForwardState", "backward", "forward", "forward_group", "gist_backward", "gist_forward",
+    "BackwardWork", "ForwardState", "forward", "forward_group", "gist_backward", "gist_forward",
     "gist_loss_and_grads", "split_tf32", "tf32x3_addmm_",
 ]
 
@@ -485,17 +486,14 @@ def gist_loss_and_grads(
 # The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
 
 
-def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, tuple, object]:
-    """The loss, the state ``backward`` reads (the gradients, made here ``with_grad`` as GradCache needs them at
-    once, and the temperature's share) and the guide's counters (``need_stats``)."""
+def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, Grads | None, object]:
+    """The backend contract's forward: the loss, the gradients (made here ``with_grad`` as GradCache needs them at
+    once, one per chunk of the call's columns, the learned temperature's included) and the guide's counters
+    (``need_stats``)."""
     loss, state = gist_forward(call.columns, call.guide, call.options, need_stats, text_ids=call.text_ids)
-    grads = radial = None
+    grads = None
     if with_grad:
         work = BackwardWork(state)
         work.want_radial_sum = call.temperature is not None
-        grads, radial = work.run(), work.radial_sum
-    return loss, (grads, radial), (state.counters() if need_stats else None)
-
-
-#: The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and the temperature's share.
-backward = scaled_gradients
+        grads = call.grads(call.split(work.run()), work.radial_sum)
+    return loss, grads, (state.counters() if need_stats else None)

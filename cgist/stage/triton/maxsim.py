@@ -17,7 +17,7 @@ gradients, one per chunk, added into the call's where parts share an input.
   adds the slab's document gradients. Each recomputes the maxima it needs.
 * Held (a guide's mask, GIST's contrast blocks, a learned temperature, or XTR: ``maxsim_held_triton``): per slab of
   queries, ``maxsim_scores_kernel`` writes the slab's scores with the forward's code, the mask and the exact softmax
-  are the stage's (``cgist.stage.spec.block``, written once for every backend), and the two gradient kernels send the
+  are the stage's (``cgist.stage.block``, written once for every backend), and the two gradient kernels send the
   logits' gradients back; the gradients are made in the forward, as the PyTorch backend's are.
 
 Each kernel's tiles, warps and pipeline stages are ``launch_configs``'s (bench/aot_compile.py compiles them for every
@@ -43,10 +43,11 @@ from cgist.kernels.maxsim import (
     maxsim_label_kernel,
     maxsim_scores_kernel,
 )
+from cgist.stage.block import BlockMasks, block_softmax
 from cgist.stage.budget import kept_bytes, slab_rows
 from cgist.stage.devices import Arch, launch_context
-from cgist.stage.numerics import compute_dtype, scale_gradients
-from cgist.stage.spec.block import BlockMasks, block_softmax
+from cgist.stage.numerics import compute_dtype
+from cgist.stage.spec.call import Grads
 from cgist.stage.spec.maxsim import MaxSimCall, Part, query_weights
 
 from .common import TL_DTYPES, arch_of, device_constant, input_precision
@@ -363,7 +364,7 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
     until they are added into the call's), and the mask's comparisons make a few ``(rows, W)`` bool temporaries. For
     each slab and each part, ``maxsim_scores_kernel`` writes the part's scores into the slab's row ``(rows, W)``
     (and, for a multi-vector guide, the guide's scores likewise); the mask and the softmax are
-    ``cgist.stage.spec.block``'s and turn the scores into the logits' gradients in place, which
+    ``cgist.stage.block``'s and turn the scores into the logits' gradients in place, which
     ``maxsim_dq_kernel`` and ``maxsim_dd_kernel`` send back along the maxima, part by part. The other tiles as
     ``maxsim_forward_triton``'s."""
     tiles = dict(block_tokens=block_tokens, block_docs=block_docs, block_query_tokens=block_query_tokens,
@@ -426,26 +427,33 @@ def _slab_scores(parts: list[tuple[Part, _Packed]], start: int, slab: Tensor, co
 # The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Normaliser:
+    """The saved state of an unguided call: each query's softmax normaliser (``maxsim_forward_triton``), from which
+    ``backward`` recomputes the rest."""
+
+    peak: Tensor
+    total: Tensor
+
+
 def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, tau: Tensor | None = None
-            ) -> tuple[Tensor, tuple, object]:
-    """The loss, the state ``backward`` reads, and the guide's counters (``need_stats``). An unguided call keeps
-    each query's softmax normaliser (the backward recomputes the rest); a held one (``maxsim_held_triton``: a guide,
-    a learned temperature, or XTR's thresholds ``tau``) the gradients, made here ``with_grad``, and the temperature's
-    share."""
+            ) -> tuple[Tensor, Normaliser | Grads | None, object]:
+    """The loss, the backward's state, and the guide's counters (``need_stats``). An unguided call keeps each
+    query's softmax normaliser (``Normaliser``: the backward recomputes the rest); a held one
+    (``maxsim_held_triton``: a guide, a learned temperature, or XTR's thresholds ``tau``) the gradients, made here
+    ``with_grad``, the learned temperature's included."""
     if tau is None and call.guide_kind is None and call.temperature is None:
         loss, peak, total = maxsim_forward_triton(call)
-        return loss, ("normaliser", peak, total), None
+        return loss, Normaliser(peak, total), None
     radial = torch.zeros((), dtype=compute_dtype(call.dtype), device=call.device) \
         if with_grad and call.temperature is not None else None
     loss, grads, masks = maxsim_held_triton(call, with_grad, radial, tau=tau)
-    return loss, ("gradients", grads, radial), None if masks is None or not need_stats else masks.counters
+    grads = call.grads((g for column in grads for g in column), radial) if with_grad else None
+    return loss, grads, None if masks is None or not need_stats else masks.counters
 
 
-def backward(call: MaxSimCall, state: tuple, grad_output: Tensor) -> tuple[list[Tensor], Tensor | None]:
-    """The gradients of ``grad_output`` times the loss, one per chunk of the call's columns, and ``grad_output``
-    times the temperature's share."""
-    if state[0] == "normaliser":  # the kernels make the gradients now, scaled as they go
-        grads = maxsim_backward_triton(call, state[1], state[2], float(grad_output))
-        return [g for column in grads for g in column], None
-    _, grads, radial = state
-    return scale_gradients((g for column in grads for g in column), radial, grad_output)
+def backward(call: MaxSimCall, state: Normaliser, grad_output: Tensor) -> Grads:
+    """The gradients of ``grad_output`` times the loss from an unguided call's normalisers: the kernels make them
+    now, scaled as they go."""
+    grads = maxsim_backward_triton(call, state.peak, state.total, float(grad_output))
+    return call.grads(g for column in grads for g in column)

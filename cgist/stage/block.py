@@ -5,8 +5,8 @@ its guided kernels; docs/design.md#the-guide-for-late-interaction).
 ``BlockMasks`` is one forward's mask: it reads the call's column groups (``MaxSimCall.groups``: GIST's AP, AA, PP and
 AN, each a span of the row), its guide and its texts' ids, and counts what it masks in the layout of
 ``cgist.stage.stats`` (``COUNT_FIELDS``, ``SUM_FIELDS``). ``block_softmax`` turns a block's scores into its rows'
-losses, the logits' gradients and the temperature's share. Neither reads a value on the host. It imports only torch
-and the loss stage's leaf modules.
+losses, the logits' gradients and the temperature's share. Neither reads a value on the host. It runs beside the
+backends, which share it; it imports only torch, the spec and the loss stage's leaf modules.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics import compute_dtype, guide_mask, theta_above, threshold
-from ..stats import COUNT_FIELDS, SUM_FIELDS
-from ..ties import TieIndex
-from .maxsim import MaxSimCall
+from .numerics import compute_dtype, guide_mask, theta_above, threshold
+from .spec.maxsim import MaxSimCall
+from .stats import COUNT_FIELDS, SUM_FIELDS
+from .ties import TieIndex
 
 __all__ = ["BlockMasks", "block_softmax"]
 
