@@ -10,6 +10,7 @@
   (``interpreter_dot``: what the interpreter does wrong, and why the fix cannot hide a kernel bug); a launch patches
   triton.language once, and under coverage each kernel specialization is traced on its first launch only
   (``interpreter_runs``).
+* Under pytest-xdist, each worker takes its share of the cores (torch threads, OMP_NUM_THREADS).
 * ``simulate``: CPU tensors standing in for a GPU, an AMD or an Apple device (``cgist.stage.devices``).
 * The models (and the standard-library pairs) the test modules share are defined here, once (``helpers_models`` builds them). The guides are loaded
   once for the whole run: the losses only run a guide, and a test that switches one to training mode switches it
@@ -24,6 +25,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist's workers share the machine's cores: each takes its share of torch's threads, and so do the subprocesses
+# it starts (OMP_NUM_THREADS, unless set already). Left at one thread per core each, two workers on two cores run the
+# suite at half the speed.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, len(os.sched_getaffinity(0)) // _workers) if hasattr(os, "sched_getaffinity") else 1
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 import pytest  # noqa: E402
 
