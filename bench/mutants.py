@@ -231,11 +231,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_differential.py",),
     ),
     Mutant(
-        "radial-counted-once",
+        "temperature-share-doubled",
         "the dense backends count each score's share of a learned temperature's gradient once per side (twice)",
         "cgist/stage/pytorch/dense.py",
-        "self.radial_sum = torch.stack(shares).sum() / 2 if shares else None",
-        "self.radial_sum = torch.stack(shares).sum() if shares else None",
+        "self.temperature_share = torch.stack(shares).sum() / 2 if shares else None",
+        "self.temperature_share = torch.stack(shares).sum() if shares else None",
         ("tests/test_door.py",),
     ),
     Mutant(

@@ -4,9 +4,9 @@
 
 The call is ``cgist.stage.pytorch.dense.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
 margin 0.05, one negative column, N = B, float32), as ``loss_stage.py``'s ``cgist-torch-core`` runs it.
-Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_StreamingCall``: normalised
+Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_StreamingRun``: normalised
 copies, norms, tie ids; work that grows with B x D), the row blocks (``_row_block``: the score tiles'
-GEMMs and element-wise passes, growing with B x N), the gradients (``_StreamingCall.gradients``: the
+GEMMs and element-wise passes, growing with B x N), the gradients (``_StreamingRun.gradients``: the
 normalisation's backward) and the rest (planning, the workspace, the loss). ``gemm`` is
 ``loss_stage.gemm_step`` in the same process: the products any loss stage must do. Each phase is
 also given as a fraction of the GEMM time, which is what a "time / GEMMs" target allows the rest.
@@ -28,8 +28,8 @@ import torch
 from cgist.stage.pytorch import dense as pytorch_dense
 
 #: The timed phases: (label, owner, attribute).
-PHASES = (("set-up", pytorch_dense._StreamingCall, "__init__"), ("row blocks", pytorch_dense, "_row_block"),
-          ("gradients", pytorch_dense._StreamingCall, "gradients"))
+PHASES = (("set-up", pytorch_dense._StreamingRun, "__init__"), ("row blocks", pytorch_dense, "_row_block"),
+          ("gradients", pytorch_dense._StreamingRun, "gradients"))
 
 
 @contextlib.contextmanager

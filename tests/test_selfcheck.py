@@ -44,7 +44,7 @@ def auto_runs_kernels(simulate, monkeypatch):
     return checks
 
 
-def _check(variant: dense.Variant, options: GistOptions, n_columns: int) -> selfcheck.Check:
+def _check(variant: dense.DenseVariant, options: GistOptions, n_columns: int) -> selfcheck.Check:
     """The first-use check of ``variant`` (the dense score's check problem) on the interpreted kernels."""
     student, guide, checked, text_ids = dense.check_inputs(variant, options, n_columns, torch.device("cpu"),
                                                            ROWS_HERE)
@@ -214,7 +214,7 @@ def test_right_kernels_pass_in_every_dtype_pair(pair):
     assert check.counts["masked_dq"][1] > 0 and check.counts["masked_an"][1] > 0
 
 
-def _variant(device: str, student, guide, options: GistOptions) -> dense.Variant:
+def _variant(device: str, student, guide, options: GistOptions) -> dense.DenseVariant:
     return dense.variant_of(dense_call(student, guide, options), device)
 
 

@@ -246,7 +246,7 @@ def test_candidates_far_above_the_positive(block_bytes, monkeypatch):
     monkeypatch.setattr(pytorch_dense._RowBlock, "masked_logits", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     expected = _check(student, guide, GistOptions(offset=6, margin=0.05), block_bytes=block_bytes)
     assert float(expected.detach()) > 100  # the case is what it claims
-    problem = pytorch_dense._StreamingCall(student, guide, GistOptions(offset=6), True, False)
+    problem = pytorch_dense._StreamingRun(student, guide, GistOptions(offset=6), True, False)
     n_tiles = len(pytorch_dense._tiles(problem, budget.TILE_COLS if block_bytes is None else 1))
     assert len(calls) > 3 * n_tiles  # the sweep, the maximum, the sweep again (and, in two passes, the gradients)
 

@@ -110,7 +110,7 @@ class BlockMasks:
 
 
 def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, with_grad: bool,
-                  mask: Tensor | None = None, radial: Tensor | None = None) -> Tensor | None:
+                  mask: Tensor | None = None, share: Tensor | None = None) -> Tensor | None:
     """The softmax of queries ``first:first + rows`` over their scores ``(rows, W)``, the mask applied first (a
     masked score leaves the softmax, and its gradient is zero): their losses into ``losses`` and, ``with_grad``, the
     gradients of their scores ``scale / B * (softmax - [label])``, made in place of ``scores`` and returned.
@@ -121,7 +121,7 @@ def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, 
     gradient, ``scale / B * (p_label - 1)``, is ``-scale / B`` times the other terms' sum (summed apart) over
     ``total``: as precise as the other probabilities, where ``p_label - 1`` would cancel to an ulp of 1. The loss is
     ``(peak - label logit) + log(total)``, which keeps its value where every logit is the empty document's ``-1e9``.
-    ``radial`` (0-dim), if given, gets the block's share of ``sum_ij dL/dz_ij z_ij`` over the logits ``z``: minus the
+    ``share`` (0-dim), if given, gets the block's share of ``sum_ij dL/dz_ij z_ij`` over the logits ``z``: minus the
     temperature times its derivative of the loss (``cgist.stage.node``)."""
     rows = scores.shape[0]
     if mask is not None:
@@ -137,8 +137,8 @@ def block_softmax(call: MaxSimCall, first: int, scores: Tensor, losses: Tensor, 
     others = terms.sum(1)  # summed apart from the label's: 1 - p_label without the cancellation
     total = (others + label_terms).unsqueeze(1)
     losses[first:first + rows] = gap + torch.log(total).squeeze(1)
-    if radial is not None:  # sum_j p_ij z_ij - z_i,label = gap + sum_j p_ij (z_ij - peak), with z - peak = log(term)
-        radial += (gap + (torch.special.xlogy(terms, terms).sum(1) + torch.special.xlogy(label_terms, label_terms))
+    if share is not None:  # sum_j p_ij z_ij - z_i,label = gap + sum_j p_ij (z_ij - peak), with z - peak = log(term)
+        share += (gap + (torch.special.xlogy(terms, terms).sum(1) + torch.special.xlogy(label_terms, label_terms))
                    / total.squeeze(1)).sum() / call.n_queries
     if not with_grad:
         return None

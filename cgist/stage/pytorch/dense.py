@@ -73,7 +73,7 @@ class _NormalizedColumn:
         self.x = self.x1[:, :-1]  # the normalised rows (rows x top)
 
 
-class _StreamingCall:
+class _StreamingRun:
     """Everything one call of the streaming path shares between its row blocks: the normalised columns, the bound
     column groups, the scales, the counters, the row-block schedule and its workspace."""
 
@@ -81,7 +81,7 @@ class _StreamingCall:
                  need_grads: bool, need_stats: bool,
                  products: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
                  text_ids: Sequence[Tensor] | None = None) -> None:
-        self.options, self.want_radial_sum = options, False
+        self.options, self.want_share = options, False
         embeddings = [row_chunks(e) for e in embeddings]
         self.dtype = compute_dtype(embeddings[0][0].dtype)
         self.dims = Dims.of(options, embeddings[0][0].shape[1])
@@ -163,13 +163,13 @@ class _StreamingCall:
         ``max(||x[:top]||, eps)``. With several dimensions the accumulated ``grad`` is ``sum_d sum_j dL/dcos_d[i, j]
         rho_d,i rho_d,j k_hat_j[:d]``, so ``x_hat . grad`` is the sum of every dimension's radial sum: the top
         dimension's is that minus the smaller ones' (which the tiles accumulated). Components past ``top`` get 0.
-        Dot products have no normalisation to pass through. With ``want_radial_sum`` it keeps ``radial_sum``, half the
+        Dot products have no normalisation to pass through. With ``want_share`` it keeps ``temperature_share``, half the
         sum of ``x_hat . grad`` over every row: ``sum_ij dL/ds_ij s_ij`` (each score has a row and a column side).
         """
         out, shares = [], []
         for column, e in zip(self.columns, (row_chunks(e)[0] for e in embeddings)):
             grad = column.grad
-            if self.want_radial_sum:
+            if self.want_share:
                 shares.append(row_dots(column.x, grad).sum())
             if self.options.similarity != "dot":
                 if column.radial is not None:
@@ -179,7 +179,7 @@ class _StreamingCall:
             if e.shape[1] > self.dims.top:
                 grad = torch.cat([grad, grad.new_zeros(grad.shape[0], e.shape[1] - self.dims.top)], dim=1)
             out.append(grad.to(e.dtype))
-        self.radial_sum = torch.stack(shares).sum() / 2 if shares else None
+        self.temperature_share = torch.stack(shares).sum() / 2 if shares else None
         return out
 
 
@@ -214,7 +214,7 @@ class _Rows:
 class _RowBlock:
     """One row block: its thresholds, its positive logits, and the softmax terms of column ranges."""
 
-    def __init__(self, call: _StreamingCall, start: int, stop: int) -> None:
+    def __init__(self, call: _StreamingRun, start: int, stop: int) -> None:
         self.call, self.start, self.stop = call, start, stop
         options, dims = call.options, call.dims
         anchor, positive = call.columns[0], call.columns[1]
@@ -324,7 +324,7 @@ class _RowBlock:
         """Add the hardness penalty to dimension m's shifted logits ``t`` of a query-to-document tile, in place,
         where the group says.
 
-        A penalised logit is ``factor`` times its plain value z (``_StreamingCall.hard_factor``); on the shifted logit
+        A penalised logit is ``factor`` times its plain value z (``_StreamingRun.hard_factor``); on the shifted logit
         ``L = z - shift`` that is ``factor * L + (factor - 1) * shift``. Masked entries stay far below the cutoff.
         """
         if not group.hard:
@@ -409,7 +409,7 @@ class _RowBlock:
 
         The top dimension's terms replace its logits. A smaller dimension's logits' buffer keeps each term
         times its shifted logit without the penalty (its radial sums in ``accumulate`` need the score; the top
-        dimension's come from the gradient itself, ``_StreamingCall.gradients``).
+        dimension's come from the gradient itself, ``_StreamingRun.gradients``).
         """
         *smaller, top = self.masked_logits(group, lo, hi, unmasked)
         out = []
@@ -486,12 +486,12 @@ def _within(rows: Tensor, cols: Tensor, lo: int, hi: int) -> tuple[Tensor, Tenso
     return rows[inside], cols[inside] - lo
 
 
-def _tiles(call: _StreamingCall, cols: int) -> list[tuple[BoundGroup, int, int]]:
+def _tiles(call: _StreamingRun, cols: int) -> list[tuple[BoundGroup, int, int]]:
     """Every tile of a row block, as ``(group, lo, hi)``: each group's columns in ranges ``cols`` wide."""
     return [(g, lo, min(lo + cols, g.n_cols)) for g in call.groups for lo in range(0, g.n_cols, cols)]
 
 
-def _sweep(call: _StreamingCall, rb: _RowBlock, cols: int, shift: Tensor, hold: bool, count: bool):
+def _sweep(call: _StreamingRun, rb: _RowBlock, cols: int, shift: Tensor, hold: bool, count: bool):
     """Row sums of the softmax terms of every tile per partition (n_parts x n_dims x R), shifted by the partition's
     ``shift``, those of each row side's groups (``"a"``, ``"p"``: n_dims x R each), and the tiles themselves if
     ``hold`` (one pass: the gradients reuse them)."""
@@ -512,7 +512,7 @@ def _sweep(call: _StreamingCall, rb: _RowBlock, cols: int, shift: Tensor, hold: 
     return others, side_sums, tiles
 
 
-def _row_block(call: _StreamingCall, rb: _RowBlock, schedule: RowBlocks) -> Tensor:
+def _row_block(call: _StreamingRun, rb: _RowBlock, schedule: RowBlocks) -> Tensor:
     """Weighted loss sum of one row block; accumulates its gradients when they are wanted.
 
     In one pass the tiles against all columns are kept from the sums to the gradients; in two passes they
@@ -570,21 +570,21 @@ def gist_loss_and_grads(
     return loss, grads, counters
 
 
-def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products=None, want_radial=False):
-    """``gist_loss_and_grads``, and with ``want_radial`` the sum of ``dL/ds * s`` over every score."""
+def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products=None, want_share=False):
+    """``gist_loss_and_grads``, and with ``want_share`` the sum of ``dL/ds * s`` over every score."""
     if products is None:
         device = row_chunks(embeddings[0])[0].device
         products = tuple(None if c is None else half_products(device, row_chunks(c[0])[0].dtype)
                          for c in (embeddings, guide_embeddings))
-    call = _StreamingCall(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
-    call.want_radial_sum = want_radial and need_grads
+    call = _StreamingRun(embeddings, guide_embeddings, options, need_grads, need_stats, products, text_ids)
+    call.want_share = want_share and need_grads
     schedule = call.schedule
     loss = torch.zeros((), dtype=call.dtype, device=call.columns[0].x.device)
     for start in range(0, call.batch, schedule.rows):
         loss += _row_block(call, _RowBlock(call, start, min(start + schedule.rows, call.batch)), schedule)
     loss = loss / call.batch
     grads = call.gradients(embeddings) if need_grads else None
-    return loss, grads, call.counters, (call.radial_sum if need_grads else None)
+    return loss, grads, call.counters, (call.temperature_share if need_grads else None)
 
 
 @torch.no_grad()
@@ -592,5 +592,5 @@ def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple
     """The backend contract's forward: the loss, the gradients (made here ``with_grad``, one per chunk of the call's
     columns, the learned temperature's included) and the guide's counters."""
     loss, grads, counters, radial = _run(call.columns, call.guide, call.options, with_grad, need_stats,
-                                         call.text_ids, want_radial=call.temperature is not None)
+                                         call.text_ids, want_share=call.temperature is not None)
     return loss, call.grads(call.split(grads), radial) if with_grad else None, counters

@@ -34,7 +34,7 @@ from ..spec.call import Grads
 from ..spec.maxsim import MaxSimCall, Part, query_weights
 from .workspace import _thread_buffer
 
-__all__ = ["MAXSIM", "Reduction", "forward", "maxsim_scores"]
+__all__ = ["MAXSIM_REDUCTION", "Reduction", "forward", "maxsim_scores"]
 
 
 @dataclass
@@ -180,11 +180,11 @@ class Reduction:
 
 
 #: MaxSim's reduction (and a multi-vector guide's, whatever the student's score).
-MAXSIM = Reduction()
+MAXSIM_REDUCTION = Reduction()
 
 
 def _tile_scores(query: _QueryTile, doc: _DocTile, scores: Tensor, where: Tensor | None,
-                 reduction: Reduction = MAXSIM, span: slice = slice(None), cols: slice = slice(None)) -> None:
+                 reduction: Reduction = MAXSIM_REDUCTION, span: slice = slice(None), cols: slice = slice(None)) -> None:
     """The tile's scores into ``scores`` ``(bq, bd)`` (the compute dtype; ``reduction``'s of the maxima, at the row
     block's rows ``span`` and columns ``cols``), sentence-transformers' score where a document is empty; and, given
     ``where`` ``(bq, Lq, bd)``, the document token each query token's maximum is at, as positions of ``doc.tokens``:
@@ -263,7 +263,7 @@ def _document_tiles(part: Part, doc_rows: int) -> Iterator[tuple[tuple[int, _Doc
 
 
 def _sweep_scores(part: Part, doc_rows: int, tiles: list[_QueryTile], first: int, scores: Tensor,
-                  where: Tensor | None, reduction: Reduction = MAXSIM) -> None:
+                  where: Tensor | None, reduction: Reduction = MAXSIM_REDUCTION) -> None:
     """Every tile of the query tiles ``tiles`` (rows from ``first``) against every document of ``part``: the
     scores into ``scores`` and, given ``where``, the argmax (``_tile_scores``); each document tile prepared once."""
     spans = [slice(query.row - first, query.row - first + query.weights.shape[0]) for query in tiles]
@@ -277,7 +277,7 @@ def _sweep_scores(part: Part, doc_rows: int, tiles: list[_QueryTile], first: int
 Gradients = list[list[Tensor]]
 
 
-def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reduction: Reduction = MAXSIM
+def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reduction: Reduction = MAXSIM_REDUCTION
             ) -> tuple[Tensor, Grads | None, tuple[Tensor, Tensor] | None]:
     """The backend contract's forward: the mean loss over the local queries, the gradients (made here
     ``with_grad``, the learned temperature's included), and the guide's counters.
@@ -293,7 +293,7 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reducti
     dtype = compute_dtype(call.dtype)
     losses = torch.empty(call.n_queries, dtype=dtype, device=call.device)
     masks = None if call.guide_kind is None else BlockMasks(call)
-    radial = torch.zeros((), dtype=dtype, device=call.device) if with_grad and call.temperature is not None else None
+    share = torch.zeros((), dtype=dtype, device=call.device) if with_grad and call.temperature is not None else None
     grads = [[torch.zeros(t.shape, dtype=dtype, device=call.device) for t in column] for column in call.columns] \
         if with_grad else None
     per_query = _kept_per_query(call, with_grad, reduction)
@@ -302,13 +302,13 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, reducti
     blocks = _query_tiles(call.parts[0].queries, call.parts[0].query_masks, query_rows, keep, per_query,
                           call.length_normalize)
     for block in blocks:
-        _row_block(call, block, doc_rows, losses, grads, masks, radial, reduction)
-    state = call.grads((g for column in grads for g in column), radial) if with_grad else None
+        _row_block(call, block, doc_rows, losses, grads, masks, share, reduction)
+    state = call.grads((g for column in grads for g in column), share) if with_grad else None
     return losses.mean(), state, None if masks is None or not need_stats else masks.counters
 
 
 def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses: Tensor, grads: Gradients | None,
-               masks: BlockMasks | None, radial: Tensor | None, reduction: Reduction) -> None:
+               masks: BlockMasks | None, share: Tensor | None, reduction: Reduction) -> None:
     """One row block's two sweeps (``forward``): its queries' losses into ``losses`` and, given ``grads``, their
     gradients added into them. Everything it holds is freed when it returns, before the next block's."""
     device, dtype = losses.device, losses.dtype
@@ -338,7 +338,7 @@ def _row_block(call: MaxSimCall, block: list[_QueryTile], doc_rows: int, losses:
             guide = torch.empty_like(scores)
             maxsim_scores(call.guide_tokens, first, guide)
         mask = masks(first, scores, guide)
-    grad = block_softmax(call, first, scores, losses, grads is not None, mask, radial)
+    grad = block_softmax(call, first, scores, losses, grads is not None, mask, share)
     if grads is None:
         return
     grad = reduction.block_grad(grad)

@@ -17,7 +17,7 @@ from .checks import check_finite, check_text_ids, rows
 from .guide import kind_of
 from .options import GistOptions
 
-__all__ = ["MARGIN", "MIN_TEMPERATURE", "DenseCall", "Variant", "check_embeddings", "check_inputs", "check_problem",
+__all__ = ["MARGIN", "MIN_TEMPERATURE", "DenseCall", "DenseVariant", "check_embeddings", "check_inputs", "check_problem",
            "column_name", "dense_call", "door", "make_variant", "sample_calls", "variant_of"]
 
 
@@ -201,7 +201,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
-class Variant:
+class DenseVariant:
     """What selects the kernels a call compiles and the launches it runs: one first-use check each, once per
     process."""
 
@@ -225,11 +225,11 @@ class Variant:
 
 
 def make_variant(device: str, dtype: torch.dtype, guide_dtype: torch.dtype | None, dim: int, dim_g: int,
-                 options: GistOptions) -> Variant:
+                 options: GistOptions) -> DenseVariant:
     """The variant of a call on ``device`` (a device key, ``cuda:0``) with these dtypes (guide None: no guide),
     dimensions and options, at the current fp32 matmul precision."""
     fp32 = torch.float32 in (dtype, guide_dtype)
-    return Variant(
+    return DenseVariant(
         device=device, dtype=dtype, guide_dtype=guide_dtype,
         precision=torch.get_float32_matmul_precision() if fp32 else "", dim=dim,
         dim_g=dim_g if guide_dtype is not None else 0, n_dims=len(options.matryoshka_dims or (0,)),
@@ -237,7 +237,7 @@ def make_variant(device: str, dtype: torch.dtype, guide_dtype: torch.dtype | Non
     )
 
 
-def variant_of(call: DenseCall, device: str) -> Variant:
+def variant_of(call: DenseCall, device: str) -> DenseVariant:
     """The variant of a call on ``device`` (a device key, ``cuda:0``); reads only shapes and dtypes."""
     x = call.first
     g = call.guide[0][0] if call.guide is not None else None
@@ -259,7 +259,7 @@ def _topic_rows(gen: torch.Generator, topics: Tensor, centers: Tensor, noise: fl
 
 
 def check_inputs(
-    variant: Variant, options: GistOptions, n_columns: int, device: torch.device, rows: int = 256, seed: int = 0,
+    variant: DenseVariant, options: GistOptions, n_columns: int, device: torch.device, rows: int = 256, seed: int = 0,
 ) -> tuple[list[Tensor], list[Tensor] | None, GistOptions, list[Tensor] | None]:
     """The inputs of the check for ``variant``: student and guide columns, options and text ids (with
     ``options.mask_duplicates``), ``rows`` anchors against ``rows`` candidates, on ``device``.
@@ -301,7 +301,7 @@ def check_inputs(
     return student, guide, options, text_ids
 
 
-def check_problem(call: DenseCall, variant: Variant, rows: int) -> DenseCall:
+def check_problem(call: DenseCall, variant: DenseVariant, rows: int) -> DenseCall:
     """The first-use check's call for ``variant`` (``cgist.stage.dispatch.selfcheck``): ``check_inputs`` with the
     options and the columns of ``call``, on its device, every input differentiated."""
     student, guide, options, text_ids = check_inputs(variant, call.options, len(call.columns), call.device, rows)

@@ -31,7 +31,7 @@ from .options import GistOptions
 from .problem import BoundGroup, bind_groups
 from .scores import MAXSIM
 
-__all__ = ["CHECK_ROWS", "EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "Part", "Variant", "check_problem",
+__all__ = ["CHECK_ROWS", "EMPTY_DOCUMENT_SCORE", "GUIDE_KINDS", "MaxSimCall", "Part", "MaxSimVariant", "check_problem",
            "door", "maxsim_call", "query_weights", "row_views", "sample_calls", "sample_tokens", "variant_of"]
 
 #: sentence-transformers' score of a document without any real token (before MeanMaxSim's division).
@@ -395,7 +395,7 @@ CHECK_ROWS = 8
 
 
 @dataclass(frozen=True)
-class Variant:
+class MaxSimVariant:
     """What selects the MaxSim kernels a call compiles and the launches it runs: the device, the dtype, the fp32
     matmul precision (an fp32 call's), the token dimension, and whether its slabs are held (a guide's mask, GIST's
     contrast blocks or a learned temperature: the scores kernel and the host's softmax) or not (the forward and
@@ -414,14 +414,14 @@ class Variant:
         return f"{str(self.dtype).removeprefix('torch.')} token embeddings (D={self.dim}){precision}, {held}"
 
 
-def variant_of(call: MaxSimCall, device: str) -> Variant:
+def variant_of(call: MaxSimCall, device: str) -> MaxSimVariant:
     """The variant of a call on ``device`` (a device key, ``cuda:0``); reads only shapes and dtypes."""
     precision = torch.get_float32_matmul_precision() if call.dtype == torch.float32 else ""
-    return Variant(device, call.dtype, precision, call.first.shape[2],
+    return MaxSimVariant(device, call.dtype, precision, call.first.shape[2],
                    call.guide_kind is not None or call.temperature is not None)
 
 
-def check_problem(call: MaxSimCall, variant: Variant, rows: int) -> MaxSimCall:
+def check_problem(call: MaxSimCall, variant: MaxSimVariant, rows: int) -> MaxSimCall:
     """The first-use check's call for ``variant``: ``min(rows, CHECK_ROWS)`` ragged queries of 8 tokens against two
     columns of documents of up to 40, in the call's score and dtype, on its device. A held variant's call has a
     single-vector guide, whose scores the host computes on either path (so the two masks are one, whatever the

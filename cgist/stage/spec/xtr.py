@@ -34,7 +34,7 @@ from .maxsim import MaxSimCall, maxsim_call, sample_tokens
 from .options import GistOptions
 from .scores import XTR
 
-__all__ = ["CHECK_TOP_K", "Variant", "XTRCall", "check_options", "check_problem", "door", "sample_calls", "variant_of",
+__all__ = ["CHECK_TOP_K", "XTRVariant", "XTRCall", "check_options", "check_problem", "door", "sample_calls", "variant_of",
            "xtr_call"]
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ CHECK_TOP_K = 5
 
 
 @dataclass(frozen=True)
-class Variant:
+class XTRVariant:
     """What selects the XTR launches: those of MaxSim's held slabs (its scores and gradient kernels) with XTR's
     thresholds, by device, dtype, fp32 matmul precision and dimension."""
 
@@ -109,13 +109,13 @@ class Variant:
         return f"{str(self.dtype).removeprefix('torch.')} token embeddings (D={self.dim}), XTR{precision}"
 
 
-def variant_of(call: XTRCall, device: str) -> Variant:
+def variant_of(call: XTRCall, device: str) -> XTRVariant:
     """The variant of a call on ``device`` (a device key, ``cuda:0``); reads only shapes and dtypes."""
     precision = torch.get_float32_matmul_precision() if call.dtype == torch.float32 else ""
-    return Variant(device, call.dtype, precision, call.first.shape[2])
+    return XTRVariant(device, call.dtype, precision, call.first.shape[2])
 
 
-def check_problem(call: XTRCall, variant: Variant, rows: int) -> XTRCall:
+def check_problem(call: XTRCall, variant: XTRVariant, rows: int) -> XTRCall:
     """The first-use check's call for ``variant``: eight ragged queries of 8 tokens against two columns of documents
     of up to 40, ``CHECK_TOP_K`` retrieved per query token, with a single-vector guide (its scores the host's on
     either path, so both masks are one), in the call's dtype, on its device.

@@ -346,8 +346,8 @@ class BackwardWork:
         self.block_bytes = state.options.block_bytes if block_bytes is None else block_bytes
         self._operands = None
         self._buffers = None
-        self.want_radial_sum = False  # keep ``radial_sum``, the sum of dL/ds * s over every score (``gradients``)
-        self.radial_sum = None
+        self.want_share = False  # keep ``temperature_share``, the sum of dL/ds * s over every score (``gradients``)
+        self.temperature_share = None
 
     def operands(self) -> list[tuple[Tensor, ...]]:
         """Each embedding's first ``top`` columns as GEMM operands: ``(x,)``, or its tf32 split for tf32x3."""
@@ -444,11 +444,11 @@ class BackwardWork:
         0 where ``||x[:d_u]|| < eps``), in each embedding's dtype. Past ``top``, ``h`` is 0 and stays 0."""
         state, top = self.state, self.state.dims.top
         out = []
-        self.radial_sum = None
+        self.temperature_share = None
         for i, (x, column, norm, h) in enumerate(zip(state.embeddings, state.columns, state.norms, self.h)):
-            if self.want_radial_sum:  # x . h sums dL/dcos * cos over the row's scores; each score has two sides
+            if self.want_share:  # x . h sums dL/dcos * cos over the row's scores; each score has two sides
                 share = row_dots(x[:, :top].to(h.dtype), h[:, :top]).sum() / 2
-                self.radial_sum = share if self.radial_sum is None else self.radial_sum + share
+                self.temperature_share = share if self.temperature_share is None else self.temperature_share + share
             if state.options.similarity != "dot":  # dot products have no normalisation to pass through
                 kappa = (column.rx**2).masked_fill_(norm < EPS, 0.0)
                 radial = None if self.radial is None else self.radial[i]
@@ -494,6 +494,6 @@ def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple
     grads = None
     if with_grad:
         work = BackwardWork(state)
-        work.want_radial_sum = call.temperature is not None
-        grads = call.grads(call.split(work.run()), work.radial_sum)
+        work.want_share = call.temperature is not None
+        grads = call.grads(call.split(work.run()), work.temperature_share)
     return loss, grads, (state.counters() if need_stats else None)

@@ -347,14 +347,14 @@ def _held_per_query(call: MaxSimCall, acc_bytes: int) -> int:
 
 
 @torch.no_grad()
-def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None = None, *,
+def maxsim_held_triton(call: MaxSimCall, with_grad: bool, share: Tensor | None = None, *,
                        tau: Tensor | None = None, block_tokens: int | None = None, block_docs: int = BLOCK_M,
                        block_query_tokens: int | None = None, block_features: int | None = None,
                        block_queries: int | None = None
                        ) -> tuple[Tensor, list[list[Tensor]] | None, BlockMasks | None]:
     """A call whose slabs of queries are held whole (a guide's mask, GIST's contrast blocks, a learned temperature,
     XTR): the mean loss and, ``with_grad``, the gradients of every chunk of its columns, in the compute dtype; the
-    temperature's share added into ``radial``; the guide's mask with its counters. With ``tau`` (XTR's thresholds,
+    temperature's share added into ``share``; the guide's mask with its counters. With ``tau`` (XTR's thresholds,
     ``(n_queries, Lq)``; one part) the scores are XTR's: the kernels also write each score's count of retrieved
     maxima, by which its gradient is divided.
 
@@ -392,7 +392,7 @@ def maxsim_held_triton(call: MaxSimCall, with_grad: bool, radial: Tensor | None 
             if guide is not None:
                 _slab_scores(guide_parts, start, guide_scores[:n])
             mask = None if masks is None else masks(start, scores[:n], None if guide is None else guide_scores[:n])
-            logits_grad = block_softmax(call, start, scores[:n], losses, with_grad, mask, radial)
+            logits_grad = block_softmax(call, start, scores[:n], losses, with_grad, mask, share)
             if counts is not None and with_grad:
                 logits_grad /= counts[:n].clamp_(min=1.0)
             for (part, packed), (dq, dd), part_empty in zip(parts, grads, empty):
@@ -445,10 +445,10 @@ def forward(call: MaxSimCall, with_grad: bool, need_stats: bool = False, tau: Te
     if tau is None and call.guide_kind is None and call.temperature is None:
         loss, peak, total = maxsim_forward_triton(call)
         return loss, Normaliser(peak, total), None
-    radial = torch.zeros((), dtype=compute_dtype(call.dtype), device=call.device) \
+    share = torch.zeros((), dtype=compute_dtype(call.dtype), device=call.device) \
         if with_grad and call.temperature is not None else None
-    loss, grads, masks = maxsim_held_triton(call, with_grad, radial, tau=tau)
-    grads = call.grads((g for column in grads for g in column), radial) if with_grad else None
+    loss, grads, masks = maxsim_held_triton(call, with_grad, share, tau=tau)
+    grads = call.grads((g for column in grads for g in column), share) if with_grad else None
     return loss, grads, None if masks is None or not need_stats else masks.counters
 
 
