@@ -25,7 +25,7 @@ from .base import StepInputs, text_fingerprints
 from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
 from .multi_vector import MultiVectorFamily
-from .scorers import maxsim_normalization
+from .scorers import maxsim as maxsim_scorer
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
@@ -107,12 +107,12 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         own["mask_self"] = own["mask_self"] is not False
         guide_similarity = "cos"
         if isinstance(getattr(self, "guide", None), MultiVectorEncoder):
-            guide_length_normalize = maxsim_normalization(None, self.guide)
-            if guide_length_normalize is None:
+            match = maxsim_scorer(None, self.guide)  # the guide's own similarity, as MaxSim's scorer reads it
+            if match is None:
                 raise ValueError(f"guide: a MultiVectorEncoder guide scores with MaxSim or MeanMaxSim (its "
                                  f"similarity_fn_name 'maxsim' or 'meanmaxsim'), got "
                                  f"{getattr(self.guide, 'similarity_fn_name', None)!r}")
-            guide_similarity = "mean_maxsim" if guide_length_normalize else "maxsim"
+            guide_similarity = match[0]["similarity"]
         return {**own, "margin": self.margin, "margin_strategy": self.margin_strategy,
                 "contrast_anchors": self.contrast_anchors, "contrast_positives": self.contrast_positives,
                 "guide_similarity": guide_similarity}
