@@ -6,7 +6,7 @@ module (its ``door``, which builds the checked call from a user's arguments, and
 PyTorch backend (``forward(call, with_grad, need_stats) -> (loss, Grads | None, counters | None)``), optionally a
 Triton one, and optionally a ``scorer`` through which a multi-vector drop-in recognises its ``similarity_fct``. The
 stage does the rest: the options, the one autograd node (``run``) with the call's learned parameters, the router and
-its fallback, the statistics, ``cgist doctor``.
+its fallback, the statistics, ``cgist doctor``. ``SCORES`` lists the registered scores.
 
 A token score's door builds its call with ``maxsim_call`` (the checks of MaxSim's arguments, into its ``call_class``,
 a ``MaxSimCall``, with its own learned ``parameters``); its backend returns ``Grads``, one gradient per input chunk
@@ -20,8 +20,8 @@ from .stage.node import run
 from .stage.spec.call import TEMPERATURE, Grads, StageCall
 from .stage.spec.maxsim import MaxSimCall, maxsim_call
 from .stage.spec.options import GistOptions
-from .stage.spec.scores import Score, register_score, score_of
+from .stage.spec.scores import SCORES, Score, register_score, score_of
 from .stage.stats import GistStats
 
-__all__ = ["TEMPERATURE", "GistOptions", "GistStats", "Grads", "MaxSimCall", "Score", "StageCall", "maxsim_call",
-           "register_score", "run", "score_of"]
+__all__ = ["SCORES", "TEMPERATURE", "GistOptions", "GistStats", "Grads", "MaxSimCall", "Score", "StageCall",
+           "maxsim_call", "register_score", "run", "score_of"]

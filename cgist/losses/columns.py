@@ -8,6 +8,7 @@ once.
 
 from __future__ import annotations
 
+import abc
 import functools
 
 import torch
@@ -125,9 +126,9 @@ class TokenColumns(FusedDropIn):
         """The family: the door's ``guide``, ``guide_masks`` and ``text_ids`` for a step (default: none)."""
         return {}
 
+    @abc.abstractmethod
     def _score_arguments(self) -> dict[str, object]:
-        """The family: the door's arguments of the score itself, such as a learned parameter (default: none)."""
-        return {}
+        """The family: the door's arguments of the score itself, such as a learned parameter of its scorer."""
 
     def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:
         """A plain step's embedding, as sentence-transformers' multi-vector class embeds a batch: the queries (each
