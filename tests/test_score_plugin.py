@@ -29,7 +29,9 @@ from sentence_transformers.multi_vector_encoder.losses import (  # noqa: E402
 )
 
 import cgist  # noqa: E402
-from cgist.scores import TEMPERATURE, GistOptions, Grads, MaxSimCall, Score, maxsim_call, register_score, run  # noqa: E402
+from cgist.scores import (  # noqa: E402
+    SCORES, TEMPERATURE, GistOptions, Grads, MaxSimCall, Score, maxsim_call, register_score, run,
+)
 
 NAME = "weighted_maxsim"
 #: The query token positions the weight covers.
@@ -143,11 +145,9 @@ SCORE = Score(NAME, (NAME,), tokens=True, options=(), spec=__name__, backends={"
 @pytest.fixture(scope="module", autouse=True)
 def registered():
     """The score, registered for this module's tests (and taken out of the registry after them)."""
-    from cgist.stage.spec import scores
-
     register_score(SCORE)
     yield SCORE
-    scores.SCORES.remove(SCORE)
+    SCORES.remove(SCORE)
 
 
 # The tests ----------------------------------------------------------------------------------------------------------
@@ -222,6 +222,34 @@ def test_its_checks_name_what_is_wrong():
         register_score(dataclasses.replace(SCORE, similarities=("other",)))
     with pytest.raises(ValueError, match=r"^similarity 'maxsim' is the maxsim score's$"):
         register_score(dataclasses.replace(SCORE, name="other", similarities=("maxsim",)))
+    with pytest.raises(ValueError, match=r"^backends must name a module for 'torch' \(and may for 'triton'\), got "
+                       r"\{'triton': 'x'\}$"):
+        register_score(dataclasses.replace(SCORE, name="other", similarities=("other",), backends={"triton": "x"}))
+    with pytest.raises(ValueError, match=r"^similarities must name at least one value of GistOptions.similarity$"):
+        register_score(dataclasses.replace(SCORE, name="other", similarities=()))
+    with pytest.raises(TypeError, match=r"^score must be a cgist Score, got dict$"):
+        register_score({"name": "other"})
+    assert register_score(SCORE) is SCORE  # registering the same entry again does nothing
+    assert [score.name for score in SCORES].count(NAME) == 1
+
+
+def test_a_backend_must_return_every_parameters_gradient(monkeypatch):
+    """The node takes one gradient per learned parameter of the call, by name: a backend that leaves one out is
+    named."""
+    queries, query_mask, documents, masks, weight = _inputs(5)
+    call = _call(queries.requires_grad_(), query_mask, documents, masks, weight)
+
+    original = forward
+
+    def forward_without_the_weight(call, with_grad, need_stats=False):
+        loss, grads, counters = original(call, with_grad, need_stats)
+        return loss, Grads(grads.inputs), counters
+
+    monkeypatch.setattr(sys.modules[__name__], "forward", forward_without_the_weight)
+    loss = run(call)
+    with pytest.raises(RuntimeError, match=rf"^the {NAME} score's backend returned gradients of the parameters \[\], "
+                       r"not of the call's \['weight'\]$"):
+        loss.backward()
 
 
 def test_the_router_takes_its_pytorch_backend_where_auto_takes_the_kernels(simulate, monkeypatch):

@@ -214,6 +214,25 @@ def test_right_kernels_pass_in_every_dtype_pair(pair):
     assert check.counts["masked_dq"][1] > 0 and check.counts["masked_an"][1] > 0
 
 
+def test_a_learned_temperature_is_checked_too(monkeypatch):
+    """Where the call learns its temperature, so does the check problem, and the check compares its gradient: a
+    PyTorch path whose temperature gradient is doubled disagrees with the kernels."""
+    student, guide = _inputs()
+    learned = torch.tensor(0.05, requires_grad=True)
+    options = GistOptions(temperature=0.05, contrast_anchors=False)
+    call = dense_call(student, guide, options, temperature=learned)
+    assert route.check_kernels(call, ROWS_HERE).ok
+    original = pytorch_dense.forward
+
+    def doubled(*args):
+        loss, grads, counters = original(*args)
+        return loss, type(grads)(grads.inputs, {name: 2 * g for name, g in grads.parameters.items()}), counters
+
+    monkeypatch.setattr(pytorch_dense, "forward", doubled)
+    check = route.check_kernels(call, ROWS_HERE)
+    assert not check.ok and check.loss_diff < check.tolerance < check.grad_diff, check.numbers()
+
+
 def _variant(device: str, student, guide, options: GistOptions) -> dense.DenseVariant:
     return dense.variant_of(dense_call(student, guide, options), device)
 
