@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .stage.node import run
 from .stage.spec.options import GistOptions, check_bools, real_number
+from .stage.spec.scores import SCORES, score_of, token_score_taking
 from .stage.stats import GistStats
 
 __all__ = ["maxsim_loss"]
@@ -33,8 +34,8 @@ def maxsim_loss(
     guide_masks: Sequence[Tensor | Sequence[Tensor]] | None = None, guide_length_normalize: bool = False,
     margin: float = 0.0, margin_strategy: str = "absolute", text_ids: Sequence[Tensor] | None = None,
     mask_duplicates: bool = False, contrast_anchors: bool = False, contrast_positives: bool = False,
-    mask_self: bool = True, top_k: int | None = None, block_bytes: int | None = None, backend: str = "auto",
-    return_stats: bool = False,
+    mask_self: bool = True, top_k: int | None = None, similarity: str | None = None, block_bytes: int | None = None,
+    backend: str = "auto", return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, GistStats]:
     """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
 
@@ -71,6 +72,9 @@ def maxsim_loss(
             among every real token of every document column, and a score is the sum of the retrieved per-token
             maxima over how many of the query's tokens retrieved one of the document's tokens (at least 1). Not with
             ``length_normalize`` nor with the contrast blocks.
+        similarity: the score, by its ``GistOptions.similarity`` (any registered token score's); None: the one the
+            other arguments ask for, MaxSim (MeanMaxSim with ``length_normalize``), or the registered token score
+            that takes ``top_k`` where it is given (XTR).
         block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
             and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
@@ -87,10 +91,19 @@ def maxsim_loss(
     check_bools(length_normalize=length_normalize, guide_length_normalize=guide_length_normalize)
     learned = 1.0 / scale if isinstance(scale, Tensor) and scale.requires_grad else None  # its gradient: autograd's
     tokens_guide = "mean_maxsim" if guide_length_normalize else "maxsim"
-    if top_k is not None and length_normalize:
-        raise ValueError("length_normalize divides MaxSim's scores by the query's token count; XTR's (top_k) are "
-                         "divided by how many tokens retrieved the document: pass one of them")
-    similarity = "xtr" if top_k is not None else "mean_maxsim" if length_normalize else "maxsim"
+    if similarity is None:
+        taking = token_score_taking(("top_k",) if top_k is not None else ())
+        similarity = "mean_maxsim" if length_normalize else "maxsim"
+        if taking is not score_of(similarity):
+            if length_normalize:
+                raise ValueError(f"length_normalize divides MaxSim's scores by the query's token count; the "
+                                 f"{taking.name} score's (top_k) are its own: pass one of them")
+            similarity = taking.similarities[0]
+    elif length_normalize:
+        raise ValueError(f"length_normalize picks MeanMaxSim, but similarity={similarity!r} is given: pass one of them")
+    elif not score_of(similarity).tokens:
+        names = tuple(name for score in SCORES if score.tokens for name in score.similarities)
+        raise ValueError(f"similarity must be a token score's (one of {names}), got {similarity!r}")
     options = GistOptions(
         similarity=similarity, top_k=top_k, temperature=1.0 / value, margin=margin,
         margin_strategy=margin_strategy, contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,

@@ -280,6 +280,14 @@ def test_which_xtr_forms_are_fused_and_their_depth():
     assert score_fields(functools.partial(xtr_scores, queries_mask=None), model) is None
 
 
+def test_maxsim_loss_names_its_score_or_takes_the_one_its_options_ask_for():
+    args = _inputs(1, 3, 2, 3, 4)
+    by_top_k = cgist.maxsim_loss(*args, top_k=2)
+    assert torch.equal(cgist.maxsim_loss(*args, top_k=2, similarity="xtr"), by_top_k)
+    assert not torch.equal(cgist.maxsim_loss(*args), by_top_k)
+    assert torch.equal(cgist.maxsim_loss(*args, similarity="mean_maxsim"), cgist.maxsim_loss(*args, length_normalize=True))
+
+
 def test_bad_xtr_arguments_are_named():
     queries, query_mask, documents, document_masks = _inputs(0, 2, 1, 2, 3)
     args = (queries, query_mask, documents, document_masks)
@@ -288,6 +296,10 @@ def test_bad_xtr_arguments_are_named():
             cgist.maxsim_loss(*args, top_k=top_k)
     with pytest.raises(ValueError, match="length_normalize"):
         cgist.maxsim_loss(*args, top_k=2, length_normalize=True)
+    with pytest.raises(ValueError, match="length_normalize picks MeanMaxSim, but similarity='xtr'"):
+        cgist.maxsim_loss(*args, top_k=2, similarity="xtr", length_normalize=True)
+    with pytest.raises(ValueError, match="similarity must be a token score's .* got 'cos'"):
+        cgist.maxsim_loss(*args, similarity="cos")
     with pytest.raises(ValueError, match="contrast_anchors and contrast_positives are not defined for XTR"):
         cgist.maxsim_loss(*args, top_k=2, guide="self", contrast_anchors=True)
     with pytest.raises(ValueError, match="chunk_elements must be at least 1"):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["BACKEND_NAMES", "DENSE", "MAXSIM", "SCORES", "XTR", "Score", "guide_similarities", "register_score",
-           "score_of", "similarities"]
+           "score_of", "similarities", "token_score_taking"]
 
 #: The backends a score may register, each a module with ``forward`` and ``backward`` (docs/design.md#dispatch).
 BACKEND_NAMES = ("torch", "triton")
@@ -145,3 +145,12 @@ def score_of(similarity: str) -> Score:
         if similarity in score.similarities:
             return score
     raise ValueError(f"similarity must be one of {similarities()}, got {similarity!r}")
+
+
+def token_score_taking(options: tuple[str, ...]) -> Score:
+    """The first registered token score whose own ``options`` include every one of ``options`` (``cgist.maxsim_loss``
+    picks its score by the score options it is given: none, MaxSim)."""
+    for score in SCORES:
+        if score.tokens and set(options) <= set(score.options):
+            return score
+    raise ValueError(f"no registered token score takes {sorted(options)} together")
