@@ -80,11 +80,11 @@ from common import (  # noqa: E402
 
 import cgist  # noqa: E402
 from cgist.stage.budget import backward_chunks  # noqa: E402
+from cgist.stage.dispatch.direct import loss_and_grads  # noqa: E402
 from cgist.stage.numerics import normalize  # noqa: E402
-from cgist.stage.pytorch import dense as pytorch_dense  # noqa: E402
 from cgist.stage.spec.options import GistOptions  # noqa: E402
 from cgist.stage.ties import tie_ids  # noqa: E402
-from cgist.stage.triton.dense import BackwardWork, forward_group, gist_forward, gist_loss_and_grads  # noqa: E402
+from cgist.stage.triton.dense import BackwardWork, forward_group, gist_forward  # noqa: E402
 
 #: Student/guide dtype pairs of the check (fp32 at torch's default matmul precision: tf32x3).
 PAIRS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32),
@@ -434,7 +434,7 @@ def st_loss_stage(mini_batch_size: int = ST_MINI_BATCH):
 
 def reference_rows(batch, dim, dim_g, k, pair, student, guide) -> list[dict]:
     """fwd+bwd of the streaming path and of sentence-transformers' loss stage, with peak memory."""
-    fns = {"streaming": lambda: pytorch_dense.gist_loss_and_grads(student, guide, OPTIONS, need_grads=True)}
+    fns = {"streaming": lambda: loss_and_grads("torch", student, guide, OPTIONS, need_grads=True)}
     if student[0].dtype == guide[0].dtype:
         st = st_loss_stage()
         reps, reps_guided = split_leaves(student, ST_MINI_BATCH), split_detached(guide, ST_MINI_BATCH)
@@ -519,9 +519,9 @@ def warmup(pairs: list[str], dim: int, dim_g: int, k: int, batch: int = 512) -> 
         dtype, guide_dtype = PAIRS[pair]
         student, guide = make_embeddings(batch, batch, dim, dim_g, k, device=DEVICE, dtype=dtype)
         guide = [g.to(guide_dtype) for g in guide]
-        gist_loss_and_grads(student, guide, OPTIONS, need_grads=True, need_stats=True)
+        loss_and_grads("triton", student, guide, OPTIONS, need_grads=True, need_stats=True)
         if (pair, True) in {(p, mat) for p, _, mat in CHECK_ORDER}:
-            gist_loss_and_grads(student, guide, _options(matryoshka_dims(dim)), need_grads=True)
+            loss_and_grads("triton", student, guide, _options(matryoshka_dims(dim)), need_grads=True)
         print(f"warm: {pair}", flush=True)
 
 

@@ -27,9 +27,10 @@ These providers are measured only when ``--providers`` names them:
                     of the leaves, then ``cgist.gist_loss(..., backend="torch")`` (``return_stats=False``) and
                     its ``.backward()``; ``cgist-torch`` over it is the statistics' overhead, a line under the table;
 * ``cgist-torch-core``  ``cgist-torch``'s own work without GradCache's mini-batches and autograd: the streaming
-                    path's ``gist_loss_and_grads`` on the whole columns (``need_grads``, ``need_stats``), no
-                    leaves to hand gradients to; ``cgist-torch`` over it is what the chunks, the input checks
-                    and the hand-back cost, a line under the table;
+                    path's contract ``forward`` on the whole columns, through the door (``loss_and_grads("torch",
+                    ...)`` of ``cgist.stage.dispatch.direct``, ``need_grads``, ``need_stats``), no leaves to hand
+                    gradients to; ``cgist-torch`` over it is what the chunks, the autograd node and the hand-back
+                    cost, a line under the table;
 * ``mat-fused``     the loss stage of ``MatryoshkaLoss(model, FusedCachedGISTLoss(backend="torch"), dims)``: the
                     inner loss's decorated ``calculate_loss``, as the trainer calls it, all dimensions in one pass;
 * ``mat-loop``      the same with ``FusedMatryoshka``'s takeover disabled: sentence-transformers' loop over the
@@ -154,7 +155,7 @@ LEGEND = loss_stage_report.Legend(
     separate=(*MATRYOSHKA, "dir-cgist-torch", DIRECTIONS_LIMIT, *MNRL, *PLAIN, MSRL_LIMIT),
     speedups=(("mat-fused", ("mat-loop", "mat-st-cos_sim")), ("mnrl-cgist-torch", ("mnrl-st",)),
               *((p, (p.replace("-cgist", "-st"),)) for p in PLAIN if p.endswith("-cgist"))),
-    overheads=(("statistics", "cgist-torch", NOSTATS), ("mini-batches, checks and hand-back", "cgist-torch", CORE)),
+    overheads=(("statistics", "cgist-torch", NOSTATS), ("mini-batches, node and hand-back", "cgist-torch", CORE)),
     limits=(("dir-cgist-torch", DIRECTIONS_LIMIT), ("mnrl-st", MNRL_LIMIT), ("mnrl-cgist-torch", MNRL_LIMIT),
             *((p, MNRL_LIMIT if PLAIN[p][0] == "mnrl" else MSRL_LIMIT) for p in PLAIN if PLAIN[p][0] in PLAIN_UNGUIDED)),
     beside=(("loss stage over its bare GEMMs", ("cgist-torch", "dir-cgist-torch")),),
@@ -216,7 +217,7 @@ def triton_unavailable(device: str, interpret: bool) -> str | None:
     if device != "cuda" and not interpret:
         return "skipped: the Triton backend needs CUDA (or --interpret for the Triton interpreter on CPU)"
     try:
-        from cgist.stage.triton import gist_loss_and_grads  # noqa: F401
+        import cgist.stage.triton.dense  # noqa: F401
     except Exception as err:  # an unfinished or missing kernels package must not stop the sweep
         return f"skipped: Triton backend unavailable ({type(err).__name__}: {err})"
     return None
@@ -318,13 +319,12 @@ def make_step(impl: str, matryoshka_dims: Sequence[int] = ()) -> Callable[[list[
 
 def core_step(student: Sequence, guide: Sequence) -> Callable[[], object]:
     """A callable running the streaming path on the whole columns: loss, gradients and statistics, as
-    ``cgist-torch`` computes them, without mini-batch chunks, input checks or autograd."""
-    from cgist.stage.pytorch import dense as pytorch_dense
+    ``cgist-torch`` computes them, without mini-batch chunks or autograd (the door's input checks included)."""
+    from cgist.stage.dispatch.direct import loss_and_grads
     from cgist.stage.spec.options import GistOptions
 
     options = GistOptions(margin=MARGIN)
-    return functools.partial(pytorch_dense.gist_loss_and_grads, student, guide, options, need_grads=True,
-                             need_stats=True)
+    return functools.partial(loss_and_grads, "torch", student, guide, options, need_grads=True, need_stats=True)
 
 
 def score_blocks(n_columns: int, directions: Sequence[str] | None = None) -> list[tuple[str, int]]:

@@ -2,12 +2,13 @@
 
     python bench/phases.py [--threads 2] [--batch 1024 4096] [--dim 384] [--calls 10]
 
-The call is ``cgist.stage.pytorch.dense.gist_loss_and_grads`` on whole columns (loss, gradients and statistics;
-margin 0.05, one negative column, N = B, float32), as ``loss_stage.py``'s ``cgist-torch-core`` runs it.
+The call is the PyTorch backend's contract ``forward`` (``cgist.stage.dispatch.direct.loss_and_grads("torch", ...)``)
+on whole columns (loss, gradients and statistics; margin 0.05, one negative column, N = B, float32), as
+``loss_stage.py``'s ``cgist-torch-core`` runs it.
 Its phases are timed by wrapping them with ``perf_counter``: the set-up (``_StreamingRun``: normalised
 copies, norms, tie ids; work that grows with B x D), the row blocks (``_row_block``: the score tiles'
 GEMMs and element-wise passes, growing with B x N), the gradients (``_StreamingRun.gradients``: the
-normalisation's backward) and the rest (planning, the workspace, the loss). ``gemm`` is
+normalisation's backward) and the rest (the door's input checks, planning, the workspace, the loss). ``gemm`` is
 ``loss_stage.gemm_step`` in the same process: the products any loss stage must do. Each phase is
 also given as a fraction of the GEMM time, which is what a "time / GEMMs" target allows the rest.
 """

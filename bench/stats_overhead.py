@@ -6,8 +6,8 @@
 run-to-run spread on a small machine (a few percent) is as large as the cost itself. Here both kinds
 of call run on the same inputs in one process, in pairs whose order alternates, so drift and warm-up
 hit both alike; the report gives both medians and the median of the paired differences. The call is
-the PyTorch streaming path's loss and gradients (``need_stats`` on and off), margin 0.05, one
-negative column, N = B, float32.
+the PyTorch streaming path's loss and gradients (``cgist.stage.dispatch.direct.loss_and_grads``, ``need_stats``
+on and off), margin 0.05, one negative column, N = B, float32.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import common
 import torch
 
-from cgist.stage.pytorch.dense import gist_loss_and_grads
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.spec.options import GistOptions
 
 
@@ -35,7 +35,7 @@ def measure(batch: int, dim: int, pairs: int, device: torch.device) -> tuple[flo
     def call(stats: bool) -> float:
         sync()
         start = time.perf_counter()
-        gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=stats)
+        loss_and_grads("torch", student, guide, options, need_grads=True, need_stats=stats)
         sync()
         return time.perf_counter() - start
 

@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_leaves
 import cgist
 from cgist import GistOptions
 from cgist.stage import budget
-from cgist.stage.pytorch import dense as pytorch_dense, workspace
-from cgist.stage.triton import gist_loss_and_grads
+from cgist.stage.dispatch.direct import loss_and_grads
+from cgist.stage.pytorch import workspace
 
 BATCH, N_CAND, DIM, DIM_G, K = 48, 96, 20, 12, 1
 BUDGET = 6144
@@ -36,8 +36,8 @@ HELD_BUDGET = 16384
 
 def _run(backend, student, guide, options):
     if backend == "torch":
-        return pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
-    return gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+        return loss_and_grads("torch", student, guide, options, need_grads=True, need_stats=True)
+    return loss_and_grads("triton", student, guide, options, need_grads=True, need_stats=True)
 
 
 @pytest.mark.parametrize("matryoshka", [None, (20, 12, 5)], ids=["one-dim", "dims20.12.5"])

@@ -178,7 +178,7 @@ def test_loss_stage_matryoshka_and_statistics_smoke(tmp_path):
               r"[0-9.]+x (faster|slower) than mat-st-cos_sim"
     overhead = r"statistics overhead at B={}, D=16, k=1: [+-][0-9]+\.[0-9]% " \
                r"\(cgist-torch [0-9.]+ ms, cgist-torch-nostats [0-9.]+ ms\)"
-    chunks = r"mini-batches, checks and hand-back overhead at B={}, D=16, k=1: [+-][0-9]+\.[0-9]% " \
+    chunks = r"mini-batches, node and hand-back overhead at B={}, D=16, k=1: [+-][0-9]+\.[0-9]% " \
              r"\(cgist-torch [0-9.]+ ms, cgist-torch-core [0-9.]+ ms\)"
     assert len(under) == 3 * len(ONE_SIZE), under
     for line, pattern in zip(under, [p.format(b) for b in ONE_SIZE for p in (speedup, overhead, chunks)]):

@@ -25,7 +25,7 @@ from sentence_transformers.util import cos_sim, dot_score
 
 import cgist
 from cgist import GistOptions
-from cgist.stage.pytorch import dense as pytorch_dense
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.reference import gist_loss_reference
 
 TIGHT = tolerance("embeddings", "fp64")
@@ -153,12 +153,10 @@ def test_with_a_guide_the_backends_equal_the_oracle(name, world, dims):
     options = GistOptions(temperature=0.05, contrast_anchors=False, contrast_positives=False, offset=offset,
                           all_anchors=everyone, matryoshka_dims=dims, **GUIDED[name])
     want = _grads(lambda e: gist_loss_reference(e, guide, options), student)
-    loss, grads, _ = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=True)
+    loss, grads, _ = loss_and_grads("torch", student, guide, options, need_grads=True)
     assert_close("torch", want, (loss, grads), TIGHT)
     # the kernels, under the interpreter
-    from cgist.stage.triton import gist_loss_and_grads
-
-    loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
+    loss, grads, _ = loss_and_grads("triton", student, guide, options, need_grads=True)
     assert_close("triton", want, (loss, grads), TRITON)
 
 
@@ -168,7 +166,7 @@ def test_directions_with_gist_blocks_and_two_passes():
     options = GistOptions(temperature=0.05, margin=0.05, offset=offset, all_anchors=True,
                           directions=("query_to_doc", "doc_to_query"), block_bytes=1)
     want = _grads(lambda e: gist_loss_reference(e, guide, options), student)
-    loss, grads, _ = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=True)
+    loss, grads, _ = loss_and_grads("torch", student, guide, options, need_grads=True)
     assert_close("torch", want, (loss, grads), TIGHT)
 
 

@@ -113,12 +113,25 @@ def test_unknown_attribute_raises_attribute_error():
             module.no_such_name  # noqa: B018
 
 
-def test_the_backend_entry_point_is_the_triton_backends():
-    """``cgist.stage.triton`` is the backend "triton"; ``cgist.kernels`` holds the kernels only."""
-    from cgist.stage.triton import dense as triton_dense
+def test_a_dense_backends_one_entry_is_the_contracts_forward():
+    """Each dense backend module has one entry, the backend contract's ``forward`` (its other public names are the
+    Triton launchers that benchmarks time); raw columns reach it through the door, by
+    ``cgist.stage.dispatch.direct.loss_and_grads``. ``cgist.stage.triton`` re-exports nothing of its modules, and
+    ``cgist.kernels`` holds the kernels only."""
+    import inspect
 
-    assert cgist.stage.triton.gist_loss_and_grads is triton_dense.gist_loss_and_grads
-    assert not hasattr(cgist.kernels, "gist_loss_and_grads")
+    from cgist.stage.dispatch.direct import loss_and_grads
+    from cgist.stage.spec.scores import DENSE
+
+    modules = [importlib.import_module(DENSE.backend(name)) for name in ("torch", "triton")]
+    for module in modules:
+        assert "forward" in module.__all__ and not [name for name in module.__all__ if "loss" in name], module.__name__
+        assert list(inspect.signature(module.forward).parameters)[:3] == ["call", "with_grad", "need_stats"]
+    assert modules[0].__all__ == ["forward"]
+    for module in (*modules, cgist.stage.triton, cgist.kernels):
+        assert not hasattr(module, "gist_loss_and_grads"), module.__name__
+    assert all(inspect.ismodule(value) for name, value in vars(cgist.stage.triton).items() if not name.startswith("_"))
+    assert list(inspect.signature(loss_and_grads).parameters)[:4] == ["backend", "columns", "guide", "options"]
 
 
 # What kernels/, the backends and the spec import -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from helpers import DEVICE, assert_close, make_inputs, tolerance
 
 from cgist import GistOptions
 from cgist.stage import ties
-from cgist.stage.pytorch import dense as pytorch_dense
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.reference import gist_loss_reference, gist_scores
 from cgist.stage.triton.dense import gist_backward, gist_forward
 
@@ -60,8 +60,8 @@ def _check(source: str, precision: str, **options) -> None:
     assert_close("triton", (want, [leaf.grad for leaf in leaves]), (loss, grads), tolerance("triton", precision))
     # the counters count every exclusion in its block, as the streaming path does
     counts, _ = state.counters()
-    _, _, (streamed, _) = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True,
-                                                         text_ids=ids)
+    _, _, (streamed, _) = loss_and_grads("torch", student, guide, options, need_grads=False, need_stats=True,
+                                         text_ids=ids)
     assert torch.equal(counts.cpu(), streamed)
 
 

@@ -14,8 +14,8 @@ from helpers import DEVICE, DTYPES, Tol, assert_close, make_inputs, one_thread, 
 
 import cgist
 from cgist import GistOptions
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.reference import gist_loss_reference
-from cgist.stage.triton import gist_loss_and_grads
 
 
 def matryoshka_reference(student, guide, options: GistOptions) -> torch.Tensor:
@@ -52,8 +52,8 @@ def test_matches_per_dimension_oracle(case):
     want = matryoshka_reference(leaves, [g.double() for g in guide], options)
     want.backward()
 
-    runs = [gist_loss_and_grads([x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options,
-                                need_grads=True) for _ in range(2)]
+    runs = [loss_and_grads("triton", [x.to(DEVICE) for x in student], [g.to(DEVICE) for g in guide], options,
+                           need_grads=True) for _ in range(2)]
     (loss, grads, _), (loss2, grads2, _) = runs
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not deterministic"
     loss_tol, grad_tol = tolerance("triton", precision)
@@ -82,6 +82,6 @@ def test_statistics_do_not_depend_on_the_dimensions():
     student, guide = make_inputs(13, 26, 40, 24, 1, torch.float64, seed=3)
     options = GistOptions(temperature=0.05, margin=0.1, offset=5)
     nested = options.replace(matryoshka_dims=(40, 16, 8))
-    plain = gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)[2]
-    counters = gist_loss_and_grads(student, guide, nested, need_grads=False, need_stats=True)[2]
+    plain = loss_and_grads("triton", student, guide, options, need_grads=False, need_stats=True)[2]
+    counters = loss_and_grads("triton", student, guide, nested, need_grads=False, need_stats=True)[2]
     assert all(torch.equal(a, b) for a, b in zip(plain, counters)) and plain[0][:4].sum() > 0

@@ -23,10 +23,9 @@ from helpers import (  # noqa: F401  (one_thread: autouse)
 )
 
 from cgist import GistOptions
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.numerics import compute_dtype
-from cgist.stage.pytorch import dense as pytorch_dense
 from cgist.stage.stats import COUNT_FIELDS, SUM_FIELDS
-from cgist.stage.triton import gist_loss_and_grads
 
 
 def _tie(guide, column, row, anchor, offset):
@@ -65,9 +64,9 @@ def test_counters_match_oracle_and_streaming(case):
     for tie in ties:
         _tie(guide, *tie, options.offset)
 
-    _, _, counters = gist_loss_and_grads([s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide], options,
-                                         need_grads=False, need_stats=True)
-    _, _, torch_counters = pytorch_dense.gist_loss_and_grads(student, guide, options, need_grads=False, need_stats=True)
+    _, _, counters = loss_and_grads("triton", [s.to(DEVICE) for s in student], [g.to(DEVICE) for g in guide],
+                                    options, need_grads=False, need_stats=True)
+    _, _, torch_counters = loss_and_grads("torch", student, guide, options, need_grads=False, need_stats=True)
     for pair in (counters, torch_counters):
         assert pair[0].dtype == torch.int64 and pair[0].shape == (len(COUNT_FIELDS),)
         assert pair[1].dtype == compute_dtype(student[0].dtype) and pair[1].shape == (len(SUM_FIELDS),)
@@ -89,7 +88,7 @@ def test_counting_changes_nothing_else():
     """need_stats adds counters; the loss and the gradients stay bitwise the same."""
     student, guide = make_inputs(13, 26, 40, 24, 1, torch.float64, seed=5)
     options = GistOptions(temperature=0.05, margin=0.1, offset=7)
-    loss, grads, none = gist_loss_and_grads(student, guide, options, need_grads=True)
-    loss2, grads2, counters = gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+    loss, grads, none = loss_and_grads("triton", student, guide, options, need_grads=True)
+    loss2, grads2, counters = loss_and_grads("triton", student, guide, options, need_grads=True, need_stats=True)
     assert none is None and counters is not None
     assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))

@@ -25,7 +25,7 @@ from sentence_transformers.sentence_transformer.losses import cached_gist_embed 
 import cgist.losses.columns
 from cgist import FusedCachedGISTLoss, GistOptions, gist_loss
 from cgist.compat import release_rules
-from cgist.stage.pytorch import dense as pytorch_dense
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.reference import gist_loss_reference
 
 D, DG = 24, 16
@@ -176,8 +176,8 @@ def _check(case: Case, models, monkeypatch) -> None:
     functional = gist_loss([local[0], *candidates], guide, offset=offset, backend="torch", mask_self=mask_self,
                            **loss_kwargs(case.options))
     assert_close("functional vs ST", st_loss, functional, tol[0])
-    stream_loss, stream_grads, _ = pytorch_dense.gist_loss_and_grads(
-        [local[0], *candidates], guide, options.replace(block_bytes=1), need_grads=True
+    stream_loss, stream_grads, _ = loss_and_grads(
+        "torch", [local[0], *candidates], guide, options.replace(block_bytes=1), need_grads=True
     )
     lo, hi = offset, offset + case.batch
     local_rows = {name: stream if name == "anchor" else stream[lo:hi] for name, stream in zip(names, stream_grads)}

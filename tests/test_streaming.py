@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cgist import GistOptions
 from cgist.stage import budget
+from cgist.stage.dispatch.direct import loss_and_grads
 from cgist.stage.pytorch import dense as pytorch_dense, workspace
-from cgist.stage.pytorch.dense import gist_loss_and_grads
 from cgist.stage.reference import gist_loss_reference, gist_scores
 
 
@@ -21,7 +21,7 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=
     results are ``tol`` close (``assert_close``'s (loss, gradients) tolerances; default: TOL["streaming"]).
     """
     options = options.replace(block_bytes=block_bytes)
-    loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True, products=products)
+    loss, grads, _ = loss_and_grads("torch", student, guide, options, need_grads=True, products=products)
 
     leaves = [s.detach().double().requires_grad_() for s in student]
     expected = gist_loss_reference(leaves, [g.double() for g in guide], options)
@@ -33,7 +33,7 @@ def _check(student, guide, options=GistOptions(), *, block_bytes=None, products=
     assert_close("torch", (expected, expected_grads), (loss, grads),
                  tol or tolerance("streaming", precision(student[0].dtype)))
     # The no-grad call returns the same loss and no gradients.
-    loss_only, none, no_stats = gist_loss_and_grads(student, guide, options, need_grads=False, products=products)
+    loss_only, none, no_stats = loss_and_grads("torch", student, guide, options, need_grads=False, products=products)
     assert none is None and no_stats is None and torch.equal(loss_only, loss)
     return expected
 
@@ -147,7 +147,7 @@ def test_everything_masked_but_the_positive(strategy, margin):
     for g in guide:  # positive guide scores, so the relative threshold -4*theta is below them too
         g.abs_()
     options = GistOptions(margin=margin, margin_strategy=strategy, offset=9)
-    loss, grads, _ = gist_loss_and_grads(student, guide, options.replace(block_bytes=1), need_grads=True)
+    loss, grads, _ = loss_and_grads("torch", student, guide, options.replace(block_bytes=1), need_grads=True)
     assert loss.item() == 0.0
     for g in grads:
         assert torch.isfinite(g).all() and g.abs().max().item() == 0.0
@@ -225,7 +225,7 @@ def test_allocations_stay_within_the_budget_and_the_inputs(block_bytes, dims):
     options = GistOptions(block_bytes=block_bytes, matryoshka_dims=dims)
     workspace.release_workspace()  # so that this call allocates its workspace where the probe sees it
     with _LargestAllocation() as probe:
-        gist_loss_and_grads(student, guide, options, need_grads=True, need_stats=True)
+        loss_and_grads("torch", student, guide, options, need_grads=True, need_stats=True)
     inputs = max(t.numel() for t in student + guide)
     bound = max(block_bytes // 4, N * (D + 1))  # the budget in fp32 elements, or a normalised column [x_hat, 1]
     assert probe.largest <= bound, f"largest intermediate has {probe.largest} elements, bound {bound}"
@@ -263,7 +263,7 @@ def test_one_pass_over_many_tiles(dims, monkeypatch):
         _check(student, guide, options)
     else:
         leaves = [s.detach().requires_grad_() for s in student]
-        loss, grads, _ = gist_loss_and_grads(student, guide, options, need_grads=True)
+        loss, grads, _ = loss_and_grads("torch", student, guide, options, need_grads=True)
         expected = gist_loss_reference(leaves, guide, options)
         assert_close("torch", (expected, torch.autograd.grad(expected, leaves)), (loss, grads),
                      tolerance("streaming", "fp64"))
@@ -280,7 +280,7 @@ def test_the_workspace_is_kept_between_calls_in_each_thread(dims):
     other = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=22)
 
     def run(inputs):
-        loss, grads, counters = gist_loss_and_grads(*inputs, options, need_grads=True, need_stats=True)
+        loss, grads, counters = loss_and_grads("torch", *inputs, options, need_grads=True, need_stats=True)
         return [loss, *grads, *counters]
 
     workspace.release_workspace()
@@ -314,12 +314,12 @@ def test_the_kept_workspace_is_poisoned_between_tests():
     student, guide = make_inputs(11, 17, 16, 12, 1, torch.float32, seed=23)
     options = GistOptions(offset=3, margin=0.05, block_bytes=4096)
     workspace.release_workspace()
-    fresh = gist_loss_and_grads(student, guide, options, need_grads=True)
+    fresh = loss_and_grads("torch", student, guide, options, need_grads=True)
     kept = workspace._THREAD.buffers[torch.float32]
     assert not kept.isnan().all()
     _poison_kept_workspace()
     assert kept.isnan().all()
-    again = gist_loss_and_grads(student, guide, options, need_grads=True)
+    again = loss_and_grads("torch", student, guide, options, need_grads=True)
     assert workspace._THREAD.buffers[torch.float32] is kept
     assert_close("poisoned workspace", fresh[:2], again[:2])
 
@@ -362,6 +362,6 @@ def test_hardness_in_a_smaller_dimension_after_the_shift_is_raised(dtype):
     leaves = [c.clone().requires_grad_() for c in columns]
     reference = gist_loss_reference(leaves, None, options)
     reference.backward()
-    loss, grads, _ = gist_loss_and_grads([c.to(dtype) for c in columns], None, options, need_grads=True)
+    loss, grads, _ = loss_and_grads("torch", [c.to(dtype) for c in columns], None, options, need_grads=True)
     assert_close("loss and gradients", (reference.detach(), [x.grad for x in leaves]), (loss, grads),
                  tolerance("streaming", dtype))

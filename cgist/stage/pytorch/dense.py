@@ -1,7 +1,7 @@
 """The dense score on the PyTorch backend (``similarity`` ``"cos"`` or ``"dot"``): the streaming GIST loss, the CPU
 path and the fallback for GPUs without Triton; the backend contract's ``forward`` (docs/design.md#dispatch), which
-makes the gradients with the loss, and the same over raw columns, ``gist_loss_and_grads``. The algorithm is
-docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
+makes the gradients with the loss (``cgist.stage.dispatch.direct.loss_and_grads`` runs it on raw columns). The
+algorithm is docs/design.md#the-streaming-algorithm's. Anchors are processed in row blocks, each scored
 against the columns of every column group bound to the call (``cgist.stage.spec.problem.bind_groups``) in tiles:
 one matrix product for the guide scores (the mask), one for the student logits, then ``exp2``; the gradients with
 respect to the normalised embeddings come from the same tiles, and one normalisation backward at the end turns them
@@ -42,7 +42,7 @@ from ..stats import COUNT_FIELDS, SUM_FIELDS
 from ..ties import TieIndex, tie_ids
 from .workspace import Workspace
 
-__all__ = ["forward", "gist_loss_and_grads"]
+__all__ = ["forward"]
 
 LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 #: Above this sum of softmax terms (relative to the positive's) a row block is redone shifted by its maximum.
@@ -550,28 +550,12 @@ def _row_block(call: _StreamingRun, rb: _RowBlock, schedule: RowBlocks) -> Tenso
     return loss
 
 
-@torch.no_grad()
-def gist_loss_and_grads(
-    embeddings: Sequence[Tensor | Sequence[Tensor]], guide_embeddings: Sequence[Tensor | Sequence[Tensor]] | None,
-    options: GistOptions, *, need_grads: bool, need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
-    products: tuple[torch.dtype | None, torch.dtype | None] | None = None,
-) -> tuple[Tensor, list[Tensor] | None, tuple[Tensor, Tensor] | None]:
-    """Loss, d(loss)/d(embeddings) if ``need_grads`` and the mask counters if ``need_stats``.
-
-    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D (each a tensor or a
-    list of row chunks, copied straight into the normalised rows), guide columns likewise in Dg (None: no guide
-    masking); anchor i's label is candidate ``options.offset + i``; ``text_ids``: an int32 text id per row of each
-    column. ``options.block_bytes`` bounds the score buffers held at once (``cgist.stage.budget.row_blocks``). The
-    loss is float64 for float64 inputs, else float32; the gradients have their embedding's dtype; the counters are
-    ``(counts, sums)`` (``cgist.stage.stats.COUNT_FIELDS``, ``SUM_FIELDS``). ``products``: the half dtypes of the
-    student's and the guide's score products (None: ``half_products`` picks them for the device).
-    """
-    loss, grads, counters, _ = _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products)
-    return loss, grads, counters
-
-
 def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids, products=None, want_share=False):
-    """``gist_loss_and_grads``, and with ``want_share`` the sum of ``dL/ds * s`` over every score."""
+    """``forward``'s work on the columns (each a tensor or its row chunks): the loss (float64 for float64 inputs, else
+    float32), the gradients if ``need_grads`` (one per column, in its dtype), the counters if ``need_stats``
+    (``(counts, sums)``: ``cgist.stage.stats.COUNT_FIELDS``, ``SUM_FIELDS``), and with ``want_share`` the sum of
+    ``dL/ds * s`` over every score. ``products``: the half dtypes of the student's and the guide's score products
+    (None: ``half_products`` picks them for the device)."""
     if products is None:
         device = row_chunks(embeddings[0])[0].device
         products = tuple(None if c is None else half_products(device, row_chunks(c[0])[0].dtype)
@@ -588,9 +572,13 @@ def _run(embeddings, guide_embeddings, options, need_grads, need_stats, text_ids
 
 
 @torch.no_grad()
-def forward(call: DenseCall, with_grad: bool, need_stats: bool = False) -> tuple[Tensor, Grads | None, object]:
+def forward(call: DenseCall, with_grad: bool, need_stats: bool = False,
+            products: tuple[torch.dtype | None, torch.dtype | None] | None = None,
+            ) -> tuple[Tensor, Grads | None, object]:
     """The backend contract's forward: the loss, the gradients (made here ``with_grad``, one per chunk of the call's
-    columns, the learned temperature's included) and the guide's counters."""
+    columns, the learned temperature's included) and the guide's counters. ``products``: the half dtypes of the
+    student's and the guide's score products (None: ``half_products`` picks them for the device; tests force them
+    on a CPU)."""
     loss, grads, counters, radial = _run(call.columns, call.guide, call.options, with_grad, need_stats,
-                                         call.text_ids, want_share=call.temperature is not None)
+                                         call.text_ids, products, want_share=call.temperature is not None)
     return loss, call.grads(call.split(grads), radial) if with_grad else None, counters

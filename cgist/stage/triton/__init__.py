@@ -5,7 +5,3 @@ with the backend contract (``forward``, ``backward``; docs/design.md#dispatch): 
 Triton release. It runs on CUDA tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set
 before import). Importing it imports triton, so only the router (``cgist.stage.dispatch.route``) reaches it, on first
 use, by the registry of scores (``cgist.stage.spec.scores``); it imports no other backend."""
-
-from .dense import gist_loss_and_grads
-
-__all__ = ["gist_loss_and_grads"]

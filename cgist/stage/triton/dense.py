@@ -2,9 +2,9 @@
 tensors in, tensors out (no autograd, no nn), and the backend contract, ``forward`` and ``backward``
 (docs/design.md#dispatch).
 
-``gist_loss_and_grads`` has the signature and semantics of ``cgist.stage.pytorch.dense.gist_loss_and_grads``;
-``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart, and time the
-launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
+``forward`` has the semantics of ``cgist.stage.pytorch.dense.forward`` (``cgist.stage.dispatch.direct.loss_and_grads``
+runs either on raw columns); ``gist_forward`` and ``gist_backward`` are its two halves (benchmarks time them apart,
+and time the launches of one column group with ``forward_group`` / ``BackwardWork``). It launches the kernels of
 ``cgist.kernels.gist`` once per column group (``GistOptions.column_groups``: GIST's AP, AA, PP, AN_1..AN_k, then the
 directions' QQ, DQ, DD, DN_1..DN_k):
 
@@ -89,8 +89,8 @@ if TYPE_CHECKING:
     from cgist.stage.spec.options import GistOptions
 
 __all__ = [
-    "BackwardWork", "ForwardState", "forward", "forward_group", "gist_backward", "gist_forward",
-    "gist_loss_and_grads", "split_tf32", "tf32x3_addmm_",
+    "BackwardWork", "ForwardState", "forward", "forward_group", "gist_backward", "gist_forward", "split_tf32",
+    "tf32x3_addmm_",
 ]
 
 LN2 = math.log(2.0)
@@ -462,25 +462,6 @@ def gist_backward(state: ForwardState, *, block_bytes: int | None = None) -> lis
     """d(loss)/d(embeddings), each in its embedding's dtype, from the forward's state (chunk operands and library
     GEMMs). ``block_bytes`` overrides ``options.block_bytes`` for the chunks."""
     return BackwardWork(state, block_bytes).run()
-
-
-def gist_loss_and_grads(
-    embeddings: Sequence[Tensor], guide_embeddings: Sequence[Tensor] | None, options: GistOptions, *,
-    need_grads: bool, need_stats: bool = False, text_ids: Sequence[Tensor] | None = None,
-) -> tuple[Tensor, list[Tensor] | None, tuple[Tensor, Tensor] | None]:
-    """Loss, d(loss)/d(embeddings) if ``need_grads``, and the mask counters if ``need_stats``.
-
-    ``embeddings = [anchor, positive, *negatives]``: anchor B x D, positive and negatives N x D, guide
-    columns likewise in Dg (None: no guide masking); anchor i's label is candidate ``options.offset + i``;
-    ``text_ids`` (with ``options.mask_duplicates``) an int32 text id per row of each column. A column may be a
-    list of row chunks, concatenated here (the kernels read each column with one stride). Inputs are assumed
-    validated by ``cgist.gist_loss``. The loss is float64 for float64 inputs and float32 otherwise; the
-    gradients have the dtype of their embedding; the counters are ``(counts, sums)`` as in
-    ``cgist.stage.pytorch.dense.gist_loss_and_grads``. No host synchronisation.
-    """
-    loss, state = gist_forward(embeddings, guide_embeddings, options, need_stats, text_ids=text_ids)
-    grads = gist_backward(state) if need_grads else None
-    return loss, grads, (state.counters() if need_stats else None)
 
 
 # The backend contract (docs/design.md#dispatch) ------------------------------------------------------------------
