@@ -110,9 +110,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "plain-gist-negatives",
         "the plain drop-ins score the student's negative 1 in place of negatives 2..k (k > 1 only)",
         "cgist/losses/columns.py",
-        "return [[e] for e in embeddings], self._plain_reps_guided(",
-        "return [[e] for e in [*embeddings[:3], *embeddings[2:3] * max(len(embeddings) - 3, 0)]], "
-        "self._plain_reps_guided(",
+        "return [[e] for e in embed_columns(model, features)], None",
+        "embeddings = embed_columns(model, features)\n"
+        "        return [[e] for e in [*embeddings[:3], *embeddings[2:3] * max(len(embeddings) - 3, 0)]], None",
         ("tests/test_plain.py",),
     ),
     Mutant(

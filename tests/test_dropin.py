@@ -495,3 +495,25 @@ def test_symmetric_has_the_deprecation_of_sentence_transformers(student):
     with pytest.warns(DeprecationWarning, match="directions=\\('query_to_doc', 'doc_to_query'\\)"):
         loss = cgist.FusedCachedMultipleNegativesSymmetricRankingLoss(student)
     assert loss.directions == ("query_to_doc", "doc_to_query") and loss.partition_mode == "per_direction"
+
+
+def test_a_drop_in_class_is_checked_against_the_protocol_when_it_is_defined():
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from cgist.losses.base import FusedDropIn
+    from cgist.losses.columns import DenseColumns
+    from cgist.losses.ranking import RankingFamily
+    from cgist.losses.steps import PlainStep
+
+    class NoTemperature(FusedDropIn):  # a family that forgets a required hook
+        family = "ranking"
+        columns = DenseColumns()
+        _family_options = RankingFamily._family_options
+
+    with pytest.raises(TypeError, match=r"lacks _embeddings_loss \(a hook of PlainStep\), temperature_tensor "
+                                        r"\(a hook of FusedDropIn\)$"):
+        type("Broken", (NoTemperature, PlainStep, MultipleNegativesRankingLoss), {})
+    with pytest.raises(TypeError, match=r"lacks columns \(the family's component of cgist.losses.columns\)"):
+        type("NoColumns", (RankingFamily, PlainStep, MultipleNegativesRankingLoss), {"columns": None})
+    with pytest.raises(TypeError, match=r"lacks family"):
+        type("Nameless", (RankingFamily, PlainStep, MultipleNegativesRankingLoss), {"family": ""})

@@ -5,8 +5,9 @@ pieces (docs/design.md#the-drop-in-protocol).
   and cached, ``calculate_loss`` and the loss-stage call, the fallback to sentence-transformers' own computation;
   ``options``: the table of cgist's own options every drop-in takes.
 * ``steps``: how a batch is embedded, GradCache's mini-batches (``CachedStep``) or one forward pass (``PlainStep``).
-* ``columns``: a step's embeddings as the loss stage's call, by the family's score: embeddings (``DenseColumns``, the
-  dense score) or token embeddings and their masks (``TokenColumns``, the MaxSim score).
+* ``columns``: the component a family holds for its score's kind of column, which builds the loss stage's call from
+  a ``StageBatch`` and embeds a plain step's batch: embeddings (``DenseColumns``, the dense score) or token embeddings
+  and their masks (``TokenColumns``, the MaxSim and XTR scores).
 * ``gist``: the GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``); ``ranking``: the ranking family (the
   cached and plain ``MultipleNegativesRankingLoss`` and its symmetric variant); ``multi_vector``: the late-interaction
   family (the cached and plain ``MultiVectorMultipleNegativesRankingLoss``, the MaxSim score); ``multi_vector_gist``:

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ from ..stage.ties import token_fingerprints
 from .matryoshka import FusedMatryoshka
 from .options import Option, options_of
 
-__all__ = ["FUSED", "PATHS", "UNFUSED", "FusedDropIn", "StepInputs", "backward_if"]
+__all__ = ["FUSED", "PATHS", "UNFUSED", "Columns", "FusedDropIn", "StageBatch", "StepInputs",
+           "backward_if", "check_hooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +77,64 @@ _NO_INPUTS = StepInputs()
 class DropInState:
     """What a drop-in keeps between its calls besides its attributes (``FusedDropIn.state``): the options resolved
     for a key of the attributes and whether the unfused path's warning was shown (``resolve``), each path's count
-    (``record_path``), the statistics of the training calls not yet popped (a guided family's), and what the step
-    being run read off its batch (``reading``)."""
+    (``record_path``), the statistics of the training calls not yet popped (a guided family's), what the step
+    being run read off its batch (``reading``), and a guided family's last guide columns with the batch they were
+    made for ``(guide, token ids, columns)``, kept while a wrapper calls the loss again on the same batch."""
 
     resolved: tuple[tuple, tuple[GistOptions | None, str | None]] | None = None
     warned_unfused: bool = False
     path_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     training_stats: list[GistStats] = field(default_factory=list)
     inputs: StepInputs = _NO_INPUTS
+    guide_columns: tuple | None = None
+
+
+@dataclass(frozen=True)
+class StageBatch:
+    """One loss stage's input, made by ``FusedDropIn.loss_stage`` and handed to the family's columns
+    (``Columns.call``), which read nothing else: a step's embeddings (``reps``, each column's mini-batches) and what
+    ``calculate_loss`` got beside them (``beside``: the token embeddings' masks, the guide's embeddings or the labels),
+    the options, Matryoshka's ``(d, w_d)`` pairs (``dims``), and what the family and the step put beside them: the
+    family's guide for the stage (``FusedDropIn._stage_guide``), the texts' ids (``StepInputs``), a learned
+    temperature (``temperature_tensor``), the door's arguments of the score itself (``_score_arguments``) and whether
+    the columns are gathered across ranks (``gather``)."""
+
+    reps: list[list[Tensor]]
+    beside: object
+    options: GistOptions
+    dims: tuple[tuple[int, float], ...] | None = None
+    guide: object = None
+    text_ids: list[Tensor] | None = None
+    temperature: Tensor | None = None
+    score_arguments: Mapping[str, object] = field(default_factory=dict)
+    gather: bool = False
+
+
+@runtime_checkable
+class Columns(Protocol):
+    """A family's columns (``FusedDropIn.columns``; ``cgist.losses.columns``): the loss stage's call over a
+    ``StageBatch``, and a plain step's embedding of a batch (the columns, one chunk each, and their masks, or None)."""
+
+    def call(self, batch: StageBatch) -> StageCall: ...
+
+    def embed(self, model: torch.nn.Module, features: list[dict[str, Tensor]],
+              mini_batch_size: int | None) -> tuple[list[list[Tensor]], object]: ...
+
+
+def check_hooks(cls: type) -> None:
+    """A drop-in class against the protocol, when it is defined rather than at its first instance: no hook left
+    abstract (each named with the piece that declares it), a family name and the family's columns (``Columns``); a
+    TypeError lists what it lacks."""
+    names = {name for base in cls.__mro__ for name in vars(base)}
+    missing = [f"{name} (a hook of {next(b for b in cls.__mro__ if name in vars(b)).__qualname__})"
+               for name in sorted(names) if getattr(getattr(cls, name, None), "__isabstractmethod__", False)]
+    if not getattr(cls, "family", ""):
+        missing.append("family (the family's name in cgist.losses.options' table)")
+    if not isinstance(getattr(cls, "columns", None), Columns):
+        missing.append("columns (the family's component of cgist.losses.columns)")
+    if missing:
+        raise TypeError(f"{cls.__name__} does not implement the drop-in protocol (cgist.losses.base): it lacks "
+                        f"{', '.join(missing)}")
 
 
 def text_fingerprints(features: list[dict[str, Tensor]], needed: bool) -> list[Tensor] | None:
@@ -156,20 +208,23 @@ class FusedDropIn(abc.ABC):
     fused stage does not compute what they ask for, and sentence-transformers' own loss computation runs instead
     (with one warning per loss object).
 
-    Hooks, by the piece that supplies them (docs/design.md#the-drop-in-protocol):
+    Hooks, by the piece that supplies them (docs/design.md#the-drop-in-protocol); a hook without a default is
+    abstract, and a drop-in class that leaves one so, or has no ``family`` or ``columns``, is refused when it is
+    defined (``check_hooks``):
 
-    * the family: ``family`` (its name in the options table), ``family_attributes``, ``_check_arguments``,
-      ``_family_key``, ``_family_options``; optionally ``_for_sentence_transformers``, ``_keep_arguments``,
-      ``_step_inputs``, ``temperature_tensor``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``;
-    * the columns (``cgist.losses.columns``, by the family's score): ``_stage_call``, and the family's guide for it
-      (``_guide_columns`` or ``_guide_arguments``);
-    * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``; a plain
-      step asks its columns for ``_embed`` and its family for ``_embeddings_loss`` and ``_st_forward_computes``
+    * the family: ``family`` (its name in the options table), ``family_attributes``, ``columns`` (its component of
+      ``cgist.losses.columns``), ``_family_options``, ``temperature_tensor``; optionally ``_check_arguments``,
+      ``_family_key``, ``_for_sentence_transformers``, ``_keep_arguments``, ``_step_inputs``, ``_stage_guide``,
+      ``_score_arguments``, ``_unfused_reps_guided``, ``_after_fused``, ``_config_extras``; under a plain step,
+      ``_embeddings_loss``, and optionally ``_plain_beside`` and ``_st_forward_computes``
       (``cgist.losses.steps.PlainStep``);
+    * the step: ``embedding_attributes``, ``_check_embedding_stage``, ``_unfused_loss`` and ``forward``;
     * the class: its sentence-transformers base (``replaces``, found from the bases) and ``deprecation``.
 
-    A drop-in computes one step at a time: ``step_inputs`` belong to the loss object, so two threads must not step
-    the same loss object at once (as with any ``nn.Module`` that keeps state between its calls).
+    The pieces pass data: ``loss_stage`` asks the family for its part of the stage's input and hands the family's
+    columns one ``StageBatch``, and the columns read nothing else. A drop-in computes one step at a time:
+    what the step read off its batch (``step_inputs``) belongs to the loss object, so two threads must not step the
+    same loss object at once (as with any ``nn.Module`` that keeps state between its calls).
     """
 
     # -- declared by the family ---------------------------------------------------------------------------------------
@@ -194,6 +249,9 @@ class FusedDropIn(abc.ABC):
     added_parameters: tuple[inspect.Parameter, ...] = ()
     #: The family: the model class its ``model`` argument must be.
     model_class: type = SentenceTransformer
+    #: The family: its columns, the component that builds the loss stage's call from a ``StageBatch`` and embeds a
+    #: plain step's batch (``cgist.losses.columns``: its score's kind of column).
+    columns: Columns | None = None
     #: The family: whether it computes ``MatryoshkaLoss``'s dimensions in one loss stage (``FusedMatryoshka``); if
     #: not, sentence-transformers' decoration runs the loss stage once per dimension.
     fuses_matryoshka: bool = True
@@ -222,6 +280,7 @@ class FusedDropIn(abc.ABC):
         if clash:
             raise TypeError(f"{replaces.__name__} takes {clash} itself, which are also options of cgist's table "
                             "(cgist.losses.options): this sentence-transformers release is not supported by this cgist")
+        check_hooks(cls)
         if "__init__" not in cls.__dict__:
             cls.__init__ = _constructor(cls)
         if cls.__doc__ and cls.__module__.startswith("cgist.") and "family" not in cls.__dict__:
@@ -377,7 +436,7 @@ class FusedDropIn(abc.ABC):
     def loss_stage(self, reps: list[list[Tensor]], reps_guided: object, *, with_backward: bool,
                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
         """``calculate_loss`` over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given: the fused loss stage
-        (``cgist.stage.node.run`` over the family's call, ``_stage_call``), or sentence-transformers' own computation
+        (``cgist.stage.node.run`` over the call its columns build from a ``StageBatch``), or sentence-transformers' own computation
         where it does not run (``resolve``). With ``with_backward`` the embedding gradients are accumulated into the
         leaves' ``.grad`` and the loss is returned detached."""
         options = self.resolve()
@@ -389,8 +448,15 @@ class FusedDropIn(abc.ABC):
             options = options.replace(temperature=float(temperature.detach()))
             if not (temperature.requires_grad and torch.is_grad_enabled()):
                 temperature = None
-        call = self._stage_call(reps, reps_guided, options, dims, temperature)
-        loss, stats = run(call, self.backend, return_stats=True)
+        inputs = self.step_inputs
+        guide = self._stage_guide(reps, reps_guided, inputs)
+        if options.mask_duplicates and inputs.text_ids is None:
+            raise ValueError("mask_duplicates needs the batch's token ids: call the loss on the batch's features "
+                             "(calculate_loss alone does not see them), or pass mask_duplicates=False")
+        batch = StageBatch([list(r) for r in reps], reps_guided, options, dims, guide=guide, text_ids=inputs.text_ids,
+                           temperature=temperature, score_arguments=self._score_arguments(),
+                           gather=self.gather_across_devices)
+        loss, stats = run(self.columns.call(batch), self.backend, return_stats=True)
         self.record_path(FUSED, stats)
         self._after_fused(reps, stats, options)
         return backward_if(loss, with_backward)
@@ -401,12 +467,17 @@ class FusedDropIn(abc.ABC):
         tensor (a learned one, an ``nn.Parameter``: it then gets the loss's derivative), checked as the family checks
         it; else None."""
 
-    @abc.abstractmethod
-    def _stage_call(self, reps: list[list[Tensor]], reps_guided: object, options: GistOptions,
-                    dims: tuple[tuple[int, float], ...] | None, temperature: Tensor | None) -> StageCall:
-        """The score's columns (``cgist.losses.columns``): the loss stage's call over a step's embeddings ``reps``
-        (each column's mini-batches, taken as row chunks, never concatenated) and what the family passes beside them
-        (``reps_guided``), gathered across ranks with ``gather_across_devices``, with Matryoshka's ``dims``."""
+    def _stage_guide(self, reps: list[list[Tensor]], reps_guided: object, inputs: StepInputs) -> object:
+        """The family: its guide for the loss stage (``StageBatch.guide``) from a step's embeddings, what
+        ``calculate_loss`` got beside them and what the step read off the batch (``inputs``): the dense columns take
+        the guide's columns, ``"self"`` or None, the token columns the door's ``guide`` and ``guide_masks`` by name
+        (default: None, no guide)."""
+        return None
+
+    def _score_arguments(self) -> Mapping[str, object]:
+        """The family: the door's arguments of the score itself, such as a learned parameter of a multi-vector
+        ``similarity_fct`` (default: none)."""
+        return {}
 
     def _unfused_reps_guided(self, reps_guided: object, reps: list[list[Tensor]]) -> object:
         """The family: ``reps_guided`` as sentence-transformers' own computation takes it (default: as given)."""

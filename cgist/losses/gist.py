@@ -73,12 +73,13 @@ def _unfused_cross_entropy(cross_entropy_loss: object) -> str | None:
     return f"cross_entropy_loss={cross_entropy_loss!r} (the fused stage computes nn.CrossEntropyLoss())"
 
 
-class GistFamily(GuidedFamily, DenseColumns):
+class GistFamily(GuidedFamily):
     """The GIST family (``FusedCachedGISTLoss``, ``FusedGISTEmbedLoss``): the guide's source, the options from
     sentence-transformers' GIST attributes and cgist's own, the guide's columns and the texts' ids read off a batch,
     the guide's statistics and the citations."""
 
     family = "gist"
+    columns = DenseColumns()
     family_attributes = ("temperature", "margin", "margin_strategy", "contrast_anchors", "contrast_positives")
     argument_annotations = {"guide": "SentenceTransformer | Literal['labels', 'self'] | None"}
 
@@ -135,9 +136,10 @@ class GistFamily(GuidedFamily, DenseColumns):
         text_ids = text_fingerprints(features, needed=options.mask_duplicates) if options is not None else None
         return StepInputs(guide=guide, text_ids=text_ids)
 
-    def _guide_columns(self, reps: list[list[Tensor]],
-                       reps_guided: list[list[Tensor]]) -> list[list[Tensor]] | list[Tensor] | str | None:
-        """The guide's columns for ``gist_loss``: the guide model's mini-batches, the label column's, "self", or None."""
+    def _stage_guide(self, reps: list[list[Tensor]], reps_guided: list[list[Tensor]],
+                     inputs: StepInputs) -> list[list[Tensor]] | list[Tensor] | str | None:
+        """The guide's columns for the dense columns: the guide model's mini-batches, the label column's (read off the
+        batch, ``inputs``), ``"self"``, or None."""
         if reps_guided is None:
             raise TypeError("calculate_loss of a GIST drop-in takes reps_guided, the guide's embeddings of each "
                             "column (with guide='labels', 'self' or None, the student's, which are not read)")
@@ -147,16 +149,16 @@ class GistFamily(GuidedFamily, DenseColumns):
         if self.guide_source.runs_model:
             return [list(r) for r in reps_guided]
         if self.guide_source.reads_labels:
-            if self.step_inputs.guide is None:
+            if inputs.guide is None:
                 raise ValueError("guide='labels' reads the guide embeddings off the batch's label column: call the loss "
                                  "on a batch (calculate_loss alone does not see the labels)")
-            return list(self.step_inputs.guide)
+            return list(inputs.guide)
         return self.guide_source.kind
 
     def _unfused_reps_guided(self, reps_guided: object, reps: list[list[Tensor]]) -> object:
         # sentence-transformers' own computation takes the label column's guide as mini-batches of the guide's.
         if self.guide_source.reads_labels:
-            return [[column] for column in self._guide_columns(reps, reps_guided)]
+            return [[column] for column in self._stage_guide(reps, reps_guided, self.step_inputs)]
         return reps_guided
 
     def temperature_tensor(self) -> Tensor | None:
@@ -318,12 +320,12 @@ class FusedGISTEmbedLoss(GistFamily, PlainStep, GISTEmbedLoss):
         # sentence-transformers' forward runs a guide model; the label column's guide is this drop-in's own.
         return self.guide_source.runs_model
 
-    def _plain_reps_guided(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
-                           embeddings: list[Tensor], labels: Tensor | None) -> list[list[Tensor]]:
-        """The guide model's embeddings of the batch; without one, the student's, detached (``_guide_columns`` takes
+    def _plain_beside(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
+                      reps: list[list[Tensor]], masks: object, labels: Tensor | None) -> list[list[Tensor]]:
+        """The guide model's embeddings of the batch; without one, the student's, detached (``_stage_guide`` takes
         the guide from the label column, the student or nowhere)."""
         if not self.guide_source.runs_model:
-            return [[e.detach()] for e in embeddings]
+            return [[e.detach() for e in r] for r in reps]
         with torch.no_grad():
             return [[g] for g in self._guide_embeddings(features, copies)]
 

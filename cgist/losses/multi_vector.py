@@ -10,16 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from sentence_transformers.multi_vector_encoder.losses import (
     CachedMultiVectorMultipleNegativesRankingLoss,
     MultiVectorMultipleNegativesRankingLoss,
 )
-from sentence_transformers.util import similarity_fct_name
+from sentence_transformers.util import (
+    all_gather_padded,
+    cat_padded_token_embeddings,
+    get_rank,
+    similarity_fct_name,
+    stack_padded_token_embeddings,
+)
 from torch import Tensor
 
 from ..stage.spec.options import GistOptions, check_scale
 from ..stage.spec.scores import SCORES
+from .base import FusedDropIn
 from .columns import TokenColumns
 from .scorers import check_optional_size
 from .steps import CachedStep, PlainStep
@@ -44,7 +54,7 @@ def score_fields(similarity_fct: object, model: object) -> dict[str, object] | N
     return None if match is None else match[0]
 
 
-class MultiVectorFamily(TokenColumns):
+class MultiVectorFamily(FusedDropIn):
     """The multi-vector ranking family: the loss stage's options from ``scale`` and ``similarity_fct`` (MaxSim,
     MeanMaxSim or XTR fused, ``score_fields``; any other score runs sentence-transformers' code), over the token
     embeddings and their masks
@@ -55,6 +65,9 @@ class MultiVectorFamily(TokenColumns):
     family_embedding_attributes = ("mini_batch_size", "score_mini_batch_size")
     #: Any module, as sentence-transformers' classes take: one whose output holds ``token_embeddings``.
     model_class = torch.nn.Module
+    columns = TokenColumns()
+    # Its own dimensions are a loss per dimension (sentence-transformers' decoration), each fused.
+    fuses_matryoshka = False
 
     def _check_arguments(self, arguments: Mapping[str, object]) -> None:
         check_scale(arguments["scale"])
@@ -103,6 +116,26 @@ class MultiVectorFamily(TokenColumns):
         check_scale(self.scale)
         return 1.0 / self.scale
 
+    def _embeddings_loss(self, reps: list[list[Tensor]], masks_chunks: object) -> Tensor:
+        """sentence-transformers' scoring and cross-entropy over given token embeddings (its multi-vector class's
+        ``forward`` after the embedding): the plain drop-ins' unfused loss."""
+        (queries, query_mask), *columns = (cat_padded_token_embeddings(r, m) for r, m in zip(reps, masks_chunks))
+        documents, masks = [e for e, _ in columns], [m for _, m in columns]
+        batch = queries.shape[0]
+        if self.gather_across_devices:
+            gathered = [all_gather_padded(e, m, with_grad=True) for e, m in zip(documents, masks)]
+            documents, masks = [e for e, _ in gathered], [m for _, m in gathered]
+        stacked, stacked_mask = stack_padded_token_embeddings(documents, masks)
+        score = self.similarity_fct or functools.partial(_model_scores, self.model)
+        step = self.score_mini_batch_size or batch
+        scores = torch.cat([score(queries[i:i + step], stacked, queries_mask=query_mask[i:i + step],
+                                  documents_mask=stacked_mask) for i in range(0, batch, step)])
+        labels = torch.arange(batch, device=queries.device) * len(documents)
+        if self.gather_across_devices:
+            labels = labels + get_rank() * batch * len(documents)
+        return F.cross_entropy(scores * self.scale, labels)
+
+
 
 class FusedCachedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, CachedStep,
                                                          CachedMultiVectorMultipleNegativesRankingLoss):
@@ -135,3 +168,10 @@ class FusedMultiVectorMultipleNegativesRankingLoss(MultiVectorFamily, PlainStep,
     the loss stage's gradients back into it. What is fused, and what runs sentence-transformers' code, is as for
     the cached drop-in.
     """
+
+
+def _model_scores(model: torch.nn.Module, queries: Tensor, documents: Tensor, **masks: Tensor) -> Tensor:
+    """sentence-transformers 6.3's default score: the model's similarity over the stacked documents."""
+    from sentence_transformers.multi_vector_encoder.scoring.colbert import _colbert_scores
+
+    return _colbert_scores(model.similarity, queries, documents, **masks)

@@ -142,13 +142,14 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
             raise ValueError("a guide model reads the batch's texts, decoded from the student's token ids, but these "
                              "features have no 'input_ids'; precompute the guide's embeddings (guide='labels')")
         ids = [feature["input_ids"] for feature in features]
-        kept = getattr(self, "_last_guide_columns", None)
+        state = self.state
+        kept = state.guide_columns
         if kept is not None and kept[0] is self.guide and len(kept[1]) == len(ids) and all(
                 a.shape == b.shape and torch.equal(a, b) for a, b in zip(kept[1], ids)):
             return kept[2]
-        self._last_guide_columns = None  # freed before the next batch's are made
+        state.guide_columns = None  # freed before the next batch's are made
         columns = self._run_guide(features)
-        self._last_guide_columns = (self.guide, [i.clone() for i in ids], columns)
+        state.guide_columns = (self.guide, [i.clone() for i in ids], columns)
         return columns
 
     def _run_guide(self, features: list[dict[str, Tensor]]) -> dict[str, object]:
@@ -170,20 +171,19 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         padded = [_padded([torch.as_tensor(x) for x in column], device) for column in columns]
         return {"guide": [e for e, _ in padded], "guide_masks": [m for _, m in padded]}
 
-    def _guide_arguments(self, reps: list[list[Tensor]], options: GistOptions) -> dict[str, object]:
-        """The door's guide and texts' ids: what this step's ``forward`` read (``_step_inputs``), or the
+    def _stage_guide(self, reps: list[list[Tensor]], masks_chunks: object, inputs: StepInputs) -> dict[str, object]:
+        """The door's ``guide`` (and ``guide_masks``): what this step's ``forward`` read (``_step_inputs``), or the
         student's own scores (``"self"``)."""
-        source, inputs = self.guide_source, self.step_inputs
-        arguments = {"text_ids": inputs.text_ids}
+        source = self.guide_source
         if source is SELF:
-            return {**arguments, "guide": "self"}
+            return {"guide": "self"}
         if source is NONE:
-            return arguments
+            return {}
         if inputs.guide is None:
             raise ValueError(f"guide={'labels' if source.reads_labels else 'a model'}: the guide's embeddings are read "
                              "off the batch (its labels or its texts): call the loss on a batch (calculate_loss alone "
                              "does not see it)")
-        return {**arguments, **inputs.guide}
+        return dict(inputs.guide)
 
     def _config_extras(self) -> dict[str, object]:
         guide = {"guide": self.guide} if self.guide_source.runs_model else {"guide_mode": self.guide_mode}

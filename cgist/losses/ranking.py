@@ -24,6 +24,7 @@ from sentence_transformers.util import cos_sim, dot_score, similarity_fct_name
 from torch import Tensor
 
 from ..stage.spec.options import GistOptions, check_scale, real_number
+from .base import FusedDropIn
 from .columns import DenseColumns
 from .steps import CachedStep, PlainStep
 
@@ -56,11 +57,12 @@ def _deprecation(replaced: str, instead: str) -> str:
             "directions=('query_to_doc', 'doc_to_query'), partition_mode='per_direction'), which computes the same loss")
 
 
-class RankingFamily(DenseColumns):
+class RankingFamily(FusedDropIn):
     """The ranking family: the fused loss stage's options from sentence-transformers' ranking hyperparameters (no
     guide, no contrast blocks)."""
 
     family = "ranking"
+    columns = DenseColumns()
     # The symmetric losses' constructors take no directions; their parent sets them, and they are read all the same.
     family_attributes = ("scale", "similarity_fct", "directions", "partition_mode", "hardness_mode",
                          "hardness_strength")

@@ -76,9 +76,9 @@ class CachedStep(FusedDropIn):
 class PlainStep(FusedDropIn):
     """The student embeds the batch once and autograd takes the fused loss stage's gradients back into it.
 
-    The columns (``cgist.losses.columns``) supply ``_embed`` (the batch's embeddings as the loss stage's columns, and
-    what ``calculate_loss`` takes beside them: the guide's embeddings, the labels, or the token embeddings' masks);
-    the family supplies ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings). Where the fused
+    The family's columns (``cgist.losses.columns``) embed the batch (``Columns.embed``: the loss stage's columns,
+    and the token embeddings' masks); the family says what ``calculate_loss`` takes beside them (``_plain_beside``:
+    the guide's embeddings, the labels, or the masks) and supplies ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings). Where the fused
     stage does not run, sentence-transformers' own ``forward`` runs instead, unless it cannot compute the loss as
     configured (``_st_forward_computes``) or ``MatryoshkaLoss`` decorated ``calculate_loss``.
     """
@@ -106,15 +106,18 @@ class PlainStep(FusedDropIn):
         if options is None and "calculate_loss" not in self.__dict__ and self._st_forward_computes():
             self.record_path(UNFUSED)
             return super().forward(features, labels)
-        inputs = self._step_inputs(features, labels, options)  # before the student writes its outputs into them
-        reps, reps_guided = self._embed(features, labels)
+        # What the loss stage and a guide read off the batch, before the student writes its outputs into it.
+        inputs, copies = self._step_inputs(features, labels, options), [dict(feature) for feature in features]
+        reps, masks = self.columns.embed(self.model, features, getattr(self, "mini_batch_size", None))
         with self.reading(inputs):
-            return self.calculate_loss(reps, reps_guided)
+            return self.calculate_loss(reps, self._plain_beside(features, copies, reps, masks, labels))
 
-    @abc.abstractmethod
-    def _embed(self, features: list[dict[str, Tensor]], labels: Tensor | None) -> tuple[list[list[Tensor]], object]:
-        """The columns: the batch embedded once, as the loss stage's columns (one chunk each), and what
-        ``calculate_loss`` takes beside them."""
+    def _plain_beside(self, features: list[dict[str, Tensor]], copies: list[dict[str, Tensor]],
+                      reps: list[list[Tensor]], masks: object, labels: Tensor | None) -> object:
+        """The family: what ``calculate_loss`` takes beside the student's embeddings of the batch (``reps``, made
+        from ``features``; ``copies`` are the features as they came): the token embeddings' masks where the columns
+        have them, else the labels (default)."""
+        return labels if masks is None else masks
 
     def _st_forward_computes(self) -> bool:
         """The family: whether sentence-transformers' own ``forward`` computes this loss as it is configured (default:
