@@ -3,8 +3,9 @@
 Without a guide the loss is sentence-transformers' ``MultipleNegativesRankingLoss``: the oracle, ``gist_loss`` on
 the PyTorch path and under the Triton interpreter, and ``FusedCachedMultipleNegativesRankingLoss`` on a tiny model
 must equal it (``compute_loss_from_embeddings`` and ``CachedMultipleNegativesRankingLoss``), loss and gradients, in
-float64, for every direction subset that contains query_to_doc, both partitions, every hardness mode at strengths
-0, 5 and 9, k = 0, 1, 2. With a guide, where sentence-transformers has no such loss, the oracle is the reference.
+float64, for every direction subset that contains query_to_doc under both partitions, every hardness mode at
+strengths 0, 5 and 9, cos_sim and dot_score, k = 0, 1, 2: every subset with every hardness, and every pair of values
+of any two of these factors (a pairwise design of their product). With a guide, where sentence-transformers has no such loss, the oracle is the reference.
 """
 
 from __future__ import annotations
@@ -82,10 +83,23 @@ def _gist_loss_kwargs(subset, partition, mode, strength, similarity="cos") -> di
                 mask_self=False)
 
 
-@pytest.mark.parametrize("hardness", HARDNESS, ids=_hardness_id)
-@pytest.mark.parametrize("k", [0, 1, 2], ids=lambda k: f"k{k}")
-@pytest.mark.parametrize("similarity", ["cos", "dot"])
-@pytest.mark.parametrize("plan", PLANS, ids=_plan_id)
+def _pairwise_grid() -> list:
+    """Every (plan, hardness) pair once, with the similarity and the number of negative columns k varied across them
+    so that every pair of values of any two of the four factors occurs (a pairwise design of the full product, a sixth
+    of its cases: ``test_the_pairwise_grid_covers_every_pair`` checks it)."""
+    return [pytest.param(plan, ("cos", "dot")[(p + h // 2) % 2], (p + h) % 3, hardness,
+                         id=f"{_plan_id(plan)}-{('cos', 'dot')[(p + h // 2) % 2]}-k{(p + h) % 3}-{_hardness_id(hardness)}")
+            for p, plan in enumerate(PLANS) for h, hardness in enumerate(HARDNESS)]
+
+
+def test_the_pairwise_grid_covers_every_pair():
+    cases = [case.values for case in _pairwise_grid()]
+    factors = (PLANS, ("cos", "dot"), (0, 1, 2), HARDNESS)
+    for a, b in itertools.combinations(range(4), 2):
+        assert {(c[a], c[b]) for c in cases} == set(itertools.product(factors[a], factors[b])), (a, b)
+
+
+@pytest.mark.parametrize("plan,similarity,k,hardness", _pairwise_grid())
 def test_without_guide_equals_multiple_negatives_ranking_loss(plan, similarity, k, hardness):
     """The oracle and gist_loss's PyTorch path (the kernels: the next test)."""
     (subset, partition), (mode, strength) = plan, hardness
