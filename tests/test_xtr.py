@@ -288,6 +288,14 @@ def test_maxsim_loss_names_its_score_or_takes_the_one_its_options_ask_for():
     assert torch.equal(cgist.maxsim_loss(*args, similarity="mean_maxsim"), cgist.maxsim_loss(*args, length_normalize=True))
 
 
+def test_the_score_is_found_by_the_options_it_takes():
+    from cgist.stage.spec.scores import MAXSIM, XTR, token_score_taking
+
+    assert token_score_taking(()) is MAXSIM and token_score_taking(("top_k",)) is XTR
+    with pytest.raises(ValueError, match=r"no registered token score takes \['directions', 'top_k'\] together"):
+        token_score_taking(("top_k", "directions"))
+
+
 def test_bad_xtr_arguments_are_named():
     queries, query_mask, documents, document_masks = _inputs(0, 2, 1, 2, 3)
     args = (queries, query_mask, documents, document_masks)
