@@ -436,8 +436,8 @@ class FusedDropIn(abc.ABC):
     def loss_stage(self, reps: list[list[Tensor]], reps_guided: object, *, with_backward: bool,
                    dims: tuple[tuple[int, float], ...] | None = None) -> Tensor:
         """``calculate_loss`` over ``dims`` (Matryoshka ``(d, w_d)`` pairs) if given: the fused loss stage
-        (``cgist.stage.node.run`` over the call its columns build from a ``StageBatch``), or sentence-transformers' own computation
-        where it does not run (``resolve``). With ``with_backward`` the embedding gradients are accumulated into the
+        (``cgist.stage.node.run`` over the call its columns build from a ``StageBatch``), or sentence-transformers'
+        own computation where it does not run (``resolve``). With ``with_backward`` the embedding gradients are accumulated into the
         leaves' ``.grad`` and the loss is returned detached."""
         options = self.resolve()
         if options is None:

@@ -78,9 +78,10 @@ class PlainStep(FusedDropIn):
 
     The family's columns (``cgist.losses.columns``) embed the batch (``Columns.embed``: the loss stage's columns,
     and the token embeddings' masks); the family says what ``calculate_loss`` takes beside them (``_plain_beside``:
-    the guide's embeddings, the labels, or the masks) and supplies ``_embeddings_loss`` (sentence-transformers' own loss over given embeddings). Where the fused
-    stage does not run, sentence-transformers' own ``forward`` runs instead, unless it cannot compute the loss as
-    configured (``_st_forward_computes``) or ``MatryoshkaLoss`` decorated ``calculate_loss``.
+    the guide's embeddings, the labels, or the masks) and supplies ``_embeddings_loss`` (sentence-transformers' own
+    loss over given embeddings). Where the fused stage does not run, sentence-transformers' own ``forward`` runs
+    instead, unless it cannot compute the loss as configured (``_st_forward_computes``) or ``MatryoshkaLoss``
+    decorated ``calculate_loss``.
     """
 
     embedding_attributes = ("gather_across_devices",)
