@@ -116,6 +116,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_plain.py",),
     ),
     Mutant(
+        "protocol-unchecked",
+        "a drop-in class is not checked against the protocol when it is defined (only abc's check at instantiation)",
+        "cgist/losses/base.py",
+        "        check_hooks(cls)\n",
+        "",
+        ("tests/test_dropin.py",),
+    ),
+    Mutant(
+        "stage-batch-drops-text-ids",
+        "the loss stage's batch leaves out the texts' ids the step read (ties decided by equal guide vectors instead)",
+        "cgist/losses/base.py",
+        "guide=guide, text_ids=inputs.text_ids,",
+        "guide=guide, text_ids=None,",
+        ("tests/test_guide_sources.py", "tests/test_multi_vector_guide.py"),
+    ),
+    Mutant(
         "guide-mask-ge",
         "the guide masks a candidate whose score equals the threshold (>= in place of the strict >)",
         "cgist/stage/numerics.py",
