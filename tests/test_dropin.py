@@ -133,14 +133,33 @@ ASSIGNMENTS = [
 ]
 
 
-def _assignment_id(case) -> str:
-    pair, name, value, _, columns = case
-    shown = getattr(value, "__name__", value if not isinstance(value, tuple) else "+".join(v[:5] for v in value))
-    return f"{pair}-{name}={shown}-k{columns - 2}"
+def _assignment_params() -> list:
+    """Each assignment once, bare or inside MatryoshkaLoss by turns within its drop-in (starting bare or wrapped by
+    turns across the drop-ins; a drop-in with one assignment takes both), so that every drop-in runs both ways and
+    every attribute at least once: whether the wrapper forwards an assignment to the inner loss does not depend on
+    which attribute it is."""
+    params = []
+    for turn, pair in enumerate(dict.fromkeys(case[0] for case in ASSIGNMENTS)):
+        cases = [case for case in ASSIGNMENTS if case[0] == pair]
+        ways = [(case, (i + turn) % 2 == 1) for i, case in enumerate(cases)] if len(cases) > 1 else \
+            [(cases[0], False), (cases[0], True)]
+        for case, matryoshka in ways:
+            _, name, value, _, columns = case
+            shown = getattr(value, "__name__", value if not isinstance(value, tuple) else "+".join(v[:5] for v in value))
+            way = "matryoshka" if matryoshka else "plain"
+            params.append(pytest.param(case, matryoshka, id=f"{pair}-{name}={shown}-k{columns - 2}-{way}"))
+    return params
 
 
-@pytest.mark.parametrize("matryoshka", [False, True], ids=["plain", "matryoshka"])
-@pytest.mark.parametrize("case", ASSIGNMENTS, ids=_assignment_id)
+def test_the_assignments_run_every_drop_in_both_ways_and_every_attribute():
+    runs = [param.values for param in _assignment_params()]
+    assert sorted({case[:2] for case, _ in runs}) == sorted({case[:2] for case in ASSIGNMENTS})
+    assert {(case[0], matryoshka) for case, matryoshka in runs} == {(pair, m) for pair in PAIRS for m in (False, True)}
+    # the one attribute whose assignment should keep the loss under the wrapper (and change it bare) runs both ways
+    assert {matryoshka for case, matryoshka in runs if case[1] == "similarity_fct"} == {False, True}
+
+
+@pytest.mark.parametrize(("case", "matryoshka"), _assignment_params())
 def test_an_assigned_hyperparameter_takes_effect(case, matryoshka, student, guide):
     pair, name, value, kw, columns = case
     texts = short_texts(columns - 2)
