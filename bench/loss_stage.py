@@ -491,8 +491,10 @@ def family(impl: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    """Version string per provider family."""
-    import sentence_transformers
+    """Version string per provider family (sentence-transformers' from its installed metadata: importing it here
+    would cost seconds of this process's start)."""
+    from importlib.metadata import version
+
     import torch
 
     import cgist
@@ -504,7 +506,7 @@ def versions() -> dict[str, str]:
     except OSError:
         rev = ""
     ours = f"cgist {cgist.__version__}" + (f" ({rev})" if rev else "")
-    return {"st": f"sentence-transformers {sentence_transformers.__version__}", "cgist": ours,
+    return {"st": f"sentence-transformers {version('sentence-transformers')}", "cgist": ours,
             "torch": f"torch {torch.__version__}"}
 
 

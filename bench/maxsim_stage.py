@@ -475,8 +475,10 @@ def loss_warnings(rows: Sequence[dict[str, object]]) -> list[str]:
 
 
 def machine(threads: int) -> str:
-    """One line naming the hardware and the versions the numbers come from."""
-    import sentence_transformers
+    """One line naming the hardware and the versions the numbers come from (sentence-transformers' from its installed
+    metadata: importing it here would cost seconds of this process's start)."""
+    from importlib.metadata import version
+
     import torch
 
     import cgist
@@ -493,7 +495,7 @@ def machine(threads: int) -> str:
     except OSError:
         rev = ""
     return (f"{hw}, {os.cpu_count()} cores, {threads} torch threads; torch {torch.__version__}, sentence-transformers "
-            f"{sentence_transformers.__version__}, cgist {cgist.__version__}{f' ({rev})' if rev else ''}, Python "
+            f"{version('sentence-transformers')}, cgist {cgist.__version__}{f' ({rev})' if rev else ''}, Python "
             f"{platform.python_version()}")
 
 
