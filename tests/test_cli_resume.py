@@ -174,6 +174,8 @@ def test_straight_run_trains_and_keeps_checkpoints(setup, straight):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_after_the_step_then_resume_matches(signum, setup, straight, tmp_path):
+    """Either signal finishes the step in progress, saves it and stops; the resume from there reaches the straight
+    run. The two stops leave the same checkpoint and the same command, so the resume runs after SIGINT's alone."""
     run = Run(setup, tmp_path / "run")
     first = run.first_checkpoint()
     run.proc.send_signal(signum)
@@ -189,8 +191,11 @@ def test_signal_stops_after_the_step_then_resume_matches(signum, setup, straight
     assert [p.name for p in list_checkpoints(run.out / CHECKPOINTS_DIR)] == [first.name, f"checkpoint-{step}"]
     assert_no_model_and_no_leftovers(run.out)
 
-    summary = resume_and_compare(line, run.out, straight)
-    assert summary["resumed_after"] == step and summary["timing"]["steps"] == STEPS - step
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command == ["cgist", "train", *setup["argv"], "--output-dir", str(run.out), "--resume"]
+    if signum == signal.SIGINT:
+        summary = resume_and_compare(line, run.out, straight)
+        assert summary["resumed_after"] == step and summary["timing"]["steps"] == STEPS - step
 
 
 def test_second_sigint_stops_at_once(setup, straight, tmp_path):
