@@ -34,8 +34,8 @@ def maxsim_loss(
     guide_masks: Sequence[Tensor | Sequence[Tensor]] | None = None, guide_length_normalize: bool = False,
     margin: float = 0.0, margin_strategy: str = "absolute", text_ids: Sequence[Tensor] | None = None,
     mask_duplicates: bool = False, contrast_anchors: bool = False, contrast_positives: bool = False,
-    mask_self: bool = True, top_k: int | None = None, similarity: str | None = None, block_bytes: int | None = None,
-    backend: str = "auto", return_stats: bool = False,
+    mask_self: bool = True, similarity: str | None = None, block_bytes: int | None = None, backend: str = "auto",
+    return_stats: bool = False, **score_options: object,
 ) -> Tensor | tuple[Tensor, GistStats]:
     """The multi-vector ranking loss of ``queries`` against every document of ``documents`` (module docstring).
 
@@ -68,18 +68,20 @@ def maxsim_loss(
             the documents are: AA, query ``i``'s MaxSim against every query, and PP, its positive's (as the left side,
             row ``offset + i`` of the first column) against every document of the first column.
         mask_self: always leave the self-pairs AA[i, i] and PP[i, offset + i] out.
-        top_k: XTR's scores instead of MaxSim's: each real query token retrieves its ``top_k`` largest similarities
-            among every real token of every document column, and a score is the sum of the retrieved per-token
-            maxima over how many of the query's tokens retrieved one of the document's tokens (at least 1). Not with
-            ``length_normalize`` nor with the contrast blocks.
         similarity: the score, by its ``GistOptions.similarity`` (any registered token score's); None: the one the
-            other arguments ask for, MaxSim (MeanMaxSim with ``length_normalize``), or the registered token score
-            that takes ``top_k`` where it is given (XTR).
+            other arguments ask for, MaxSim (MeanMaxSim with ``length_normalize``), or the first registered token
+            score whose own options (``Score.score_options``) include every one of ``score_options`` (``top_k``:
+            XTR).
         block_bytes: the stage's working memory in bytes: half for one tile's token products, half for the scores
             and argmax a row block of queries keeps between its sweeps (None: a default for the device).
         backend: ``"auto"`` (the Triton kernels on GPUs they serve, once their first-use check passed, the PyTorch
             stage elsewhere), ``"torch"`` or ``"triton"``, with a guide or without (docs/design.md#late-interaction).
         return_stats: also return what the guide masked (``GistStats``).
+        score_options: the score's own options (``GistOptions.score_options``; None: not given). XTR's ``top_k``:
+            each real query token retrieves its ``top_k`` largest similarities among every real token of every
+            document column, and a score is the sum of the retrieved per-token maxima over how many of the query's
+            tokens retrieved one of the document's tokens (at least 1); not with ``length_normalize`` nor with the
+            contrast blocks.
 
     Returns:
         The mean loss, differentiable with respect to ``queries`` and ``documents`` (the guide gets no gradient);
@@ -91,13 +93,14 @@ def maxsim_loss(
     check_bools(length_normalize=length_normalize, guide_length_normalize=guide_length_normalize)
     learned = 1.0 / scale if isinstance(scale, Tensor) and scale.requires_grad else None  # its gradient: autograd's
     tokens_guide = "mean_maxsim" if guide_length_normalize else "maxsim"
+    score_options = {name: value for name, value in score_options.items() if value is not None}
     if similarity is None:
-        taking = token_score_taking(("top_k",) if top_k is not None else ())
+        taking = token_score_taking(tuple(score_options))
         similarity = "mean_maxsim" if length_normalize else "maxsim"
         if taking is not score_of(similarity):
             if length_normalize:
                 raise ValueError(f"length_normalize divides MaxSim's scores by the query's token count; the "
-                                 f"{taking.name} score's (top_k) are its own: pass one of them")
+                                 f"{taking.name} score's ({', '.join(score_options)}) are its own: pass one of them")
             similarity = taking.similarities[0]
     elif length_normalize:
         raise ValueError(f"length_normalize picks MeanMaxSim, but similarity={similarity!r} is given: pass one of them")
@@ -105,7 +108,7 @@ def maxsim_loss(
         names = tuple(name for score in SCORES if score.tokens for name in score.similarities)
         raise ValueError(f"similarity must be a token score's (one of {names}), got {similarity!r}")
     options = GistOptions(
-        similarity=similarity, top_k=top_k, temperature=1.0 / value, margin=margin,
+        similarity=similarity, score_options=score_options, temperature=1.0 / value, margin=margin,
         margin_strategy=margin_strategy, contrast_anchors=contrast_anchors, contrast_positives=contrast_positives,
         mask_self=mask_self, mask_duplicates=mask_duplicates, offset=offset, block_bytes=block_bytes,
         guide_similarity=tokens_guide if guide_masks is not None else "cos",

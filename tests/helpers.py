@@ -287,10 +287,12 @@ def gist_loss_kwargs(options: GistOptions) -> dict:
 
 def token_score_fields() -> set[str]:
     """The fields of ``GistOptions`` that only the token scores take (``cgist.stage.spec.scores``: the registry's
-    options of each score, less the dense score's), which ``cgist.gist_loss`` does not."""
+    options of each score, less the dense score's, and ``score_options``, where the dense score has none), which
+    ``cgist.gist_loss`` does not."""
     from cgist.stage.spec.scores import DENSE, SCORES
 
-    return {name for score in SCORES for name in score.options} - set(DENSE.options)
+    assert not DENSE.score_options
+    return {"score_options", *(name for score in SCORES for name in score.options)} - set(DENSE.options)
 
 
 #: Invalid options, as keyword arguments of ``GistOptions`` and ``gist_loss``: (overrides, error, message regex).

@@ -92,7 +92,7 @@ def test_a_guide_on_another_device_than_the_queries_is_named(monkeypatch):
 def test_the_doors_name_a_call_of_another_score():
     tokens = (_tokens(), _mask(), [_tokens()], [_mask()])
     with pytest.raises(ValueError, match="similarity='xtr' is not a MaxSim score; maxsim_call takes"):
-        maxsim.maxsim_call(*tokens, GistOptions(similarity="xtr", top_k=2, contrast_anchors=False,
+        maxsim.maxsim_call(*tokens, GistOptions(similarity="xtr", score_options={"top_k": 2}, contrast_anchors=False,
                                                 contrast_positives=False))
     with pytest.raises(ValueError, match="similarity='maxsim' is not XTR"):
         xtr.xtr_call(*tokens, GistOptions(similarity="maxsim"))
@@ -131,7 +131,14 @@ OPTION_CASES = {
     "guide-similarity": (dict(guide_similarity="dot"), ValueError, "guide_similarity must be one of"),
     "xtr-without-top-k": (dict(similarity="xtr", contrast_anchors=False, contrast_positives=False), ValueError,
                           "similarity='xtr' needs top_k"),
-    "top-k-of-another-score": (dict(top_k=3), ValueError, "top_k=3 is an option of the xtr score; similarity="),
+    "top-k-of-another-score": (dict(score_options={"top_k": 3}), ValueError,
+                               "top_k=3 is an option of the xtr score; similarity='cos' .* takes no option of its own"),
+    "unknown-score-option": (dict(similarity="xtr", score_options={"top_k": 3, "depth": 2}, contrast_anchors=False,
+                                  contrast_positives=False), ValueError,
+                             r"depth=2 is no registered score's option; similarity='xtr' \(the xtr score\) takes "
+                             r"\['top_k'\]"),
+    "score-options-not-a-mapping": (dict(score_options=[("top_k", 3)]), TypeError,
+                                    "score_options must be a mapping of option names to values, got list"),
 }
 
 

@@ -141,7 +141,8 @@ def _call(case: Case, q_chunks, q_masks, d_chunks, d_masks, top_k: int | None = 
     """The call of these chunks on the test device (their score's door, which every caller goes through): MaxSim's,
     or XTR's with ``top_k``."""
     similarity = "xtr" if top_k else "mean_maxsim" if case.length_normalize else "maxsim"
-    options = GistOptions(similarity=similarity, top_k=top_k, temperature=1 / case.scale, offset=case.offset,
+    options = GistOptions(similarity=similarity, score_options={"top_k": top_k} if top_k else {},
+                          temperature=1 / case.scale, offset=case.offset,
                           block_bytes=2**20, contrast_anchors=False, contrast_positives=False,
                           margin=guide.pop("margin", 0.0))
     return options.score.door()([t.to(DEVICE) for t in q_chunks], [t.to(DEVICE) for t in q_masks],

@@ -25,7 +25,7 @@ def test_defaults_are_those_of_gist_loss():
     embeddings that gives the options' defaults. gist_loss takes every field but those of the token scores alone
     (``cgist.stage.spec.scores``: the dense score's call)."""
     tokens_only = token_score_fields()
-    assert tokens_only == {"guide_similarity", "top_k"}
+    assert tokens_only == {"guide_similarity", "score_options"}
     defaults = {f.name: f.default for f in dataclasses.fields(GistOptions) if f.name not in tokens_only}
     keywords = {name: p.default for name, p in inspect.signature(cgist.gist_loss).parameters.items() if name in defaults}
     assert set(keywords) == set(defaults)

@@ -217,7 +217,7 @@ def test_its_checks_name_what_is_wrong():
     with pytest.raises(ValueError, match=rf"^the {NAME} score has no contrast blocks"):
         GistOptions(similarity=NAME)
     with pytest.raises(ValueError, match=r"^top_k=3 is an option of the xtr score"):
-        GistOptions(similarity=NAME, top_k=3, contrast_anchors=False, contrast_positives=False)
+        GistOptions(similarity=NAME, score_options={"top_k": 3}, contrast_anchors=False, contrast_positives=False)
     with pytest.raises(ValueError, match=rf"^a score named '{NAME}' is registered already$"):
         register_score(dataclasses.replace(SCORE, similarities=("other",)))
     with pytest.raises(ValueError, match=r"^similarity 'maxsim' is the maxsim score's$"):

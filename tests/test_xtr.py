@@ -272,12 +272,25 @@ def test_the_drop_ins_train_a_real_model_as_sentence_transformers_does(cached, g
 
 def test_which_xtr_forms_are_fused_and_their_depth():
     model = multi_vector_model()
-    assert score_fields(xtr_scores, model) == {"similarity": "xtr", "top_k": 256}
-    assert score_fields(XTRScores(7, chunk_elements=10), model) == {"similarity": "xtr", "top_k": 7}
-    assert score_fields(functools.partial(xtr_scores, top_k=3), model) == {"similarity": "xtr", "top_k": 3}
-    assert score_fields(functools.partial(xtr_scores, chunk_elements=9), model) == {"similarity": "xtr", "top_k": 256}
+
+    def xtr(top_k):
+        return {"similarity": "xtr", "score_options": {"top_k": top_k}}
+
+    assert score_fields(xtr_scores, model) == xtr(256)
+    assert score_fields(XTRScores(7, chunk_elements=10), model) == xtr(7)
+    assert score_fields(functools.partial(xtr_scores, top_k=3), model) == xtr(3)
+    assert score_fields(functools.partial(xtr_scores, chunk_elements=9), model) == xtr(256)
     assert score_fields(functools.partial(xtr_scores, 3), model) is None  # a positional argument
     assert score_fields(functools.partial(xtr_scores, queries_mask=None), model) is None
+
+
+def test_a_changed_depth_on_the_scorer_rebuilds_the_options():
+    """The drop-in's options follow the scorer's settings as they are at each step (an ``XTRScores``' ``top_k``)."""
+    scorer = XTRScores(3)
+    loss = cgist.FusedMultiVectorMultipleNegativesRankingLoss(multi_vector_model(), similarity_fct=scorer)
+    assert loss.options.score_options == {"top_k": 3}
+    scorer.top_k = 5
+    assert loss.options.score_options == {"top_k": 5}
 
 
 def test_maxsim_loss_names_its_score_or_takes_the_one_its_options_ask_for():
@@ -345,7 +358,7 @@ def test_a_maximum_within_the_products_rounding_below_the_threshold_is_tied():
     far = torch.tensor(0.5) - 4 * (torch.tensor(0.5) - below)
     documents = torch.stack([torch.tensor(0.5), below, far]).view(3, 1, 1)
     call = xtr_call(torch.ones(1, 1, 1), torch.ones(1, 1, dtype=torch.bool), [documents],
-                    [torch.ones(3, 1, dtype=torch.bool)], GistOptions(similarity="xtr", top_k=1,
+                    [torch.ones(3, 1, dtype=torch.bool)], GistOptions(similarity="xtr", score_options={"top_k": 1},
                                                                       contrast_anchors=False,
                                                                       contrast_positives=False))
     tau = thresholds(call)
@@ -363,7 +376,7 @@ def test_the_first_use_check_covers_xtr(dtype):
     from cgist.stage.dispatch import route
 
     queries, query_mask, documents, document_masks = _inputs(0, 2, 1, 2, 3)
-    options = GistOptions(similarity="xtr", top_k=2, contrast_anchors=False, contrast_positives=False)
+    options = GistOptions(similarity="xtr", score_options={"top_k": 2}, contrast_anchors=False, contrast_positives=False)
     call = xtr_call(queries.to(dtype), query_mask, [documents[0].to(dtype)], document_masks[:1], options)
     route.reset()
     try:

@@ -31,7 +31,7 @@ from ..stage.spec.options import GistOptions, check_scale
 from ..stage.spec.scores import SCORES
 from .base import FusedDropIn
 from .columns import TokenColumns
-from .scorers import check_optional_size
+from .scorers import check_optional_size, scorer_settings
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorMultipleNegativesRankingLoss", "FusedMultiVectorMultipleNegativesRankingLoss",
@@ -49,7 +49,7 @@ def score_match(similarity_fct: object, model: object) -> tuple[dict[str, object
 
 
 def score_fields(similarity_fct: object, model: object) -> dict[str, object] | None:
-    """``score_match``'s ``GistOptions`` fields (``similarity``, XTR's ``top_k``), or None."""
+    """``score_match``'s ``GistOptions`` fields (``similarity``, and its ``score_options``), or None."""
     match = score_match(similarity_fct, model)
     return None if match is None else match[0]
 
@@ -86,8 +86,8 @@ class MultiVectorFamily(FusedDropIn):
     def _family_key(self) -> tuple:
         model = getattr(self, "model", None)
         scorer = getattr(model, "_similarity", None)
-        return (getattr(model, "similarity_fn_name", None), type(scorer), getattr(scorer, "length_normalize", None),
-                getattr(self.similarity_fct, "top_k", None), getattr(self.similarity_fct, "chunk_elements", None))
+        return (getattr(model, "similarity_fn_name", None), type(scorer), scorer_settings(scorer),
+                scorer_settings(self.similarity_fct))
 
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
         scale = check_scale(self.scale)

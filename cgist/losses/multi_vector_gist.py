@@ -26,6 +26,7 @@ from .gist import _GISTEMBED_CITATION, _GRADCACHE_CITATION, check_guide_scalars
 from .guided import GuidedFamily, batch_rows, decoded_texts, guide_source, label_guide
 from .multi_vector import MultiVectorFamily
 from .scorers import maxsim as maxsim_scorer
+from .scorers import scorer_settings
 from .steps import CachedStep, PlainStep
 
 __all__ = ["FusedCachedMultiVectorGISTLoss", "FusedMultiVectorGISTLoss", "MultiVectorGistFamily"]
@@ -82,7 +83,7 @@ class MultiVectorGistFamily(GuidedFamily, MultiVectorFamily):
         guide = getattr(self, "guide", None)
         scorer = getattr(guide, "_similarity", None)
         return (*super()._family_key(), self.guide_source, getattr(guide, "similarity_fn_name", None), type(scorer),
-                getattr(scorer, "length_normalize", None))
+                scorer_settings(scorer))
 
     def _family_options(self) -> tuple[GistOptions | None, str | None]:
         check_guide_scalars(self.margin, self.margin_strategy)

@@ -18,7 +18,7 @@ from sentence_transformers.multi_vector_encoder.scoring import (
 )
 from sentence_transformers.util import similarity as st_similarity
 
-__all__ = ["check_optional_size", "maxsim", "maxsim_normalization", "xtr"]
+__all__ = ["check_optional_size", "maxsim", "maxsim_normalization", "scorer_settings", "xtr"]
 
 #: sentence-transformers' MaxSim scorers, by whether they divide by the query's token count (MeanMaxSim).
 _SCORERS = {colbert_scores: False, mean_colbert_scores: True}
@@ -81,7 +81,16 @@ def xtr(similarity_fct: object, model: object) -> tuple[dict[str, object], dict[
         top_k = keywords.get("top_k", _XTR_TOP_K)
     else:
         return None
-    return {"similarity": "xtr", "top_k": top_k}, {}
+    return {"similarity": "xtr", "score_options": {"top_k": top_k}}, {}
+
+
+def scorer_settings(scorer: object) -> tuple:
+    """What a score's settings on ``scorer`` read (an ``XTRScores``' ``top_k``, a MaxSim scorer's
+    ``length_normalize``, a ``functools.partial``'s keywords): its keywords and its attributes of plain values, by
+    name, each with its type, so that a drop-in rebuilds its options when one changes."""
+    values = scorer.keywords if isinstance(scorer, functools.partial) else getattr(scorer, "__dict__", {})
+    return tuple(sorted((name, type(value), value) for name, value in values.items()
+                        if value is None or isinstance(value, (bool, int, float, str))))
 
 
 def check_optional_size(name: str, value: object) -> None:

@@ -3,9 +3,9 @@ as one object.
 
 Every drop-in, ``gist_loss`` and ``maxsim_loss`` build it; the autograd node and every backend read it. The score is
 its ``similarity`` (``cgist.stage.spec.scores``: ``"cos"``, ``"dot"``, ``"maxsim"``, ``"mean_maxsim"``, ``"xtr"``, or
-a registered score's); a field that
-only some scores take (``Score.options``) stays at its default under the others. It imports only the standard library
-and the registry of scores.
+a registered score's); a field that only some scores take (``Score.options``) stays at its default under the others,
+and a score's own options (``Score.score_options``, such as XTR's ``top_k``) are ``score_options``, by name. It imports
+only the standard library and the registry of scores.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +21,7 @@ from .scores import SCORES, Score, guide_similarities, score_of
 
 __all__ = [
     "ANCHOR_DIRECTIONS", "DIRECTIONS", "HARDNESS_MODES", "MARGIN_STRATEGIES", "PARTITION_MODES",
-    "ColumnGroup", "GistOptions", "check_bools", "check_margin", "check_scale", "real_number",
+    "ColumnGroup", "GistOptions", "ScoreOptions", "check_bools", "check_margin", "check_scale", "real_number",
 ]
 
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -85,6 +85,11 @@ def _is_scalar_tensor(value: object) -> bool:
             and value.is_floating_point() and value.numel() == 1)
 
 
+def _owners(name: str, kind: str) -> str:
+    """The registered scores whose ``kind`` (``"options"`` or ``"score_options"``) name ``name``, by name."""
+    return " and the ".join(s.name for s in SCORES if name in getattr(s, kind))
+
+
 def check_bools(**flags: object) -> None:
     """Each flag a bool, else a TypeError naming it."""
     for name, value in flags.items():
@@ -100,6 +105,30 @@ def check_margin(margin: object, margin_strategy: object) -> None:
         raise ValueError(f"margin must be a finite number, got {margin!r}")
     if not isinstance(margin_strategy, str) or margin_strategy not in MARGIN_STRATEGIES:
         raise ValueError(f"margin_strategy must be one of {MARGIN_STRATEGIES}, got {margin_strategy!r}")
+
+
+class ScoreOptions(Mapping[str, object]):
+    """A score's own options by name (``GistOptions.score_options``): read-only, and hashable as the options are."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, object] | None = None) -> None:
+        self._values = dict(values or {})
+
+    def __getitem__(self, name: str) -> object:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return repr(self._values)
 
 
 @dataclass(frozen=True)
@@ -141,8 +170,10 @@ class GistOptions:
             normalised) over embeddings; ``"maxsim"`` or ``"mean_maxsim"`` (MaxSim, MeanMaxSim) or ``"xtr"`` (XTR)
             over token embeddings; or a similarity of a score added with ``cgist.register_score``. The options of
             another score (``Score.options``) must stay at their defaults.
-        top_k: XTR's retrieval depth (``similarity="xtr"``, which needs it): each query token keeps its ``top_k``
-            largest similarities among every real document token of the call (``cgist.stage.spec.xtr``).
+        score_options: the score's own options, by name (its ``Score.score_options``; those not given take the
+            defaults there, and its spec module's ``check_options`` checks them): XTR's ``top_k``, its retrieval
+            depth, which it needs (each query token keeps its ``top_k`` largest similarities among every real
+            document token of the call, ``cgist.stage.spec.xtr``). A mapping; read back as a ``ScoreOptions``.
         guide_similarity: the guide's score: ``"cos"`` (the cosine of its embeddings, for every score), or under a
             token score a multi-vector guide's ``"maxsim"`` or ``"mean_maxsim"``.
         all_anchors: the call's last column holds the anchors of every rank (N rows, this rank's at ``offset``),
@@ -174,7 +205,7 @@ class GistOptions:
     hardness_mode: str | None = None
     hardness_strength: float = 0.0
     similarity: str = "cos"
-    top_k: int | None = None
+    score_options: Mapping[str, object] = ScoreOptions()
     guide_similarity: str = "cos"
     all_anchors: bool = False
     offset: int = 0
@@ -268,8 +299,8 @@ class GistOptions:
         object.__setattr__(self, "hardness_strength", float(self.hardness_strength))
 
     def _check_score(self) -> None:
-        """The score's options: those of another score at their defaults, its own by its checks
-        (``Score.check_options``)."""
+        """The score's options: the fields of another score at their defaults, its own ``score_options`` by its
+        checks (``Score.check_options``), the defaults filled in."""
         score = score_of(self.similarity)
         if self.guide_similarity not in guide_similarities():
             raise ValueError(f"guide_similarity must be one of {guide_similarities()}, got {self.guide_similarity!r}")
@@ -277,11 +308,20 @@ class GistOptions:
         for name in sorted({name for s in SCORES for name in s.options}):
             value = getattr(self, name)
             if name not in score.options and value != defaults[name]:
-                owners = " and the ".join(s.name for s in SCORES if name in s.options)
-                raise ValueError(f"{name}={value!r} is an option of the {owners} score; similarity="
-                                 f"{self.similarity!r} (the {score.name} score) takes it only at its default")
-        for name, value in score.check_options(self).items():  # its own checks, and the values they normalise
-            object.__setattr__(self, name, value)
+                raise ValueError(f"{name}={value!r} is an option of the {_owners(name, 'options')} score; "
+                                 f"similarity={self.similarity!r} (the {score.name} score) takes it only at its default")
+        given = self.score_options
+        if not isinstance(given, Mapping):
+            raise TypeError(f"score_options must be a mapping of option names to values, got {type(given).__name__}")
+        for name, value in given.items():
+            if name not in score.score_options:
+                owner = (f"an option of the {_owners(name, 'score_options')} score" if _owners(name, 'score_options')
+                         else "no registered score's option")
+                raise ValueError(f"{name}={value!r} is {owner}; similarity={self.similarity!r} (the {score.name} "
+                                 f"score) takes {sorted(score.score_options) or 'no option of its own'}")
+        object.__setattr__(self, "score_options", ScoreOptions({**score.score_options, **given}))
+        checked = score.check_options(self)  # its own checks, and the values they normalise
+        object.__setattr__(self, "score_options", ScoreOptions({**self.score_options, **checked}))
 
     def column_groups(self, n_columns: int) -> tuple[tuple[ColumnGroup, ...], int, dict[str, int]]:
         """The column groups of a call of ``n_columns`` columns, in their order (GIST's AP, AA, PP, AN_1..AN_k,

@@ -35,7 +35,8 @@ class Score:
     ``similarities`` are the values of ``GistOptions.similarity`` it computes; ``tokens``: its columns are token
     embeddings ``(rows, tokens, dim)`` with masks (else embeddings ``(rows, dim)``); ``options``: the
     ``GistOptions`` fields beyond the common ones that it takes (a call of another score leaves them at their
-    defaults); ``spec``, ``backends`` and ``kernels``: the modules of each layer; ``guide_similarities``: the values
+    defaults); ``score_options``: its own options, by name, with their defaults (``GistOptions.score_options``,
+    checked by its spec module's ``check_options``; no other score takes them); ``spec``, ``backends`` and ``kernels``: the modules of each layer; ``guide_similarities``: the values
     of ``GistOptions.guide_similarity`` it scores a guide's columns with (none: it is no guide's score); ``scorer``:
     ``"module:function"``, the function that recognises the score in a multi-vector drop-in's ``similarity_fct``
     (``function(similarity_fct, model)``: None, or the ``GistOptions`` fields of the score and the door's keyword
@@ -47,6 +48,7 @@ class Score:
     tokens: bool
     options: tuple[str, ...]
     spec: str
+    score_options: Mapping[str, object] = field(default_factory=dict)
     backends: Mapping[str, str] = field(default_factory=dict)
     kernels: str | None = None
     guide_similarities: tuple[str, ...] = ()
@@ -62,8 +64,8 @@ class Score:
         return importlib.import_module(self.spec).door
 
     def check_options(self, options: object) -> dict[str, object]:
-        """Check ``options``' fields of this score (its spec module's ``check_options``, if it has one: an error that
-        names the field, or the fields' normalised values by name)."""
+        """Check ``options``' ``score_options`` (its spec module's ``check_options``, if it has one: an error that
+        names the option, or the options' normalised values by name)."""
         check = getattr(importlib.import_module(self.spec), "check_options", None)
         return {} if check is None else check(options)
 
@@ -93,8 +95,8 @@ MAXSIM = Score(
     scorer="cgist.losses.scorers:maxsim",
 )
 XTR = Score(
-    "xtr", ("xtr",), tokens=True, options=("guide_similarity", "top_k"),
-    spec="cgist.stage.spec.xtr",
+    "xtr", ("xtr",), tokens=True, options=("guide_similarity",),
+    spec="cgist.stage.spec.xtr", score_options={"top_k": None},
     backends={"torch": "cgist.stage.pytorch.xtr", "triton": "cgist.stage.triton.xtr"},
     kernels="cgist.kernels.maxsim",
     scorer="cgist.losses.scorers:xtr",
@@ -148,9 +150,11 @@ def score_of(similarity: str) -> Score:
 
 
 def token_score_taking(options: tuple[str, ...]) -> Score:
-    """The first registered token score whose own ``options`` include every one of ``options`` (``cgist.maxsim_loss``
+    """The first registered token score whose ``score_options`` include every one of ``options`` (``cgist.maxsim_loss``
     picks its score by the score options it is given: none, MaxSim)."""
     for score in SCORES:
-        if score.tokens and set(options) <= set(score.options):
+        if score.tokens and set(options) <= set(score.score_options):
             return score
-    raise ValueError(f"no registered token score takes {sorted(options)} together")
+    own = "; ".join(f"{score.name}: {sorted(score.score_options)}" for score in SCORES if score.tokens)
+    raise ValueError(f"no registered token score takes {sorted(options)} together (the token scores' own options: "
+                     f"{own})")

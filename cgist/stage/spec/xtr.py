@@ -40,11 +40,12 @@ __all__ = ["CHECK_TOP_K", "XTRVariant", "XTRCall", "check_options", "check_probl
 @dataclass(frozen=True)
 class XTRCall(MaxSimCall):
     """A call of the XTR score: a MaxSim call (one part: the queries against the document columns; GIST's contrast
-    blocks are not defined for XTR) whose tiles reduce the maxima by XTR's rule, with ``options.top_k``."""
+    blocks are not defined for XTR) whose tiles reduce the maxima by XTR's rule, with its ``top_k``
+    (``options.score_options``)."""
 
     @property
     def top_k(self) -> int:
-        return self.options.top_k
+        return self.options.score_options["top_k"]
 
     @staticmethod
     def default_budget(options: GistOptions, first: Tensor, query_tokens: int, document_tokens: int,
@@ -52,12 +53,12 @@ class XTRCall(MaxSimCall):
         """The budget of a call without ``block_bytes``: ``cgist.stage.budget.xtr_block_bytes``."""
         acc = torch.empty(0, dtype=compute_dtype(first.dtype)).element_size()
         return xtr_block_bytes(first.device, query_tokens, document_tokens, first.shape[2], n_documents,
-                               options.top_k, first.element_size(), acc)
+                               options.score_options["top_k"], first.element_size(), acc)
 
 
 def check_options(options: GistOptions) -> dict[str, object]:
     """XTR's own option (``Score.check_options``): ``top_k``, a positive int, which XTR needs."""
-    top_k = options.top_k
+    top_k = options.score_options["top_k"]
     if top_k is None:
         raise ValueError(f"similarity={options.similarity!r} needs top_k, the number of document tokens each query "
                          "token retrieves")
@@ -142,8 +143,8 @@ def check_problem(call: XTRCall, variant: XTRVariant, rows: int) -> XTRCall:
         column[torch.arange(rows), length - 1] = 2 * longest
     masks = [(torch.arange(ld) < lengths[n, :, None]).to(device) for n in range(2)]
     vectors = F.normalize(torch.randn(3 * rows, 16, generator=gen), dim=-1).to(device)
-    options = GistOptions(similarity="xtr", top_k=CHECK_TOP_K, temperature=0.25, margin=0.1, contrast_anchors=False,
-                          contrast_positives=False, block_bytes=2**20)
+    options = GistOptions(similarity="xtr", score_options={"top_k": CHECK_TOP_K}, temperature=0.25, margin=0.1,
+                          contrast_anchors=False, contrast_positives=False, block_bytes=2**20)
     return xtr_call(queries.to(device, dtype), torch.ones(rows, lq, dtype=torch.bool, device=device),
                     [d.to(device, dtype) for d in documents], masks, options,
                     guide=[vectors[:rows], vectors[rows:2 * rows], vectors[2 * rows:]])
@@ -154,5 +155,5 @@ def sample_calls(device: torch.device, dtype: torch.dtype, guide_dtype: torch.dt
     """A small call of the score's one kernel variant for ``dtype`` and ``dim`` (MaxSim's held slabs; the guide's are
     the check problem's own), on ``device``: ``cgist doctor`` runs its first-use check."""
     queries, query_mask, documents, document_mask, guide = sample_tokens(device, dtype, dim)
-    options = GistOptions(similarity="xtr", top_k=2, contrast_anchors=False, contrast_positives=False)
+    options = GistOptions(similarity="xtr", score_options={"top_k": 2}, contrast_anchors=False, contrast_positives=False)
     return {"xtr": xtr_call(queries, query_mask, [documents], [document_mask], options, guide=guide)}
