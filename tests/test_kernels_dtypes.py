@@ -240,14 +240,28 @@ def _errors(case: Case, pair: str) -> tuple[float, float, dict, dict, tuple, tup
     return loss_error, grad_error, got_counts, want_counts, tuple(sums.tolist()), want_sums
 
 
+#: The pairs by student dtype: the guide's own dtype first, then the mixed pair (a guide in another dtype).
+STUDENT_PAIRS = (("bf16", "bf16-fp32guide"), ("fp16", "fp16-fp32guide"), ("tf32x3", "tf32x3-bf16guide"))
+
+
 def _params():
+    """Each case in each student dtype once, its guide by turns its own dtype or the mixed pair's (every mixed pair
+    meets about half the cases; without a guide, the mixed pair is its student's pair)."""
     out = []
-    for case in CASES:
-        for pair, (_, guide_dtype) in PAIRS.items():
-            if case.source == "none" and guide_dtype != PAIRS[pair][0]:
-                continue  # without a guide, the mixed pair is its student's pair
+    for n, case in enumerate(CASES):
+        for m, (same, mixed) in enumerate(STUDENT_PAIRS):
+            pair = mixed if (n + m) % 2 and case.source != "none" else same
             out.append(pytest.param(case, pair, id=f"{shape_id(*case.shape)}-{pair}-{case.name}"))
     return out
+
+
+def test_the_design_runs_every_case_in_every_student_dtype_and_every_pair():
+    """``_params``: every case in each student dtype, and every pair (the mixed ones included) in several cases."""
+    runs = [param.values for param in _params()]
+    assert {(case.name, PAIRS[pair][0]) for case, pair in runs} == \
+        {(case.name, PAIRS[same][0]) for case in CASES for same, _ in STUDENT_PAIRS}
+    assert {pair for _, pair in runs} == set(PAIRS) and set(PAIRS) == {p for pairs in STUDENT_PAIRS for p in pairs}
+    assert min(sum(pair == p for _, pair in runs) for p in PAIRS) >= 3
 
 
 @pytest.mark.parametrize(("case", "pair"), _params())
