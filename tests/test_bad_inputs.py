@@ -137,6 +137,9 @@ OPTION_CASES = {
                                   contrast_positives=False), ValueError,
                              r"depth=2 is no registered score's option; similarity='xtr' \(the xtr score\) takes "
                              r"\['top_k'\]"),
+    "dense-option-under-maxsim": (dict(similarity="maxsim", hardness_mode="hard_negatives"), ValueError,
+                                  r"^hardness_mode='hard_negatives' is an option of the dense score; "
+                                  r"similarity='maxsim' \(the maxsim score\) takes it only at its default$"),
     "score-options-not-a-mapping": (dict(score_options=[("top_k", 3)]), TypeError,
                                     "score_options must be a mapping of option names to values, got list"),
 }

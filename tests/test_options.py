@@ -12,6 +12,7 @@ from helpers import BAD_OPTIONS, token_score_fields
 import cgist
 import cgist.compat
 from cgist import GistOptions
+from cgist.stage.spec.options import ScoreOptions
 
 
 @pytest.mark.parametrize("overrides, error, match", BAD_OPTIONS)
@@ -77,3 +78,17 @@ def test_numbers_become_plain_python_numbers():
 @pytest.mark.parametrize("strategy, relative", [("absolute", False), ("relative", True)])
 def test_relative(strategy, relative):
     assert GistOptions(margin_strategy=strategy).relative is relative
+
+
+def test_a_scores_own_options_are_a_read_only_hashable_mapping():
+    """``GistOptions.score_options``: the score's defaults filled in and its checks' values, read-only, hashable as
+    the options are, equal to a dict of the same items."""
+    options = GistOptions(similarity="xtr", score_options={"top_k": np.int64(4)}, contrast_anchors=False,
+                          contrast_positives=False)
+    own = options.score_options
+    assert isinstance(own, ScoreOptions) and own == {"top_k": 4} and type(own["top_k"]) is int
+    assert len(own) == 1 and list(own) == ["top_k"] and repr(own) == "{'top_k': 4}"
+    assert hash(options) == hash(options.replace()) and options == options.replace()
+    with pytest.raises(TypeError):
+        own["top_k"] = 5
+    assert GistOptions().score_options == {}
