@@ -315,8 +315,8 @@ class GistOptions:
             raise TypeError(f"score_options must be a mapping of option names to values, got {type(given).__name__}")
         for name, value in given.items():
             if name not in score.score_options:
-                owner = (f"an option of the {_owners(name, 'score_options')} score" if _owners(name, 'score_options')
-                         else "no registered score's option")
+                owners = _owners(name, "score_options")
+                owner = f"an option of the {owners} score" if owners else "no registered score's option"
                 raise ValueError(f"{name}={value!r} is {owner}; similarity={self.similarity!r} (the {score.name} "
                                  f"score) takes {sorted(score.score_options) or 'no option of its own'}")
         object.__setattr__(self, "score_options", ScoreOptions({**score.score_options, **given}))
