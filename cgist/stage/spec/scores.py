@@ -36,9 +36,10 @@ class Score:
     embeddings ``(rows, tokens, dim)`` with masks (else embeddings ``(rows, dim)``); ``options``: the
     ``GistOptions`` fields beyond the common ones that it takes (a call of another score leaves them at their
     defaults); ``score_options``: its own options, by name, with their defaults (``GistOptions.score_options``,
-    checked by its spec module's ``check_options``; no other score takes them); ``spec``, ``backends`` and ``kernels``: the modules of each layer; ``guide_similarities``: the values
-    of ``GistOptions.guide_similarity`` it scores a guide's columns with (none: it is no guide's score); ``scorer``:
-    ``"module:function"``, the function that recognises the score in a multi-vector drop-in's ``similarity_fct``
+    checked by its spec module's ``check_options``; no other score takes them); ``spec``, ``backends`` and
+    ``kernels``: the modules of each layer; ``guide_similarities``: the values of ``GistOptions.guide_similarity``
+    it scores a guide's columns with (none: it is no guide's score); ``scorer``: ``"module:function"``, the
+    function that recognises the score in a multi-vector drop-in's ``similarity_fct``
     (``function(similarity_fct, model)``: None, or the ``GistOptions`` fields of the score and the door's keyword
     arguments, ``(fields, arguments)``: a learned parameter of the ``similarity_fct``, for one), or None (no drop-in
     fuses it)."""
@@ -150,8 +151,8 @@ def score_of(similarity: str) -> Score:
 
 
 def token_score_taking(options: tuple[str, ...]) -> Score:
-    """The first registered token score whose ``score_options`` include every one of ``options`` (``cgist.maxsim_loss``
-    picks its score by the score options it is given: none, MaxSim)."""
+    """The first registered token score whose ``score_options`` include every one of ``options``
+    (``cgist.maxsim_loss`` picks its score by the score options it is given: none, MaxSim)."""
     for score in SCORES:
         if score.tokens and set(options) <= set(score.score_options):
             return score
